@@ -1,0 +1,85 @@
+"""What a client gets back: stream events and the result of a whole request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ClientError(Exception):
+    """Base of everything the client library raises on purpose."""
+
+
+class RequestError(ClientError):
+    """The daemon ended a request with an error. ``code`` is a stable ``ErrorCode`` value."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one request. ``text`` is the decoded text they add (may be empty while a
+    multi-byte character or a possible stop string is incomplete; a last event with no tokens
+    may carry text held back until the end)."""
+
+    request_id: str
+    tokens: list[int]
+    text: str
+    logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class EndEvent:
+    """The one terminal event of a request."""
+
+    request_id: str
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, float | None]
+    error: RequestError | None = None
+
+
+Event = TokenEvent | EndEvent
+
+
+@dataclass
+class Result:
+    """A finished request: everything its events carried, joined."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float | None] = field(default_factory=dict)
+    logprobs: list[float] | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.extend(event.tokens)
+            self.text += event.text
+            if event.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + list(event.logprobs)
+        else:
+            self.finish_reason = event.finish_reason
+            self.usage = event.usage
+            self.timings = event.timings
+
+
+def event_from_message(msg: dict[str, Any]) -> Event | None:
+    """A token, end or error message as an event (an ``error`` for a request ends it)."""
+    kind, rid = msg.get("type"), str(msg.get("id"))
+    if kind == "token":
+        return TokenEvent(rid, list(msg.get("tokens", [])), str(msg.get("text", "")), msg.get("logprobs"))
+    if kind == "end":
+        err = msg.get("error")
+        error = RequestError(err["code"], err["message"], rid) if isinstance(err, dict) else None
+        return EndEvent(rid, str(msg.get("finish_reason")), dict(msg.get("usage") or {}), dict(msg.get("timings") or {}), error)
+    if kind == "error":
+        error = RequestError(str(msg.get("code")), str(msg.get("message")), rid)
+        return EndEvent(rid, "error", {}, {}, error)
+    return None

@@ -1,0 +1,400 @@
+"""The wire format between clients and the daemon: the one place both sides import.
+
+Every message is one ZeroMQ frame holding a msgpack map. Clients talk through a DEALER
+socket, the daemon through a ROUTER socket, so the daemon sees ``[identity, payload]``.
+This module imports no MLX and no ZeroMQ: it is pure data, so that a client app stays light
+and the daemon's front end can validate without touching the engine.
+
+See ``docs/protocol.md`` for the prose version of what is defined here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: Frames above this many bytes are refused with ``frame_too_large`` (configurable on the daemon).
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+#: Ids are client-chosen strings; this bound keeps them cheap to store and log.
+MAX_ID_LENGTH = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 1024
+
+
+class MsgType(StrEnum):
+    """The ``type`` field. Requests flow client -> daemon, the rest daemon -> client."""
+
+    SUBMIT = "submit"
+    CANCEL = "cancel"
+    HEALTH = "health"
+    STATS = "stats"
+    TOKEN = "token"
+    END = "end"
+    ERROR = "error"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes. Clients may switch on these; the messages are for people."""
+
+    MALFORMED = "malformed"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_TYPE = "unknown_type"
+    MISSING_FIELD = "missing_field"
+    BAD_FIELD = "bad_field"
+    EMPTY_PROMPT = "empty_prompt"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MAX_TOKENS_OUT_OF_RANGE = "max_tokens_out_of_range"
+    NO_CHAT_TEMPLATE = "no_chat_template"
+    FRAME_TOO_LARGE = "frame_too_large"
+    BAD_FRAMES = "bad_frames"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    UNKNOWN_REQUEST_ID = "unknown_request_id"
+    SHUTDOWN = "shutdown"
+    ENGINE_ERROR = "engine_error"
+    ENGINE_DEAD = "engine_dead"
+
+
+class ProtocolError(Exception):
+    """A message the daemon refuses. ``request_id`` is set when the offending message had a
+    readable id, so the refusal can be addressed to that request."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """Encode one message. ``use_bin_type`` keeps str and bytes distinct on the wire."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict[str, Any]:
+    """Decode one frame into a map, or raise ``ProtocolError``.
+
+    The msgpack limits bound what a hostile frame can make us allocate: no container or
+    string can be longer than the frame itself.
+    """
+    if len(frame) > max_bytes:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE,
+            f"frame is {len(frame)} bytes; the daemon accepts at most {max_bytes}",
+        )
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=len(frame),
+            max_bin_len=len(frame),
+            max_array_len=len(frame),
+            max_map_len=len(frame),
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ExtraData, ValueError, ...)
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"a message must be a msgpack map, got {type(obj).__name__}"
+        )
+    return obj
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to pick each token. ``temperature == 0`` is greedy (argmax) and ignores the rest."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A decode job: exactly one of ``prompt`` (text), ``tokens`` (ids) or ``messages`` (chat)."""
+
+    id: str
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    max_tokens: int | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str
+
+
+@dataclass(frozen=True)
+class Health:
+    id: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    id: str
+
+
+Request = Submit | Cancel | Health | Stats
+
+
+def _id_of(msg: dict[str, Any]) -> str | None:
+    """The message's id if it is a usable one, so even a refused message can be answered by id."""
+    rid = msg.get("id")
+    if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LENGTH:
+        return rid
+    return None
+
+
+def _get(
+    msg: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: str | None, default: Any
+) -> Any:
+    """One optional field, type-checked. ``bool`` is not accepted where a number is wanted."""
+    if name not in msg or msg[name] is None:
+        return default
+    value = msg[name]
+    bad_bool = isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
+    if not isinstance(value, kinds) or bad_bool:
+        want = kinds.__name__ if isinstance(kinds, type) else " or ".join(k.__name__ for k in kinds)
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(value).__name__}", rid
+        )
+    return value
+
+
+def _number(msg: dict[str, Any], name: str, rid: str | None, default: float, lo: float, hi: float) -> float:
+    value = float(_get(msg, name, (int, float), rid, default))
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be in [{lo}, {hi}], got {value}", rid)
+    return value
+
+
+def _int_list(msg: dict[str, Any], name: str, rid: str | None, max_len: int | None) -> list[int] | None:
+    value = _get(msg, name, list, rid, None)
+    if value is None:
+        return None
+    if max_len is not None and len(value) > max_len:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} holds at most {max_len} items", rid)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of integers", rid)
+    return value
+
+
+def _messages(msg: dict[str, Any], rid: str | None) -> list[dict[str, str]] | None:
+    value = _get(msg, "messages", list, rid, None)
+    if value is None:
+        return None
+    if len(value) > MAX_MESSAGES:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'messages' holds at most {MAX_MESSAGES} items", rid)
+    for i, m in enumerate(value):
+        ok = (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in m.items())
+        )
+        if not ok:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"messages[{i}] must be a map of strings with 'role' and 'content'",
+                rid,
+            )
+    return value
+
+
+def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
+    prompt = _get(msg, "prompt", str, rid, None)
+    tokens = _int_list(msg, "tokens", rid, None)
+    messages = _messages(msg, rid)
+    given = [n for n, v in (("prompt", prompt), ("tokens", tokens), ("messages", messages)) if v is not None]
+    if not given:
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "submit needs one of 'prompt', 'tokens' or 'messages'", rid)
+    if len(given) > 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"give exactly one of 'prompt', 'tokens', 'messages', not {given}", rid)
+    if prompt == "" or tokens == [] or messages == []:
+        raise ProtocolError(ErrorCode.EMPTY_PROMPT, f"the {given[0]!r} field is empty; send at least one token", rid)
+
+    max_tokens = _get(msg, "max_tokens", int, rid, None)
+    top_k = _get(msg, "top_k", int, rid, 0)
+    if top_k < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'top_k' must be >= 0, got {top_k}", rid)
+    seed = _get(msg, "seed", int, rid, None)
+    if seed is not None and not (0 <= seed < 2**63):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'seed' must be in [0, 2**63)", rid)
+    top_p = _number(msg, "top_p", rid, 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'top_p' must be in (0, 1]", rid)
+    sampling = SamplingOptions(
+        temperature=_number(msg, "temperature", rid, 0.0, 0.0, 100.0),
+        top_p=top_p,
+        top_k=top_k,
+        min_p=_number(msg, "min_p", rid, 0.0, 0.0, 1.0),
+        seed=seed,
+    )
+
+    stop = _get(msg, "stop", (list, str), rid, [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if len(stop) > MAX_STOP_STRINGS or not all(
+        isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LENGTH for s in stop
+    ):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'stop' must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_STRING_LENGTH} characters",
+            rid,
+        )
+    stop_token_ids = _int_list(msg, "stop_token_ids", rid, MAX_STOP_TOKEN_IDS) or []
+    return Submit(
+        id=rid,
+        prompt=prompt,
+        tokens=tokens,
+        messages=messages,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=list(stop),
+        stop_token_ids=stop_token_ids,
+        logprobs=bool(_get(msg, "logprobs", bool, rid, False)),
+    )
+
+
+def parse_request(msg: dict[str, Any]) -> Request:
+    """Turn a decoded map into a typed request, or raise ``ProtocolError`` saying what to fix.
+
+    Field checks here are the ones that need no model; the daemon checks the rest (vocabulary,
+    context length, max_tokens cap) once it knows the model.
+    """
+    rid = _id_of(msg)
+    version = msg.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"field 'v' must be {PROTOCOL_VERSION} (this daemon speaks protocol {PROTOCOL_VERSION}), got {version!r}",
+            rid,
+        )
+    kind = msg.get("type")
+    if kind is None:
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "field 'type' is required", rid)
+    if kind not in (MsgType.SUBMIT, MsgType.CANCEL, MsgType.HEALTH, MsgType.STATS):
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_TYPE,
+            f"unknown message type {kind!r}; expected one of submit, cancel, health, stats",
+            rid,
+        )
+    if "id" not in msg:
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "field 'id' is required", None)
+    if rid is None:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field 'id' must be a string of 1 to {MAX_ID_LENGTH} characters", None
+        )
+    if kind == MsgType.SUBMIT:
+        return _parse_submit(msg, rid)
+    if kind == MsgType.CANCEL:
+        return Cancel(rid)
+    if kind == MsgType.HEALTH:
+        return Health(rid)
+    return Stats(rid)
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def submit_message(req: Submit) -> dict[str, Any]:
+    """The wire map for a submit (the client side of ``_parse_submit``)."""
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": MsgType.SUBMIT.value, "id": req.id}
+    if req.prompt is not None:
+        msg["prompt"] = req.prompt
+    if req.tokens is not None:
+        msg["tokens"] = list(req.tokens)
+    if req.messages is not None:
+        msg["messages"] = list(req.messages)
+    if req.max_tokens is not None:
+        msg["max_tokens"] = req.max_tokens
+    s = req.sampling
+    msg.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+    if s.seed is not None:
+        msg["seed"] = s.seed
+    if req.stop:
+        msg["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        msg["stop_token_ids"] = list(req.stop_token_ids)
+    if req.logprobs:
+        msg["logprobs"] = True
+    return msg
+
+
+def simple_message(kind: MsgType, rid: str) -> dict[str, Any]:
+    """A cancel, health or stats request."""
+    return {"v": PROTOCOL_VERSION, "type": kind.value, "id": rid}
+
+
+def error_message(code: ErrorCode, message: str, rid: str | None) -> dict[str, Any]:
+    """A refusal that ends no request: unreadable messages, duplicate ids, unknown cancels."""
+    return {"v": PROTOCOL_VERSION, "type": MsgType.ERROR.value, "id": rid, "code": code.value, "message": message}
+
+
+def token_message(rid: str, tokens: list[int], text: str | None, logprobs: list[float] | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": MsgType.TOKEN.value, "id": rid, "tokens": tokens}
+    if text is not None:
+        msg["text"] = text
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    return msg
+
+
+def end_message(
+    rid: str,
+    finish_reason: FinishReason,
+    usage: dict[str, int],
+    timings: dict[str, float | None],
+    error: tuple[ErrorCode, str] | None = None,
+) -> dict[str, Any]:
+    """The one terminal event of a request."""
+    msg: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "type": MsgType.END.value,
+        "id": rid,
+        "finish_reason": finish_reason.value,
+        "usage": usage,
+        "timings": timings,
+    }
+    if error is not None:
+        msg["error"] = {"code": error[0].value, "message": error[1]}
+    return msg
+
+
+def empty_usage(prompt_tokens: int = 0) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+
+
+def empty_timings() -> dict[str, float | None]:
+    return {"queue_s": None, "ttft_s": None, "decode_s": None, "total_s": None}

@@ -1,0 +1,1 @@
+"""The daemon: a ZeroMQ front end joined to one engine thread."""

@@ -1,0 +1,46 @@
+"""Joining the pieces: a front end on anyio's asyncio backend and one engine thread."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from clients.address import default_address
+from clients.protocol import DEFAULT_MAX_FRAME_BYTES
+from scheduler.admission import Limits
+from scheduler.frontend import FrontEnd, FrontEndSettings
+from workers.loop import EngineSettings, EngineThread, Signal
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    model: str = "demo"
+    listen: str = field(default_factory=default_address)
+    context_length: int | None = None
+    limits: Limits = field(default_factory=Limits)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    drain_timeout: float = 0.0
+
+
+def serve(settings: DaemonSettings) -> int:
+    """Run the daemon in this (main) thread until SIGINT/SIGTERM; return the exit code."""
+    from workers.models import load
+
+    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread:
+        return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
+
+    front = FrontEnd(
+        FrontEndSettings(
+            listen=settings.listen,
+            limits=settings.limits,
+            max_frame_bytes=settings.max_frame_bytes,
+            drain_timeout=settings.drain_timeout,
+        ),
+        make_engine,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return anyio.run(front.run, backend="asyncio")

@@ -1,0 +1,436 @@
+"""The daemon's front end: a ZeroMQ ROUTER served from an anyio event loop.
+
+It decodes and validates every message, tokenizes prompts off the loop, hands jobs to the
+engine thread, and turns the engine's events into wire messages (detokenized text, stop strings,
+usage, timings). It never waits on the engine: commands go into the engine's inbox, events come
+back through ``loop.call_soon_threadsafe``.
+
+ZeroMQ's asyncio integration needs anyio's asyncio backend; the daemon always runs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from clients.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    ErrorCode,
+    FinishReason,
+    Health,
+    MsgType,
+    ProtocolError,
+    Stats,
+    Submit,
+    empty_timings,
+    empty_usage,
+    end_message,
+    error_message,
+    pack,
+    parse_request,
+    token_message,
+    unpack,
+)
+from scheduler.admission import Limits, admit, prompt_ids
+from scheduler.stopping import StopStrings
+from workers.engine import Finished, Job, Tokens
+from workers.loop import Dead, EngineThread, Ready, Signal, Stopped
+from workers.models import ModelInfo
+
+log = logging.getLogger("mlx_batchd")
+
+#: Frames up to this multiple of the limit are read and refused with an error; larger ones
+#: are cut off by ZeroMQ itself (ZMQ_MAXMSGSIZE), which drops that client's connection.
+HARD_FRAME_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class FrontEndSettings:
+    listen: str
+    limits: Limits = field(default_factory=Limits)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    drain_timeout: float = 0.0
+    send_hwm: int = 100_000
+    handle_signals: bool = True
+
+
+@dataclass
+class _Tracked:
+    """One request the daemon owes a terminal event to."""
+
+    client: bytes
+    rid: str
+    seq: int
+    received_at: float
+    req: Submit
+    detok: Any = None
+    stops: StopStrings | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    in_engine: bool = False
+    cancel_requested: bool = False
+    stopped: bool = False
+
+
+class FrontEnd:
+    """Owns the socket and the request table; the engine thread owns everything MLX."""
+
+    def __init__(self, settings: FrontEndSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineThread]) -> None:
+        self.settings = settings
+        self._make_engine = make_engine
+        self._by_key: dict[tuple[bytes, str], _Tracked] = {}
+        self._by_seq: dict[int, _Tracked] = {}
+        self._seqs = count()
+        self._info: ModelInfo | None = None
+        self._tokenizer: Any = None
+        self._status = "loading"
+        self._closing = False
+        self._exit_code = 0
+        self._tokenize_limiter = anyio.CapacityLimiter(1)
+        self._counts = {"received": 0, "refused": 0, "completed": 0}
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        """Serve until a signal or ``stop()``; return the process exit code."""
+        ctx = zmq.asyncio.Context()
+        self._sock = sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes * HARD_FRAME_FACTOR)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
+        sock.setsockopt(zmq.LINGER, 2000)
+        self._sync_sock = zmq.Socket.shadow(sock.underlying)
+        self._bind(sock)
+        loop = asyncio.get_running_loop()
+        send: MemoryObjectSendStream[list[Signal]]
+        recv: MemoryObjectReceiveStream[list[Signal]]
+        send, recv = anyio.create_memory_object_stream(math.inf)
+
+        def emit(signals: list[Signal]) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(send.send_nowait, signals)
+
+        self._engine = self._make_engine(emit)
+        self._engine.start()
+        self._stop_requested = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                if self.settings.handle_signals:
+                    tg.start_soon(self._watch_signals)
+                tg.start_soon(self._shutdown_when_asked)
+                await self._engine_events(recv)  # returns once the engine stopped or died
+                tg.cancel_scope.cancel()
+        finally:
+            self._sync_sock.close(linger=2000)
+            sock.close(linger=2000)
+            ctx.term()
+            self._unlink_ipc()
+        return self._exit_code
+
+    def _bind(self, sock: zmq.asyncio.Socket) -> None:
+        addr = self.settings.listen
+        if addr.startswith("ipc://"):
+            path = Path(addr[len("ipc://") :])
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.parent.chmod(0o700)
+            if path.exists():
+                path.unlink()  # a stale socket from a daemon that did not exit cleanly
+            sock.bind(addr)
+            path.chmod(0o600)
+        else:
+            if addr.startswith("tcp://"):
+                log.warning("listening on %s without authentication: any local process can submit jobs", addr)
+            sock.bind(addr)
+
+    def _unlink_ipc(self) -> None:
+        if self.settings.listen.startswith("ipc://"):
+            Path(self.settings.listen[len("ipc://") :]).unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Begin a clean shutdown (what SIGINT and SIGTERM do)."""
+        self._stop_requested.set()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s; shutting down", signal.Signals(signum).name)
+                self.stop()
+                return
+
+    async def _shutdown_when_asked(self) -> None:
+        await self._stop_requested.wait()
+        self._closing = True
+        self._status = "shutting_down"
+        if self.settings.drain_timeout > 0:
+            with anyio.move_on_after(self.settings.drain_timeout):
+                while self._by_key:
+                    await anyio.sleep(0.05)
+        self._engine.shutdown()
+
+    # ------------------------------------------------------------------ engine -> clients
+
+    async def _engine_events(self, recv: MemoryObjectReceiveStream[list[Signal]]) -> None:
+        async for signals in recv:
+            for sig in signals:
+                if isinstance(sig, Tokens):
+                    self._on_tokens(sig)
+                elif isinstance(sig, Finished):
+                    self._on_finished(sig)
+                elif isinstance(sig, Ready):
+                    self._info, self._tokenizer = sig.info, sig.tokenizer
+                    self._status = "ready"
+                    self._tg.start_soon(self._receive)
+                    log.info("ready: model %s on %s", sig.info.name, self.settings.listen)
+                    print(f"mlx-batchd ready: model {sig.info.name} listening on {self.settings.listen}", flush=True)
+                elif isinstance(sig, Stopped):
+                    self._end_all_pending(ErrorCode.SHUTDOWN, "the daemon is shutting down")
+                    return
+                elif isinstance(sig, Dead):
+                    log.error("engine died:\n%s", sig.error)
+                    self._exit_code = 1
+                    self._end_all_pending(ErrorCode.ENGINE_DEAD, "the engine failed; the daemon is exiting")
+                    return
+
+    def _on_tokens(self, ev: Tokens) -> None:
+        t = self._by_seq.get(ev.seq)
+        if t is None or t.stopped:
+            return
+        out_tokens: list[int] = []
+        out_lps: list[float] | None = [] if ev.logprobs is not None else None
+        text_parts: list[str] = []
+        for i, tok in enumerate(ev.tokens):
+            out_tokens.append(tok)
+            if out_lps is not None and ev.logprobs is not None:
+                out_lps.append(ev.logprobs[i])
+            t.detok.add_token(tok)
+            segment = t.detok.last_segment
+            if t.stops is not None:
+                segment, hit = t.stops.feed(segment)
+                text_parts.append(segment)
+                if hit:
+                    t.stopped = True
+                    self._engine.cancel(t.seq, "stop")
+                    break
+            else:
+                text_parts.append(segment)
+        t.completion_tokens += len(out_tokens)
+        self._send(t.client, token_message(t.rid, out_tokens, "".join(text_parts), out_lps))
+
+    def _on_finished(self, ev: Finished) -> None:
+        t = self._by_seq.pop(ev.seq, None)
+        if t is None:
+            return
+        self._by_key.pop((t.client, t.rid), None)
+        reason = FinishReason.STOP if t.stopped else FinishReason(ev.reason)
+        if not t.stopped:
+            t.detok.finalize()
+            tail = t.detok.last_segment
+            if t.stops is not None:
+                tail, hit = t.stops.feed(tail)
+                tail += "" if hit else t.stops.flush()
+                reason = FinishReason.STOP if hit else reason
+            if tail:
+                self._send(t.client, token_message(t.rid, [], tail, [] if t.req.logprobs else None))
+        error = None
+        if ev.error_code is not None:
+            error = (ErrorCode(ev.error_code), ev.error_message or ev.error_code)
+        usage = {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens}
+        self._counts["completed"] += 1
+        self._send(t.client, end_message(t.rid, reason, usage, ev.timings.as_dict(), error))
+
+    def _end_all_pending(self, code: ErrorCode, message: str) -> None:
+        """Requests the engine never answered for (still tokenizing, or the engine is gone)."""
+        for t in list(self._by_key.values()):
+            self._finish_here(t, FinishReason.ERROR, (code, message))
+
+    def _finish_here(self, t: _Tracked, reason: FinishReason, error: tuple[ErrorCode, str] | None) -> None:
+        self._by_key.pop((t.client, t.rid), None)
+        self._by_seq.pop(t.seq, None)
+        timings = empty_timings()
+        timings["total_s"] = time.monotonic() - t.received_at
+        usage = empty_usage(t.prompt_tokens)
+        usage["completion_tokens"] = t.completion_tokens
+        self._send(t.client, end_message(t.rid, reason, usage, timings, error))
+
+    # ------------------------------------------------------------------ clients -> engine
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            self._counts["received"] += 1
+            client = frames[0]
+            if len(frames) != 2:
+                self._refuse(client, ProtocolError(ErrorCode.BAD_FRAMES, f"send one frame per message, got {len(frames) - 1}"))
+                continue
+            msg: dict[str, Any] | None = None
+            try:
+                msg = unpack(frames[1], self.settings.max_frame_bytes)
+                req = parse_request(msg)
+            except ProtocolError as exc:
+                self._refuse_message(client, exc, msg)
+                continue
+            if isinstance(req, Submit):
+                self._on_submit(client, req)
+            elif isinstance(req, Cancel):
+                self._on_cancel(client, req)
+            elif isinstance(req, Health):
+                self._send(client, self._health(req.id))
+            elif isinstance(req, Stats):
+                self._send(client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": self.stats()})
+
+    def _refuse_message(self, client: bytes, exc: ProtocolError, msg: dict[str, Any] | None) -> None:
+        """A submit with a readable, unused id ends as a request (one ``end`` with the error), so
+        a client waiting on that id gets its answer; anything else is an ``error`` event."""
+        rid = exc.request_id
+        if msg is not None and msg.get("type") == MsgType.SUBMIT and rid is not None and (client, rid) not in self._by_key:
+            self._counts["refused"] += 1
+            timings = empty_timings()
+            timings["total_s"] = 0.0
+            self._send(client, end_message(rid, FinishReason.ERROR, empty_usage(), timings, (exc.code, exc.message)))
+            return
+        self._refuse(client, exc)
+
+    def _refuse(self, client: bytes, exc: ProtocolError) -> None:
+        """A message that cannot start a request: an ``error`` event, addressed by id if it had one."""
+        self._counts["refused"] += 1
+        self._send(client, error_message(exc.code, exc.message, exc.request_id))
+
+    def _on_submit(self, client: bytes, req: Submit) -> None:
+        key = (client, req.id)
+        if key in self._by_key:
+            self._refuse(client, ProtocolError(
+                ErrorCode.DUPLICATE_REQUEST_ID,
+                f"request id {req.id!r} is already in flight on this connection; pick a new id",
+                req.id,
+            ))
+            return
+        t = _Tracked(client=client, rid=req.id, seq=next(self._seqs), received_at=time.monotonic(), req=req)
+        self._by_key[key] = t
+        if self._closing:
+            self._finish_here(t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests"))
+            return
+        if req.tokens is not None:
+            self._admit(t, list(req.tokens))  # nothing to tokenize: admit in order, at once
+        else:
+            self._tg.start_soon(self._tokenize_then_admit, t)
+
+    async def _tokenize_then_admit(self, t: _Tracked) -> None:
+        assert self._info is not None
+        try:
+            ids = await anyio.to_thread.run_sync(
+                prompt_ids, t.req, self._tokenizer, self._info, limiter=self._tokenize_limiter
+            )
+        except ProtocolError as exc:
+            self._finish_here(t, FinishReason.ERROR, (exc.code, exc.message))
+            return
+        except Exception as exc:
+            self._finish_here(t, FinishReason.ERROR, (ErrorCode.BAD_FIELD, f"could not tokenize the prompt: {exc}"))
+            return
+        if self._by_key.get((t.client, t.rid)) is not t:
+            return  # ended meanwhile (shutdown)
+        self._admit(t, ids)
+
+    def _admit(self, t: _Tracked, ids: list[int]) -> None:
+        assert self._info is not None
+        if t.cancel_requested:
+            self._finish_here(t, FinishReason.CANCELLED, None)
+            return
+        if self._closing:
+            self._finish_here(t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests"))
+            return
+        try:
+            admitted = admit(t.req, ids, self._info, self.settings.limits)
+        except ProtocolError as exc:
+            self._finish_here(t, FinishReason.ERROR, (exc.code, exc.message))
+            return
+        t.prompt_tokens = len(admitted.prompt)
+        t.detok = self._tokenizer.detokenizer
+        t.stops = StopStrings(t.req.stop) if t.req.stop else None
+        t.in_engine = True
+        self._by_seq[t.seq] = t
+        self._engine.submit(Job(
+            seq=t.seq,
+            prompt=admitted.prompt,
+            max_tokens=admitted.max_tokens,
+            sampling=t.req.sampling,
+            stop_token_ids=tuple(t.req.stop_token_ids),
+            logprobs=t.req.logprobs,
+            received_at=t.received_at,
+        ))
+
+    def _on_cancel(self, client: bytes, req: Cancel) -> None:
+        t = self._by_key.get((client, req.id))
+        if t is None:
+            self._refuse(client, ProtocolError(
+                ErrorCode.UNKNOWN_REQUEST_ID,
+                f"no request {req.id!r} is in flight on this connection (finished already, or never sent)",
+                req.id,
+            ))
+            return
+        if t.in_engine:
+            self._engine.cancel(t.seq, "cancelled")
+        else:
+            t.cancel_requested = True  # still tokenizing: ends when admission sees the flag
+
+    # ------------------------------------------------------------------ replies
+
+    def _health(self, rid: str) -> dict[str, Any]:
+        info = self._info
+        return {
+            "v": PROTOCOL_VERSION,
+            "type": MsgType.HEALTH.value,
+            "id": rid,
+            "status": self._status,
+            "protocol": PROTOCOL_VERSION,
+            "model": None if info is None else {
+                "name": info.name,
+                "type": info.model_type,
+                "vocab_size": info.vocab_size,
+                "context_length": info.context_length,
+            },
+            "limits": {
+                "max_tokens": self.settings.limits.max_tokens_cap,
+                "default_max_tokens": self.settings.limits.default_max_tokens,
+                "max_frame_bytes": self.settings.max_frame_bytes,
+            },
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "uptime_s": time.monotonic() - self._started,
+            "requests_in_flight": len(self._by_key),
+            "messages_received": self._counts["received"],
+            "messages_refused": self._counts["refused"],
+            "requests_completed": self._counts["completed"],
+            "engine": dict(self._engine.snapshot),
+        }
+
+    def _send(self, client: bytes, msg: dict[str, Any]) -> None:
+        """Send without ever waiting. A client that is gone or not reading loses its requests,
+        which are cancelled so their slots are freed for everyone else."""
+        try:
+            self._sync_sock.send_multipart([client, pack(msg)], flags=zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:
+            log.warning("dropping client %s: %s", client.hex(), exc)
+            for t in [t for t in self._by_key.values() if t.client == client]:
+                self._by_key.pop((t.client, t.rid), None)
+                if t.in_engine:
+                    self._engine.cancel(t.seq, "cancelled")
+                else:
+                    t.cancel_requested = True

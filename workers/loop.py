@@ -1,0 +1,180 @@
+"""The engine thread: the one owner of the engine loop and of every MLX object.
+
+Commands come in through a thread-safe inbox and never wait on anything; events go out through
+an ``emit`` callback the caller supplies (the daemon hands them to its event loop). The loop
+blocks only when it has nothing to decode, so network I/O never stalls a decode step, and a
+decode step never stalls the network.
+
+Lifecycle, as in vLLM's engine core: ``Ready`` once the model is loaded and warmed up, then
+events, then ``Stopped`` after a shutdown, or ``Dead`` if the loop itself failed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from workers.engine import Engine, Event, Job
+from workers.models import LoadedModel, ModelInfo
+
+
+@dataclass
+class Ready:
+    info: ModelInfo
+    tokenizer: Any
+
+
+@dataclass
+class Stopped:
+    pass
+
+
+@dataclass
+class Dead:
+    error: str
+
+
+Signal = Event | Ready | Stopped | Dead
+
+
+@dataclass
+class _Submit:
+    job: Job
+
+
+@dataclass
+class _Cancel:
+    seq: int
+    reason: str
+    code: str | None
+    message: str | None
+
+
+@dataclass
+class _Shutdown:
+    reason: str
+    code: str
+    message: str
+
+
+_Command = _Submit | _Cancel | _Shutdown
+
+
+@dataclass
+class EngineSettings:
+    max_batch: int = 32
+    prefill_batch: int = 8
+    prefill_step: int = 2048
+
+
+def warm_up(engine: Engine) -> None:
+    """Run one tiny job through the engine so the first client does not pay for lazy setup."""
+    engine.submit(Job(seq=-1, prompt=[0, 0], max_tokens=2))
+    while engine.has_work:
+        engine.step()
+
+
+class EngineThread:
+    """Runs ``load`` then the engine loop on a dedicated thread."""
+
+    def __init__(
+        self,
+        load: Callable[[], LoadedModel],
+        emit: Callable[[list[Signal]], None],
+        settings: EngineSettings | None = None,
+    ) -> None:
+        self._load = load
+        self._emit = emit
+        self._settings = settings or EngineSettings()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
+        #: The latest counters and gauges, replaced (never mutated) after each step.
+        self.snapshot: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # Commands: safe from any thread, never block.
+    def submit(self, job: Job) -> None:
+        self._inbox.put(_Submit(job))
+
+    def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
+        self._inbox.put(_Cancel(seq, reason, code, message))
+
+    def shutdown(self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down") -> None:
+        self._inbox.put(_Shutdown(reason, code, message))
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        try:
+            loaded = self._load()
+            s = self._settings
+            engine = Engine(
+                loaded.model,
+                eos_token_ids=loaded.info.eos_token_ids,
+                vocab_size=loaded.info.vocab_size,
+                max_batch=s.max_batch,
+                prefill_batch=s.prefill_batch,
+                prefill_step=s.prefill_step,
+            )
+            warm_up(engine)
+            engine.counters = type(engine.counters)()
+        except Exception:
+            self._emit([Dead(traceback.format_exc())])
+            return
+        self._publish(engine)
+        self._emit([Ready(loaded.info, loaded.tokenizer)])
+        try:
+            self._loop(engine)
+        except Exception:
+            self._emit([Dead(traceback.format_exc())])
+            return
+        self._emit([Stopped()])
+
+    def _commands(self, block: bool) -> list[_Command]:
+        cmds: list[_Command] = []
+        if block:
+            cmds.append(self._inbox.get())
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _loop(self, engine: Engine) -> None:
+        while True:
+            events: list[Signal] = []
+            for cmd in self._commands(block=not engine.has_work):
+                if isinstance(cmd, _Submit):
+                    engine.submit(cmd.job)
+                elif isinstance(cmd, _Cancel):
+                    events += engine.cancel(cmd.seq, cmd.reason, cmd.code, cmd.message)
+                else:
+                    events += engine.cancel_all(cmd.reason, cmd.code, cmd.message)
+                    self._publish(engine)
+                    if events:
+                        self._emit(events)
+                    return
+            if engine.has_work:
+                events += engine.step()
+            self._publish(engine)
+            if events:
+                self._emit(events)
+
+    def _publish(self, engine: Engine) -> None:
+        self.snapshot = {
+            **asdict(engine.counters),
+            "active_sequences": engine.active,
+            "batch_size": engine.batch_size(),
+        }

@@ -1,0 +1,87 @@
+"""Loading a target model with mlx-lm, and the facts about it the daemon validates against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+#: Config keys that state a model's trained context, in the order mlx-lm families use them.
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
+FALLBACK_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs to validate a request without touching MLX."""
+
+    name: str
+    path: str
+    model_type: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict[str, Any]
+    info: ModelInfo
+
+
+def resolve_model_path(spec: str) -> Path:
+    """``demo`` names the embedded default; anything else must be a local model directory
+    (nothing is downloaded at run time)."""
+    if spec == "demo":
+        from workers.demo import demo_path
+
+        return demo_path("target")
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{spec!r} is not a model directory (no config.json). Pass a local mlx-lm model "
+            "directory, e.g. one fetched with `huggingface-cli download mlx-community/...`, or 'demo'."
+        )
+    return path
+
+
+def _vocab_size(model: nn.Module, config: dict[str, Any]) -> int:
+    if "vocab_size" in config:
+        return int(config["vocab_size"])
+    text = config.get("text_config") or {}
+    if "vocab_size" in text:
+        return int(text["vocab_size"])
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def _context_length(config: dict[str, Any], override: int | None) -> int:
+    if override is not None:
+        return override
+    for source in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(source.get(key), int):
+                return int(source[key])
+    return FALLBACK_CONTEXT
+
+
+def load(spec: str, context_length: int | None = None) -> LoadedModel:
+    """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
+    from mlx_lm.utils import load as mlx_load
+
+    path = resolve_model_path(spec)
+    model, tokenizer, config = mlx_load(str(path), return_config=True)
+    info = ModelInfo(
+        name=spec if spec == "demo" else path.name,
+        path=str(path),
+        model_type=str(config.get("model_type", "unknown")),
+        vocab_size=_vocab_size(model, config),
+        context_length=_context_length(config, context_length),
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        has_chat_template=bool(tokenizer.has_chat_template),
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info)

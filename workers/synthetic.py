@@ -1,0 +1,140 @@
+"""Random-weight models built from mlx-lm configs, saved as ordinary model directories.
+
+Tests, benchmarks and the H200 measurements need real mlx-lm models without downloading
+weights: a config, a fixed seed and a byte-level tokenizer make one. The directory written here
+loads with ``mlx_lm.load`` like any mlx-community checkpoint, so everything downstream of
+loading is exercised for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+EOS_TOKEN = SPECIAL_TOKENS[0]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+BYTE_VOCAB = len(SPECIAL_TOKENS) + 256
+
+
+def _filler_tokens(alphabet: list[str], count: int) -> list[str]:
+    """Distinct multi-character strings for ids past the 256 bytes.
+
+    A model's vocabulary is often far larger than a byte tokenizer's (the 8B-shaped llama has
+    128256 rows). Every id must still decode, so the tokenizer gets filler entries: pairs, then
+    triples of byte characters. Encoding never produces them (there are no merges); decoding
+    maps each to its bytes.
+    """
+    out: list[str] = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(out) == count:
+                return out
+            out.append(a + b)
+    for a in alphabet:
+        for b in alphabet:
+            for c in alphabet:
+                if len(out) == count:
+                    return out
+                out.append(a + b + c)
+    return out
+
+
+def write_byte_tokenizer(path: Path, vocab_size: int, context_length: int) -> None:
+    """A byte-level BPE tokenizer (no merges) with ``vocab_size`` ids and a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size < BYTE_VOCAB:
+        raise ValueError(f"vocab_size must be >= {BYTE_VOCAB} for a byte tokenizer")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    for tok in _filler_tokens(alphabet, vocab_size - len(vocab)):
+        vocab[tok] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL_TOKENS])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "model_max_length": context_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
+    """Instantiate an mlx-lm model from a config with seeded random weights.
+
+    ``config`` is an mlx-lm ``config.json`` map; ``torch_dtype`` sets the weights' dtype and a
+    ``quantization`` entry ({"group_size", "bits"}) quantizes them as mlx-lm's converter would.
+    """
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    dtype = getattr(mx, config.get("torch_dtype", "bfloat16"))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    if "quantization" in config:
+        q = config["quantization"]
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
+    mx.eval(model.parameters())
+    return model
+
+
+def write_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """Write a loadable model directory (config, safetensors, tokenizer) and return ``path``."""
+    from mlx_lm.utils import save_config, save_model
+
+    config = dict(config)
+    model = build_model(config, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    write_byte_tokenizer(path, config["vocab_size"], config.get("max_position_embeddings", 4096))
+    return path
+
+
+def llama_config(
+    hidden: int = 256,
+    layers: int = 4,
+    ffn: int = 768,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = BYTE_VOCAB,
+    context: int = 4096,
+    dtype: str = "bfloat16",
+    quant_bits: int | None = None,
+) -> dict[str, Any]:
+    """A llama config; the defaults are the tiny placeholder demo, ``llama_config(4096, 32,
+    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape FACTS.md measures."""
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": context,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": vocab == BYTE_VOCAB,
+        "torch_dtype": dtype,
+    }
+    if quant_bits is not None:
+        config["quantization"] = {"group_size": 64, "bits": quant_bits}
+    return config
