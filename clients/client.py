@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +37,13 @@ from clients.protocol import (
 class AsyncClient:
     """Use as ``async with AsyncClient(addr) as client: await client.generate("...")``."""
 
-    def __init__(self, address: str | None = None, *, timeout: float | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
         self.address = address or default_address()
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
@@ -56,7 +62,9 @@ class AsyncClient:
         self._tg.start_soon(self._reader)
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
         assert self._tg is not None and self._sock is not None and self._ctx is not None
         self._tg.cancel_scope.cancel()
         try:
@@ -161,7 +169,7 @@ class AsyncClient:
         logprobs: bool = False,
         request_id: str | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Submit a job and yield its events: ``TokenEvent`` s, then exactly one ``EndEvent``.
 
         Leaving the loop early cancels the request. ``timeout`` bounds the whole request; when

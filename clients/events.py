@@ -78,7 +78,9 @@ def event_from_message(msg: dict[str, Any]) -> Event | None:
     if kind == "end":
         err = msg.get("error")
         error = RequestError(err["code"], err["message"], rid) if isinstance(err, dict) else None
-        return EndEvent(rid, str(msg.get("finish_reason")), dict(msg.get("usage") or {}), dict(msg.get("timings") or {}), error)
+        return EndEvent(
+            rid, str(msg.get("finish_reason")), dict(msg.get("usage") or {}), dict(msg.get("timings") or {}), error
+        )
     if kind == "error":
         error = RequestError(str(msg.get("code")), str(msg.get("message")), rid)
         return EndEvent(rid, "error", {}, {}, error)

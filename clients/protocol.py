@@ -114,9 +114,9 @@ def unpack(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict[str, 
     except Exception as exc:  # msgpack raises many types (ExtraData, ValueError, ...)
         raise ProtocolError(ErrorCode.MALFORMED, f"frame is not valid msgpack: {exc}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"a message must be a msgpack map, got {type(obj).__name__}"
-        )
+        raise ProtocolError(ErrorCode.MALFORMED, f"a message must be a msgpack map, got {type(obj).__name__}")
+    if not all(isinstance(k, str) for k in obj):
+        raise ProtocolError(ErrorCode.MALFORMED, "map keys must be strings")
     return obj
 
 
@@ -175,9 +175,7 @@ def _id_of(msg: dict[str, Any]) -> str | None:
     return None
 
 
-def _get(
-    msg: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: str | None, default: Any
-) -> Any:
+def _get(msg: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: str | None, default: Any) -> Any:
     """One optional field, type-checked. ``bool`` is not accepted where a number is wanted."""
     if name not in msg or msg[name] is None:
         return default
@@ -185,9 +183,7 @@ def _get(
     bad_bool = isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
     if not isinstance(value, kinds) or bad_bool:
         want = kinds.__name__ if isinstance(kinds, type) else " or ".join(k.__name__ for k in kinds)
-        raise ProtocolError(
-            ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(value).__name__}", rid
-        )
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(value).__name__}", rid)
     return value
 
 
@@ -239,7 +235,9 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
     if not given:
         raise ProtocolError(ErrorCode.MISSING_FIELD, "submit needs one of 'prompt', 'tokens' or 'messages'", rid)
     if len(given) > 1:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"give exactly one of 'prompt', 'tokens', 'messages', not {given}", rid)
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"give exactly one of 'prompt', 'tokens', 'messages', not {given}", rid
+        )
     if prompt == "" or tokens == [] or messages == []:
         raise ProtocolError(ErrorCode.EMPTY_PROMPT, f"the {given[0]!r} field is empty; send at least one token", rid)
 

@@ -24,7 +24,9 @@ class Client:
     def __init__(self, address: str | None = None, **kwargs: Any) -> None:
         self._stack = ExitStack()
         self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal(backend="asyncio"))
-        cm: AbstractContextManager[AsyncClient] = self._portal.wrap_async_context_manager(AsyncClient(address, **kwargs))
+        cm: AbstractContextManager[AsyncClient] = self._portal.wrap_async_context_manager(
+            AsyncClient(address, **kwargs)
+        )
         try:
             self._client = self._stack.enter_context(cm)
         except BaseException:

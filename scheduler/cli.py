@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +31,9 @@ def _serve(args: argparse.Namespace) -> int:
         listen=args.listen or default_address(),
         context_length=args.context_length,
         limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens),
-        engine=EngineSettings(max_batch=args.max_batch, prefill_batch=args.prefill_batch, prefill_step=args.prefill_step),
+        engine=EngineSettings(
+            max_batch=args.max_batch, prefill_batch=args.prefill_batch, prefill_step=args.prefill_step
+        ),
         max_frame_bytes=args.max_frame_bytes,
         drain_timeout=args.drain_timeout,
     )
@@ -96,28 +95,28 @@ def _demo(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from clients import Client
+    from scheduler.spawn import DaemonProcess
 
     sock_dir = Path(tempfile.mkdtemp(prefix="mlx-batchd-demo-"))
-    addr = f"ipc://{sock_dir / 'daemon.sock'}"
-    cmd = [sys.executable, "-m", "scheduler", "serve", "--model", args.model, "--listen", addr]
-    print(f"$ {' '.join(cmd)}", flush=True)
-    daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    daemon = DaemonProcess(args.model, f"ipc://{sock_dir / 'daemon.sock'}")
+    print(f"$ {' '.join(daemon.cmd)}", flush=True)
     try:
-        with Client(addr) as client:
-            health = client.wait_ready(timeout=300)
-            print(f"daemon ready: {health['model']}")
+        health = daemon.wait_ready()
+        print(f"daemon ready: {health['model']}")
+        with Client(daemon.address) as client:
             tic = time.perf_counter()
             with ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
                 results = list(pool.map(lambda p: client.generate(p, max_tokens=args.max_tokens), DEMO_PROMPTS))
             wall = time.perf_counter() - tic
-            for prompt, r in zip(DEMO_PROMPTS, results):
-                print(f"\n--- {prompt!r} -> {r.finish_reason}, {r.usage['completion_tokens']} tokens, "
-                      f"ttft {r.timings['ttft_s']:.3f}s\n{prompt}{r.text}")
-            total = sum(r.usage["completion_tokens"] for r in results)
-            print(f"\n{len(results)} concurrent requests, {total} tokens in {wall:.2f}s ({total / wall:.1f} tok/s)")
+        for prompt, r in zip(DEMO_PROMPTS, results):
+            print(
+                f"\n--- {prompt!r} -> {r.finish_reason}, {r.usage['completion_tokens']} tokens, "
+                f"ttft {r.timings['ttft_s']:.3f}s\n{prompt}{r.text}"
+            )
+        total = sum(r.usage["completion_tokens"] for r in results)
+        print(f"\n{len(results)} concurrent requests, {total} tokens in {wall:.2f}s ({total / wall:.1f} tok/s)")
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(timeout=60)
+        code = daemon.stop()
     print(f"daemon exited with {code}")
     return code
 
@@ -147,8 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--context-length", type=int, default=None, help="override the model's context length")
     p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
-    p.add_argument("--drain-timeout", type=float, default=0.0,
-                   help="on SIGTERM/SIGINT, let in-flight requests finish for up to this many seconds")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM/SIGINT, let in-flight requests finish for up to this many seconds",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="send one prompt to a running daemon and stream the answer")

@@ -90,7 +90,9 @@ class _Tracked:
 class FrontEnd:
     """Owns the socket and the request table; the engine thread owns everything MLX."""
 
-    def __init__(self, settings: FrontEndSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineThread]) -> None:
+    def __init__(
+        self, settings: FrontEndSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineThread]
+    ) -> None:
         self.settings = settings
         self._make_engine = make_engine
         self._by_key: dict[tuple[bytes, str], _Tracked] = {}
@@ -115,7 +117,7 @@ class FrontEnd:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
         sock.setsockopt(zmq.LINGER, 2000)
-        self._sync_sock = zmq.Socket.shadow(sock.underlying)
+        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._bind(sock)
         loop = asyncio.get_running_loop()
         send: MemoryObjectSendStream[list[Signal]]
@@ -276,7 +278,9 @@ class FrontEnd:
             self._counts["received"] += 1
             client = frames[0]
             if len(frames) != 2:
-                self._refuse(client, ProtocolError(ErrorCode.BAD_FRAMES, f"send one frame per message, got {len(frames) - 1}"))
+                self._refuse(
+                    client, ProtocolError(ErrorCode.BAD_FRAMES, f"send one frame per message, got {len(frames) - 1}")
+                )
                 continue
             msg: dict[str, Any] | None = None
             try:
@@ -292,13 +296,20 @@ class FrontEnd:
             elif isinstance(req, Health):
                 self._send(client, self._health(req.id))
             elif isinstance(req, Stats):
-                self._send(client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": self.stats()})
+                self._send(
+                    client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": self.stats()}
+                )
 
     def _refuse_message(self, client: bytes, exc: ProtocolError, msg: dict[str, Any] | None) -> None:
         """A submit with a readable, unused id ends as a request (one ``end`` with the error), so
         a client waiting on that id gets its answer; anything else is an ``error`` event."""
         rid = exc.request_id
-        if msg is not None and msg.get("type") == MsgType.SUBMIT and rid is not None and (client, rid) not in self._by_key:
+        if (
+            msg is not None
+            and msg.get("type") == MsgType.SUBMIT
+            and rid is not None
+            and (client, rid) not in self._by_key
+        ):
             self._counts["refused"] += 1
             timings = empty_timings()
             timings["total_s"] = 0.0
@@ -314,16 +325,21 @@ class FrontEnd:
     def _on_submit(self, client: bytes, req: Submit) -> None:
         key = (client, req.id)
         if key in self._by_key:
-            self._refuse(client, ProtocolError(
-                ErrorCode.DUPLICATE_REQUEST_ID,
-                f"request id {req.id!r} is already in flight on this connection; pick a new id",
-                req.id,
-            ))
+            self._refuse(
+                client,
+                ProtocolError(
+                    ErrorCode.DUPLICATE_REQUEST_ID,
+                    f"request id {req.id!r} is already in flight on this connection; pick a new id",
+                    req.id,
+                ),
+            )
             return
         t = _Tracked(client=client, rid=req.id, seq=next(self._seqs), received_at=time.monotonic(), req=req)
         self._by_key[key] = t
         if self._closing:
-            self._finish_here(t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests"))
+            self._finish_here(
+                t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
+            )
             return
         if req.tokens is not None:
             self._admit(t, list(req.tokens))  # nothing to tokenize: admit in order, at once
@@ -352,7 +368,9 @@ class FrontEnd:
             self._finish_here(t, FinishReason.CANCELLED, None)
             return
         if self._closing:
-            self._finish_here(t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests"))
+            self._finish_here(
+                t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
+            )
             return
         try:
             admitted = admit(t.req, ids, self._info, self.settings.limits)
@@ -364,24 +382,29 @@ class FrontEnd:
         t.stops = StopStrings(t.req.stop) if t.req.stop else None
         t.in_engine = True
         self._by_seq[t.seq] = t
-        self._engine.submit(Job(
-            seq=t.seq,
-            prompt=admitted.prompt,
-            max_tokens=admitted.max_tokens,
-            sampling=t.req.sampling,
-            stop_token_ids=tuple(t.req.stop_token_ids),
-            logprobs=t.req.logprobs,
-            received_at=t.received_at,
-        ))
+        self._engine.submit(
+            Job(
+                seq=t.seq,
+                prompt=admitted.prompt,
+                max_tokens=admitted.max_tokens,
+                sampling=t.req.sampling,
+                stop_token_ids=tuple(t.req.stop_token_ids),
+                logprobs=t.req.logprobs,
+                received_at=t.received_at,
+            )
+        )
 
     def _on_cancel(self, client: bytes, req: Cancel) -> None:
         t = self._by_key.get((client, req.id))
         if t is None:
-            self._refuse(client, ProtocolError(
-                ErrorCode.UNKNOWN_REQUEST_ID,
-                f"no request {req.id!r} is in flight on this connection (finished already, or never sent)",
-                req.id,
-            ))
+            self._refuse(
+                client,
+                ProtocolError(
+                    ErrorCode.UNKNOWN_REQUEST_ID,
+                    f"no request {req.id!r} is in flight on this connection (finished already, or never sent)",
+                    req.id,
+                ),
+            )
             return
         if t.in_engine:
             self._engine.cancel(t.seq, "cancelled")
@@ -398,7 +421,9 @@ class FrontEnd:
             "id": rid,
             "status": self._status,
             "protocol": PROTOCOL_VERSION,
-            "model": None if info is None else {
+            "model": None
+            if info is None
+            else {
                 "name": info.name,
                 "type": info.model_type,
                 "vocab_size": info.vocab_size,

@@ -87,6 +87,7 @@ class EngineCounters:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     step_errors: int = 0
+    peak_batch_size: int = 0
 
 
 class Engine:
@@ -140,10 +141,12 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         stops = [(t,) for t in (*self.eos_token_ids, *job.stop_token_ids)]
+        # ``None`` is the batch's shared greedy sampler (mlx-lm's annotation omits it).
+        samplers: list[Any] = [make_sampler(job.sampling, self.vocab_size)]
         (uid,) = self._gen.insert(
             [job.prompt],
             max_tokens=[job.max_tokens],
-            samplers=[make_sampler(job.sampling, self.vocab_size)],
+            samplers=samplers,
             stop_sequences=[StopSequences(stops)],
         )
         seq = _Sequence(job=job, uid=uid)
@@ -151,7 +154,9 @@ class Engine:
         self._by_uid[uid] = seq
         self.counters.submitted += 1
 
-    def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> list[Event]:
+    def cancel(
+        self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None
+    ) -> list[Event]:
         """Remove a sequence wherever it is (queued, prefilling, decoding) and free its cache."""
         s = self._seqs.get(seq)
         if s is None:
@@ -183,6 +188,7 @@ class Engine:
         decoding = len(self._gen._generation_batch) > 0
         prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()
+        self.counters.peak_batch_size = max(self.counters.peak_batch_size, self.batch_size())
         if decoding:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic
@@ -209,7 +215,9 @@ class Engine:
                 events.append(self._finish(s, r.finish_reason, None, None, removed=True))
         return events
 
-    def _finish(self, s: _Sequence, reason: str, code: str | None, message: str | None, removed: bool = False) -> Finished:
+    def _finish(
+        self, s: _Sequence, reason: str, code: str | None, message: str | None, removed: bool = False
+    ) -> Finished:
         del self._seqs[s.job.seq]
         del self._by_uid[s.uid]
         self.counters.finished += 1

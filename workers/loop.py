@@ -111,7 +111,9 @@ class EngineThread:
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
         self._inbox.put(_Cancel(seq, reason, code, message))
 
-    def shutdown(self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down") -> None:
+    def shutdown(
+        self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
+    ) -> None:
         self._inbox.put(_Shutdown(reason, code, message))
 
     # ------------------------------------------------------------------ the loop

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 
@@ -74,7 +74,7 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
     path = resolve_model_path(spec)
-    model, tokenizer, config = mlx_load(str(path), return_config=True)
+    model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], mlx_load(str(path), return_config=True))
     info = ModelInfo(
         name=spec if spec == "demo" else path.name,
         path=str(path),

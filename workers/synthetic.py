@@ -58,8 +58,8 @@ def write_byte_tokenizer(path: Path, vocab_size: int, context_length: int) -> No
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab[ch] = len(vocab)
-    for tok in _filler_tokens(alphabet, vocab_size - len(vocab)):
-        vocab[tok] = len(vocab)
+    for filler in _filler_tokens(alphabet, vocab_size - len(vocab)):
+        vocab[filler] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -1,0 +1,59 @@
+"""Starting a daemon as a child process and waiting for its ready handshake.
+
+Used by ``mlx-batchd demo``, the benchmarks and the tests, so all of them exercise the daemon
+exactly as a user runs it: a separate process behind a real socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from clients.sync import Client
+
+
+class DaemonProcess:
+    """A ``mlx-batchd serve`` child process. ``stop()`` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, model: str | Path, address: str, *extra: str, log: IO[str] | None = None) -> None:
+        self.address = address
+        self.cmd = [sys.executable, "-m", "scheduler", "serve", "--model", str(model), "--listen", address, *extra]
+        kwargs: dict[str, Any] = {"env": {**os.environ, "PYTHONUNBUFFERED": "1"}, "text": True}
+        if log is not None:
+            kwargs.update(stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, **kwargs)
+
+    def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
+        """Poll health until ``ready``; fail fast if the process dies first."""
+        deadline = time.monotonic() + timeout
+        with Client(self.address) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode} before it was ready")
+                try:
+                    return client.wait_ready(timeout=1.0)
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        self.proc.kill()
+                        raise
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> DaemonProcess:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

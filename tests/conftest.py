@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny real model on disk and real daemons in subprocesses."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from clients import Client
+from scheduler.spawn import DaemonProcess
+
+TEST_CONTEXT = 384
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer bf16 llama with random weights and a byte tokenizer: loads like any mlx-lm model."""
+    from workers.synthetic import llama_config, write_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    return write_model(path, llama_config(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2), seed=7)
+
+
+@dataclass
+class Daemon:
+    process: DaemonProcess
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return self.process.address
+
+    @property
+    def proc(self) -> subprocess.Popen[str]:
+        return self.process.proc
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        return self.process.stop(sig, timeout)
+
+
+def start_daemon(model: Path | str, workdir: Path, *extra: str) -> Daemon:
+    """Start ``mlx-batchd serve`` as a real process on an ipc socket and wait for the ready handshake."""
+    log_path = workdir / "daemon.log"
+    process = DaemonProcess(model, f"ipc://{workdir / 'daemon.sock'}", *extra, log=log_path.open("w"))
+    daemon = Daemon(process, log_path)
+    try:
+        process.wait_ready(timeout=120)
+    except (RuntimeError, TimeoutError) as exc:
+        process.stop()
+        raise RuntimeError(f"{exc}:\n{daemon.log()}") from None
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(
+        tiny_model,
+        tmp_path_factory.mktemp("daemon"),
+        "--context-length",
+        str(TEST_CONTEXT),
+        "--max-tokens-cap",
+        "200",
+        "--default-max-tokens",
+        "16",
+        "--max-frame-bytes",
+        "65536",
+    )
+    yield d
+    code = d.stop()
+    assert code == 0, d.log()
+
+
+@pytest.fixture()
+def client(daemon: Daemon) -> Iterator[Client]:
+    with Client(daemon.address, timeout=120) as c:
+        yield c

@@ -1,0 +1,34 @@
+"""What mlx-lm itself produces for one prompt alone: the yardstick for byte-exact tests."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+
+@lru_cache(maxsize=4)
+def load_reference(path: str) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    model, tokenizer = load(path)
+    return model, tokenizer
+
+
+def greedy_reference(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs from ``mlx_lm.generate.generate_step``, stopping at EOS
+    (which, as in the daemon, is not part of the output)."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load_reference(str(path))
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for token, lps in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        t = int(token)
+        if t in tokenizer.eos_token_ids:
+            break
+        tokens.append(t)
+        logprobs.append(lps[t].item())
+    return tokens, logprobs

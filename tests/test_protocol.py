@@ -1,0 +1,197 @@
+"""The wire format and the pure-Python pieces around it, without a daemon."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clients.events import EndEvent, TokenEvent, event_from_message
+from clients.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    SamplingOptions,
+    Submit,
+    parse_request,
+    submit_message,
+    unpack,
+)
+from scheduler.admission import Limits, admit
+from scheduler.stopping import StopStrings
+from workers.models import ModelInfo
+
+INFO = ModelInfo("m", "/m", "llama", vocab_size=100, context_length=50, eos_token_ids=(0,), has_chat_template=False)
+
+
+def test_submit_round_trips_through_the_wire() -> None:
+    req = Submit(
+        id="a",
+        tokens=[1, 2],
+        max_tokens=7,
+        sampling=SamplingOptions(0.7, 0.9, 40, 0.05, 3),
+        stop=["\n\n"],
+        stop_token_ids=[9],
+        logprobs=True,
+    )
+    assert parse_request(unpack(msgpack.packb(submit_message(req)))) == req
+
+
+def test_single_stop_string_is_accepted() -> None:
+    req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "prompt": "x", "stop": "END"})
+    assert isinstance(req, Submit) and req.stop == ["END"]
+
+
+@pytest.mark.parametrize(
+    "fields,code",
+    [
+        ({"tokens": [1], "max_tokens": 0}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
+        ({"tokens": [1], "max_tokens": 5000}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
+        ({"tokens": [1] * 50}, ErrorCode.PROMPT_TOO_LONG),
+        ({"tokens": [1] * 45, "max_tokens": 6}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
+        ({"tokens": [100]}, ErrorCode.TOKEN_OUT_OF_RANGE),
+        ({"tokens": [1], "stop_token_ids": [100]}, ErrorCode.BAD_FIELD),
+    ],
+)
+def test_admission_refusals(fields: dict[str, Any], code: ErrorCode) -> None:
+    req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", **fields})
+    assert isinstance(req, Submit)
+    with pytest.raises(ProtocolError) as info:
+        admit(req, list(req.tokens or []), INFO, Limits(max_tokens_cap=100, default_max_tokens=16))
+    assert info.value.code == code
+    assert info.value.request_id == "a"
+
+
+def test_default_max_tokens_fits_the_context() -> None:
+    req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "tokens": [1] * 45})
+    assert isinstance(req, Submit)
+    assert admit(req, [1] * 45, INFO, Limits(default_max_tokens=16)).max_tokens == 5
+
+
+def test_chat_without_template_is_refused() -> None:
+    from scheduler.admission import prompt_ids
+
+    req = parse_request(
+        {"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert isinstance(req, Submit)
+    with pytest.raises(ProtocolError) as info:
+        prompt_ids(req, None, INFO)
+    assert info.value.code == ErrorCode.NO_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    "pieces,stops,emitted,hit",
+    [
+        (["hel", "lo wor", "ld"], ["lo w"], "hel", True),
+        (["a", "b", "c"], ["bc"], "a", True),
+        (["ab", "x"], ["bc"], "abx", False),  # a held-back 'b' is released once 'x' rules it out
+        (["end"], ["xyz"], "end", False),
+        (["ab", "cd"], ["d", "bc"], "a", True),  # the earliest stop wins
+    ],
+)
+def test_stop_strings(pieces: list[str], stops: list[str], emitted: str, hit: bool) -> None:
+    s = StopStrings(stops)
+    out, matched = "", False
+    for p in pieces:
+        text, matched = s.feed(p)
+        out += text
+        if matched:
+            break
+    if not matched:
+        out += s.flush()
+    assert (out, matched) == (emitted, hit)
+
+
+@given(
+    st.lists(st.text(alphabet="abc", max_size=4), max_size=8),
+    st.lists(st.text(alphabet="abc", min_size=1, max_size=3), min_size=1, max_size=3),
+)
+def test_stop_strings_match_a_plain_search(pieces: list[str], stops: list[str]) -> None:
+    """Streaming in any split equals cutting the whole text at the first stop string."""
+    full = "".join(pieces)
+    s = StopStrings(stops)
+    out, matched = "", False
+    for p in pieces:
+        text, matched = s.feed(p)
+        out += text
+        if matched:
+            break
+    if not matched:
+        out += s.flush()
+    hits = [full.find(x) for x in stops if x in full]
+    want = full[: min(hits)] if hits else full
+    assert out == want and matched == bool(hits)
+
+
+def test_client_events_from_messages() -> None:
+    tok = event_from_message({"type": "token", "id": "a", "tokens": [1], "text": "x"})
+    assert tok == TokenEvent("a", [1], "x", None)
+    end = event_from_message({"type": "error", "id": "a", "code": "bad_field", "message": "m"})
+    assert isinstance(end, EndEvent) and end.error is not None and end.error.code == "bad_field"
+
+
+# ------------------------------------------------------------------ fuzzing the decoder
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-(2**63), 2**63), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+field_names = st.sampled_from(
+    [
+        "v",
+        "type",
+        "id",
+        "prompt",
+        "tokens",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+    ]
+)
+near_valid = st.fixed_dictionaries(
+    {
+        "v": st.sampled_from([1, 1, 1, 2, "1", None]),
+        "type": st.sampled_from(["submit", "cancel", "health", "stats", "x"]),
+        "id": st.text(max_size=5) | st.integers(-(2**63), 2**63),
+    },
+    optional={"prompt": st.text(max_size=10), "tokens": st.lists(msgpack_values, max_size=4)},
+).flatmap(lambda d: st.dictionaries(field_names, msgpack_values, max_size=4).map(lambda extra: {**d, **extra}))
+
+
+def _decode(frame: bytes) -> None:
+    try:
+        parse_request(unpack(frame, max_bytes=4096))
+    except ProtocolError as exc:
+        assert isinstance(exc.code, ErrorCode) and exc.message
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=200))
+def test_decoder_survives_arbitrary_bytes(frame: bytes) -> None:
+    _decode(frame)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(msgpack_values | near_valid)
+def test_decoder_survives_arbitrary_msgpack(value: Any) -> None:
+    _decode(msgpack.packb(value, use_bin_type=True))
