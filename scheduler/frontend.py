@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -24,7 +23,6 @@ from typing import Any
 import anyio
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from clients.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -120,23 +118,22 @@ class FrontEnd:
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._bind(sock)
         loop = asyncio.get_running_loop()
-        send: MemoryObjectSendStream[list[Signal]]
-        recv: MemoryObjectReceiveStream[list[Signal]]
-        send, recv = anyio.create_memory_object_stream(math.inf)
 
         def emit(signals: list[Signal]) -> None:  # runs on the engine thread
-            loop.call_soon_threadsafe(send.send_nowait, signals)
+            # Straight onto the loop, no task hop: this is the per-step hot path.
+            loop.call_soon_threadsafe(self._dispatch, signals)
 
-        self._engine = self._make_engine(emit)
-        self._engine.start()
+        self._engine_done = anyio.Event()
         self._stop_requested = anyio.Event()
+        self._engine = self._make_engine(emit)
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self._engine.start()
                 if self.settings.handle_signals:
                     tg.start_soon(self._watch_signals)
                 tg.start_soon(self._shutdown_when_asked)
-                await self._engine_events(recv)  # returns once the engine stopped or died
+                await self._engine_done.wait()  # set once the engine stopped or died
                 tg.cancel_scope.cancel()
         finally:
             self._sync_sock.close(linger=2000)
@@ -187,27 +184,29 @@ class FrontEnd:
 
     # ------------------------------------------------------------------ engine -> clients
 
-    async def _engine_events(self, recv: MemoryObjectReceiveStream[list[Signal]]) -> None:
-        async for signals in recv:
-            for sig in signals:
-                if isinstance(sig, Tokens):
-                    self._on_tokens(sig)
-                elif isinstance(sig, Finished):
-                    self._on_finished(sig)
-                elif isinstance(sig, Ready):
-                    self._info, self._tokenizer = sig.info, sig.tokenizer
-                    self._status = "ready"
-                    self._tg.start_soon(self._receive)
-                    log.info("ready: model %s on %s", sig.info.name, self.settings.listen)
-                    print(f"mlx-batchd ready: model {sig.info.name} listening on {self.settings.listen}", flush=True)
-                elif isinstance(sig, Stopped):
-                    self._end_all_pending(ErrorCode.SHUTDOWN, "the daemon is shutting down")
-                    return
-                elif isinstance(sig, Dead):
-                    log.error("engine died:\n%s", sig.error)
-                    self._exit_code = 1
-                    self._end_all_pending(ErrorCode.ENGINE_DEAD, "the engine failed; the daemon is exiting")
-                    return
+    def _dispatch(self, signals: list[Signal]) -> None:
+        """Engine events, on the event loop. After ``Stopped`` or ``Dead`` nothing more comes."""
+        if self._engine_done.is_set():
+            return
+        for sig in signals:
+            if isinstance(sig, Tokens):
+                self._on_tokens(sig)
+            elif isinstance(sig, Finished):
+                self._on_finished(sig)
+            elif isinstance(sig, Ready):
+                self._info, self._tokenizer = sig.info, sig.tokenizer
+                self._status = "ready"
+                self._tg.start_soon(self._receive)
+                log.info("ready: model %s on %s", sig.info.name, self.settings.listen)
+                print(f"mlx-batchd ready: model {sig.info.name} listening on {self.settings.listen}", flush=True)
+            elif isinstance(sig, Stopped):
+                self._end_all_pending(ErrorCode.SHUTDOWN, "the daemon is shutting down")
+                self._engine_done.set()
+            elif isinstance(sig, Dead):
+                log.error("engine died:\n%s", sig.error)
+                self._exit_code = 1
+                self._end_all_pending(ErrorCode.ENGINE_DEAD, "the engine failed; the daemon is exiting")
+                self._engine_done.set()
 
     def _on_tokens(self, ev: Tokens) -> None:
         t = self._by_seq.get(ev.seq)
@@ -443,7 +442,7 @@ class FrontEnd:
             "messages_received": self._counts["received"],
             "messages_refused": self._counts["refused"],
             "requests_completed": self._counts["completed"],
-            "engine": dict(self._engine.snapshot),
+            "engine": self._engine.snapshot(),
         }
 
     def _send(self, client: bytes, msg: dict[str, Any]) -> None:

@@ -92,8 +92,7 @@ class EngineThread:
         self._settings = settings or EngineSettings()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
-        #: The latest counters and gauges, replaced (never mutated) after each step.
-        self.snapshot: dict[str, Any] = {}
+        self._engine: Engine | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -135,7 +134,7 @@ class EngineThread:
         except Exception:
             self._emit([Dead(traceback.format_exc())])
             return
-        self._publish(engine)
+        self._engine = engine
         self._emit([Ready(loaded.info, loaded.tokenizer)])
         try:
             self._loop(engine)
@@ -164,19 +163,21 @@ class EngineThread:
                     events += engine.cancel(cmd.seq, cmd.reason, cmd.code, cmd.message)
                 else:
                     events += engine.cancel_all(cmd.reason, cmd.code, cmd.message)
-                    self._publish(engine)
                     if events:
                         self._emit(events)
                     return
             if engine.has_work:
                 events += engine.step()
-            self._publish(engine)
             if events:
                 self._emit(events)
 
-    def _publish(self, engine: Engine) -> None:
-        self.snapshot = {
-            **asdict(engine.counters),
-            "active_sequences": engine.active,
-            "batch_size": engine.batch_size(),
-        }
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and gauges for the stats reply, read from any thread.
+
+        The engine thread only ever replaces these ints and lengths, and reading them is atomic
+        under the GIL, so no lock is taken on the hot path.
+        """
+        engine = self._engine
+        if engine is None:
+            return {}
+        return {**asdict(engine.counters), "active_sequences": engine.active, "batch_size": engine.batch_size()}
