@@ -28,16 +28,115 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = DaemonSettings(
         model=args.model,
+        engine=EngineSettings(
+            max_batch=args.max_batch,
+            prefill_batch=args.prefill_batch,
+            prefill_step=args.prefill_step,
+            pin_scope=args.pin_scope,
+            probe_k=args.probe_k,
+            probe_policy=_probe_policy(args),
+        ),
         listen=args.listen or default_address(),
         context_length=args.context_length,
         limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens),
-        engine=EngineSettings(
-            max_batch=args.max_batch, prefill_batch=args.prefill_batch, prefill_step=args.prefill_step
-        ),
         max_frame_bytes=args.max_frame_bytes,
         drain_timeout=args.drain_timeout,
     )
     return serve(settings)
+
+
+def _probe_policy(args: argparse.Namespace) -> Any:
+    from workers.kernels import Level
+    from workers.probe import ProbePolicy
+
+    return ProbePolicy(
+        allow_inexact=args.allow_inexact,
+        pinned_level=Level(args.pin_level) if args.pin_level else None,
+        accept_classic_variation=args.accept_classic_variation,
+        localize=getattr(args, "localize", False),
+    )
+
+
+def _add_probe_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-inexact",
+        action="store_true",
+        help="run bursts at wide even when no level is exact, marked inexact everywhere",
+    )
+    p.add_argument(
+        "--pin-level",
+        choices=["wide", "narrow", "per-query"],
+        default=None,
+        help="use this kernel level for verify instead of the ladder's choice",
+    )
+    p.add_argument(
+        "--accept-classic-variation",
+        action="store_true",
+        help="where classic decode itself is not reproducible, accept a block no worse than its variation",
+    )
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from mlx_lm.models.cache import make_prompt_cache
+    from tqdm import tqdm
+
+    from workers.demo import cache_dir
+    from workers.models import load
+    from workers.probe import VerdictStore, iter_table, make_draws, probe, serving_pairing, sliding_window
+
+    loaded = load(args.model)
+    ks = [int(k) for k in args.k.split(",")]
+    root = cache_dir()
+
+    def make_cache() -> list[Any]:
+        return make_prompt_cache(loaded.model)
+
+    pairing = serving_pairing(Path(loaded.info.path), loaded.config, args.draft, make_cache(), root / "probe")
+    store = None if args.no_store else VerdictStore(root / "verdicts")
+    report: list[dict[str, Any]] = []
+    for k in ks:
+        draws = make_draws(k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
+        with tqdm(desc=f"probe k={k}", unit="draw", file=sys.stderr, disable=args.json) as bar:
+            verdict = probe(
+                loaded.model,
+                make_cache,
+                pairing,
+                draws,
+                k,
+                store,
+                _probe_policy(args),
+                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+                force=args.force,
+            )
+        report.append({"k": k, "verdict": verdict.to_json()})
+        if not args.json:
+            print(
+                f"\nk = {k} drafted tokens (verify block of {k + 1}), model {loaded.info.name}, "
+                f"{pairing['backend']['device']} {pairing['backend']['device_name']}"
+            )
+            print("| level | result | first position | draw | seconds |")
+            print("|---|---|---|---|---|")
+            for row in iter_table(verdict):
+                print("| " + " | ".join(row) + " |")
+            cached = " (memoised)" if verdict.from_cache else ""
+            print(
+                f"verdict: {verdict.level or 'declined'} ({'exact' if verdict.exact else 'inexact'}) - "
+                f"{verdict.reason}; probe {verdict.probe_seconds:.2f}s{cached}"
+            )
+    widths = loaded.widths.widths
+    if args.json:
+        print(json.dumps({"model": loaded.info.name, "widths": widths, "probes": report}, indent=2))
+    else:
+        print("\nrow-exact widths (narrow level): " + ", ".join(f"{k}: {v}" for k, v in widths.items()))
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from workers.synthetic import PRESETS, write_model
+
+    path = write_model(Path(args.out), PRESETS[args.preset], seed=args.seed)
+    print(path)
+    return 0
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,7 +251,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="on SIGTERM/SIGINT, let in-flight requests finish for up to this many seconds",
     )
+    p.add_argument(
+        "--pin-scope",
+        choices=["scoped", "process"],
+        default="scoped",
+        help="scoped: only verify forwards run pinned; process: every forward (the seed's way, for comparison)",
+    )
+    p.add_argument(
+        "--probe-k",
+        type=int,
+        default=None,
+        help="probe the verify pairing for K drafted tokens at start-up, in the background",
+    )
+    _add_probe_policy(p)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("probe", help="measure whether a verify block is byte-identical to classic decode, per level")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--draft", default="none", help="the drafter of the pairing (part of the verdict's fingerprint)")
+    p.add_argument("-k", default="4", help="drafted tokens per round; a comma list probes several (2,3,4)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--localize", action="store_true", help="name the first layer/op that diverges")
+    p.add_argument("--force", action="store_true", help="re-probe even when a memoised verdict exists")
+    p.add_argument("--no-store", action="store_true", help="neither read nor write memoised verdicts")
+    _add_probe_policy(p)
+    p.set_defaults(func=_probe)
+
+    p = sub.add_parser("synth", help="write a random-weight model directory from a preset config")
+    p.add_argument("--preset", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_synth)
 
     p = sub.add_parser("generate", help="send one prompt to a running daemon and stream the answer")
     p.add_argument("prompt")

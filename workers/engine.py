@@ -8,14 +8,21 @@ nothing of sockets, so it can be driven directly by tests and benchmarks.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from clients.protocol import SamplingOptions
+from workers.kernels import Level, process_level, set_process_level
+from workers.pins import CountedModel, PinLedger, pinned, unpinned
+from workers.probe import Verdict, failed_verdict
 from workers.sampling import make_sampler
+
+PinScope = Literal["scoped", "process"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,13 @@ Event = Tokens | Finished
 
 
 @dataclass
+class ProbeState:
+    name: str
+    steps: Generator[str, None, Verdict]
+    label: str = "starting"
+
+
+@dataclass
 class _Sequence:
     job: Job
     uid: int
@@ -102,8 +116,15 @@ class Engine:
         max_batch: int = 32,
         prefill_batch: int = 8,
         prefill_step: int = 2048,
+        pin_scope: PinScope = "scoped",
     ) -> None:
+        self.pin_scope = pin_scope
         self.model = model
+        self.ledger = PinLedger()
+        #: The target as every forward sees it: counted, and wrapped for per-query attention.
+        self.counted = CountedModel(model, self.ledger)
+        self.probe_state: ProbeState | None = None
+        self.verdicts: dict[str, Verdict] = {}
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_batch = max_batch
@@ -116,7 +137,7 @@ class Engine:
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self.model,
+            self.counted,  # type: ignore[arg-type]
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(self.prefill_batch, self.max_batch),
             prefill_step_size=self.prefill_step,
@@ -186,8 +207,12 @@ class Engine:
     def _step(self) -> list[Event]:
         tic = time.perf_counter()
         decoding = len(self._gen._generation_batch) > 0
-        prompt_responses, gen_responses = self._gen.next()
+        with unpinned("serving"):  # batched work never sees a scoped pin
+            prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()
+        level = process_level()
+        if level is not Level.WIDE:
+            self.ledger.record_seconds(level, "serving", False, time.perf_counter() - tic)
         self.counters.peak_batch_size = max(self.counters.peak_batch_size, self.batch_size())
         if decoding:
             self.counters.decode_steps += 1
@@ -234,3 +259,56 @@ class Engine:
 
     def clear_memory(self) -> None:
         mx.clear_cache()
+
+    # ------------------------------------------------------------------ pins and the probe
+
+    def pinned(self, level: Level, purpose: str = "verify") -> AbstractContextManager[None]:
+        """``with engine.pinned(level): logits = engine.forward(...); mx.eval(logits)``: only the
+        forwards built inside the block run at ``level``; they are counted as requested."""
+        return pinned(self.ledger, level, purpose)
+
+    def forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        """One target forward at whatever level is in force (wide unless inside ``pinned``)."""
+        return self.counted(inputs, cache=cache)
+
+    def start_probe(self, name: str, steps: Generator[str, None, Verdict]) -> None:
+        """Queue a probe; ``probe_step`` advances it one draw at a time."""
+        self.probe_state = ProbeState(name, steps)
+
+    @property
+    def probing(self) -> bool:
+        return self.probe_state is not None
+
+    def probe_step(self) -> Verdict | None:
+        """Advance the probe by one draw; return the verdict when it is done."""
+        state = self.probe_state
+        if state is None:
+            return None
+        try:
+            with unpinned("probe"):
+                state.label = next(state.steps)
+            return None
+        except StopIteration as done:
+            verdict: Verdict = done.value
+        except Exception as exc:  # a probe that fails is a declined verdict, never a crash
+            verdict = failed_verdict(state.name, exc)
+        self.probe_state = None
+        self.verdicts[state.name] = verdict
+        if self.pin_scope == "process" and verdict.level is not None:
+            set_process_level(Level(verdict.level))
+        return verdict
+
+    def verdict_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            name: {
+                "level": v.level,
+                "exact": v.exact,
+                "reason": v.reason,
+                "probe_seconds": v.probe_seconds,
+                "from_cache": v.from_cache,
+            }
+            for name, v in self.verdicts.items()
+        }
+        if self.probe_state is not None:
+            out[self.probe_state.name] = {"status": "probing", "at": self.probe_state.label}
+        return out

@@ -15,11 +15,13 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from workers.engine import Engine, Event, Job
+from workers.engine import Engine, Event, Job, PinScope
 from workers.models import LoadedModel, ModelInfo
+from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
 
 
 @dataclass
@@ -69,6 +71,11 @@ class EngineSettings:
     max_batch: int = 32
     prefill_batch: int = 8
     prefill_step: int = 2048
+    pin_scope: PinScope = "scoped"
+    #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
+    probe_k: int | None = None
+    drafter: str = "none"
+    probe_policy: ProbePolicy = field(default_factory=ProbePolicy)
 
 
 def warm_up(engine: Engine) -> None:
@@ -128,8 +135,11 @@ class EngineThread:
                 max_batch=s.max_batch,
                 prefill_batch=s.prefill_batch,
                 prefill_step=s.prefill_step,
+                pin_scope=s.pin_scope,
             )
             warm_up(engine)
+            if s.probe_k is not None:
+                start_probe(engine, loaded, s)
             engine.counters = type(engine.counters)()
         except Exception:
             self._emit([Dead(traceback.format_exc())])
@@ -156,7 +166,7 @@ class EngineThread:
     def _loop(self, engine: Engine) -> None:
         while True:
             events: list[Signal] = []
-            for cmd in self._commands(block=not engine.has_work):
+            for cmd in self._commands(block=not engine.has_work and not engine.probing):
                 if isinstance(cmd, _Submit):
                     engine.submit(cmd.job)
                 elif isinstance(cmd, _Cancel):
@@ -170,6 +180,10 @@ class EngineThread:
                 events += engine.step()
             if events:
                 self._emit(events)
+            # The probe runs a draw at a time while at most one sequence is active, so it never
+            # holds up a batch; under heavier load it waits.
+            if engine.probing and engine.active <= 1:
+                engine.probe_step()
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges for the stats reply, read from any thread.
@@ -180,4 +194,30 @@ class EngineThread:
         engine = self._engine
         if engine is None:
             return {}
-        return {**asdict(engine.counters), "active_sequences": engine.active, "batch_size": engine.batch_size()}
+        return {
+            **asdict(engine.counters),
+            "active_sequences": engine.active,
+            "batch_size": engine.batch_size(),
+            "pin_scope": engine.pin_scope,
+            "pins": engine.ledger.snapshot(),
+            "verdicts": engine.verdict_summary(),
+        }
+
+
+def start_probe(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
+    """Queue the start-up probe for the configured pairing (memoised on disk by fingerprint)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from workers.demo import cache_dir
+
+    assert s.probe_k is not None
+
+    def make_cache() -> list[Any]:
+        return make_prompt_cache(loaded.model)
+
+    root = cache_dir()
+    pairing = serving_pairing(Path(loaded.info.path), loaded.config, s.drafter, make_cache(), root / "probe")
+    draws = make_draws(s.probe_k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
+    name = f"{loaded.info.name}+{s.drafter} k={s.probe_k}"
+    store = VerdictStore(root / "verdicts")
+    engine.start_probe(name, probe_steps(engine.counted, make_cache, pairing, draws, s.probe_k, store, s.probe_policy))

@@ -8,6 +8,8 @@ from typing import Any, cast
 
 import mlx.nn as nn
 
+from workers.kernels import WidthReport, measure_widths
+
 #: Config keys that state a model's trained context, in the order mlx-lm families use them.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
 FALLBACK_CONTEXT = 4096
@@ -32,6 +34,7 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
     config: dict[str, Any]
     info: ModelInfo
+    widths: WidthReport
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -75,6 +78,7 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
 
     path = resolve_model_path(spec)
     model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], mlx_load(str(path), return_config=True))
+    widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     info = ModelInfo(
         name=spec if spec == "demo" else path.name,
         path=str(path),
@@ -84,4 +88,4 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         has_chat_template=bool(tokenizer.has_chat_template),
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info, widths=widths)

@@ -1,0 +1,534 @@
+"""The exactness probe: is a verify block byte-identical to classic decode, and at what level?
+
+For a pairing (target, drafter, K drafted tokens) the verify forward runs a block of ``K + 1``
+tokens (the last accepted token and K drafts). The probe compares the **chain** (``K + 1``
+single-token forwards, classic decode, always wide) with the **block** (one forward at a kernel
+level) on fresh caches built as serving builds them, byte for byte over every position's full
+logit row. Draws are chosen where divergences hide: short prompts, a block that crosses a
+KV-cache capacity boundary (caches grow in steps of 256), and a long context past the sliding
+window (or >= 1024 tokens).
+
+Classic decode is run twice first: a draw whose chain does not reproduce is ``nondeterministic``
+and is declined unless the operator accepts "no worse than classic's own variation".
+
+The ladder tries wide, narrow, per-query; the verdict is the cheapest exact level, or declined
+(fail closed). Verdicts are memoised by a fingerprint of everything that can change the answer and
+persisted as JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from workers.kernels import LADDER, Level, bytes_view, install, scoped, wrap_caches
+
+#: Bump when the probe's method changes, so persisted verdicts are re-measured.
+PROBE_VERSION = 1
+SHORT_PROMPT = 8
+CAPACITY_STEP = 256
+LONG_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One probe input: prefill ``prompt[:-1]``, then chain/block from ``prompt[-1]``."""
+
+    name: str
+    prompt: list[int]
+
+
+@dataclass
+class DrawResult:
+    draw: str
+    context: int
+    exact: bool
+    nondeterministic: bool = False
+    first_position: int | None = None
+    differing_bytes: int = 0
+    total_bytes: int = 0
+    chain_vs_chain_bytes: int = 0
+    accepted_as_classic_variation: bool = False
+    seconds: float = 0.0
+    first_divergence: str | None = None
+
+
+@dataclass
+class LevelResult:
+    level: str
+    exact: bool
+    draws: list[DrawResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class Verdict:
+    """The outcome for one pairing. ``level is None`` means declined: bursts must not run."""
+
+    fingerprint: str
+    pairing: dict[str, Any]
+    level: str | None
+    exact: bool
+    reason: str
+    ladder: list[LevelResult]
+    probe_seconds: float
+    created: float = field(default_factory=time.time)
+    from_cache: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Verdict:
+        ladder = [
+            LevelResult(lr["level"], lr["exact"], [DrawResult(**d) for d in lr["draws"]], lr["seconds"])
+            for lr in data["ladder"]
+        ]
+        return cls(**{**data, "ladder": ladder})
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    allow_inexact: bool = False
+    pinned_level: Level | None = None
+    accept_classic_variation: bool = False
+    localize: bool = False
+
+
+# --------------------------------------------------------------------------- draws
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        w = source.get("sliding_window")
+        if isinstance(w, int) and w > 0:
+            return w
+    return None
+
+
+def make_draws(k: int, vocab: int, context: int, window: int | None, seed: int = 0) -> list[Draw]:
+    """Three short draws, one whose block crosses a capacity boundary, one long one."""
+    rng = random.Random(seed)
+    width = k + 1
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    draws = [Draw(f"short-{i + 1}", prompt(SHORT_PROMPT)) for i in range(3)]
+    # Keys before the block: ``o``; query j sees o + j + 1 keys. Start so they run 255, 256, 257.
+    o = CAPACITY_STEP - 2 if width >= 3 else CAPACITY_STEP - 1
+    if o + width < context:
+        draws.append(Draw(f"capacity-{CAPACITY_STEP}", prompt(o + 1)))
+    long_len = max(window + 64, LONG_CONTEXT + 37) if window is not None else LONG_CONTEXT + 37
+    long_len = min(long_len, context - width - 1)
+    if long_len > o + 1:
+        draws.append(Draw(f"long-{long_len}" + (f"-past-window-{window}" if window else ""), prompt(long_len)))
+    return draws
+
+
+# --------------------------------------------------------------------------- running one draw
+
+
+MakeCache = Callable[[], list[Any]]
+
+
+def _prefill(model: nn.Module, cache: list[Any], tokens: list[int], step: int = 2048) -> None:
+    for i in range(0, len(tokens), step):
+        model(mx.array([tokens[i : i + step]]), cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def run_chain(model: nn.Module, make_cache: MakeCache, draw: Draw, width: int) -> tuple[mx.array, list[int]]:
+    """Classic decode: ``width`` single-token forwards, feeding its own argmax. Always wide."""
+    cache = make_cache()
+    _prefill(model, cache, draw.prompt[:-1])
+    token = draw.prompt[-1]
+    fed, rows = [], []
+    with scoped(Level.WIDE):
+        for _ in range(width):
+            fed.append(token)
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+            mx.eval(logits)
+            rows.append(logits)
+            token = int(mx.argmax(logits).item())
+    return mx.stack(rows), fed
+
+
+def run_block(model: nn.Module, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level) -> mx.array:
+    """One forward over ``tokens`` at ``level`` on a freshly prefilled cache."""
+    cache = make_cache()
+    _prefill(model, cache, draw.prompt[:-1])
+    with scoped(level):
+        layers = wrap_caches(cache) if level is Level.PER_QUERY else cache
+        logits = model(mx.array([tokens]), cache=layers)[0]
+        mx.eval(logits)
+    return logits
+
+
+def compare(chain: mx.array, block: mx.array) -> tuple[int | None, int, int]:
+    """First differing position, differing bytes, total bytes."""
+    a = chain.view(mx.uint8).reshape(chain.shape[0], -1)
+    b = block.view(mx.uint8).reshape(block.shape[0], -1)
+    diff = a != b
+    per_row = mx.sum(diff, axis=1).tolist()
+    first = next((i for i, n in enumerate(per_row) if n), None)
+    return first, int(sum(per_row)), int(a.size)
+
+
+# --------------------------------------------------------------------------- localizing
+
+
+class _Capture(nn.Module):
+    """Records a sublayer's outputs, for finding the first layer/op where block and chain part."""
+
+    def __init__(self, inner: nn.Module, name: str, store: dict[str, list[mx.array]]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._name = name
+        self._store = store
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        self._store.setdefault(self._name, []).append(out)
+        return out
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    for holder in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
+        layers = getattr(holder, "layers", None) if holder is not None else None
+        if isinstance(layers, list):
+            return layers
+    return []
+
+
+@dataclass
+class _Hooks:
+    store: dict[str, list[mx.array]]
+    order: list[str]
+
+
+def _install_captures(model: nn.Module) -> tuple[_Hooks, Callable[[], None]]:
+    store: dict[str, list[mx.array]] = {}
+    order: list[str] = []
+    undo: list[Callable[[], None]] = []
+    layers = _layers(model)
+    for i, layer in enumerate(layers):
+        for sub in ("self_attn", "mlp", "block_sparse_moe", "feed_forward"):
+            inner = getattr(layer, sub, None)
+            if isinstance(inner, nn.Module):
+                name = f"layer {i} {sub}"
+                setattr(layer, sub, _Capture(inner, name, store))
+                order.append(name)
+                undo.append(lambda layer=layer, sub=sub, inner=inner: setattr(layer, sub, inner))
+        name = f"layer {i} output"
+        layers[i] = _Capture(layer, name, store)
+        order.append(name)
+        undo.append(lambda i=i, layer=layer: layers.__setitem__(i, layer))
+
+    def restore() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return _Hooks(store, order), restore
+
+
+def localize(
+    model: nn.Module, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level, position: int
+) -> str:
+    """Name the first sublayer (in forward order) whose output at ``position`` differs."""
+    hooks, restore = _install_captures(model)
+    try:
+        cache = make_cache()
+        _prefill(model, cache, draw.prompt[:-1])
+        hooks.store.clear()
+        with scoped(Level.WIDE):
+            for t in tokens:
+                model(mx.array([[t]]), cache=cache)
+        chain = {k: v[:] for k, v in hooks.store.items()}
+        cache = make_cache()
+        _prefill(model, cache, draw.prompt[:-1])
+        hooks.store.clear()
+        with scoped(level):
+            model(mx.array([tokens]), cache=wrap_caches(cache) if level is Level.PER_QUERY else cache)
+        block = {k: v[:] for k, v in hooks.store.items()}
+    finally:
+        restore()
+    for name in hooks.order:
+        if name not in chain or name not in block:
+            continue
+        for j in range(position + 1):
+            a, b = chain[name][j][0, -1], block[name][-1][0, j]
+            if not bool(mx.all(bytes_view(a) == bytes_view(b)).item()):
+                return f"{name}, position {j}"
+    return "logits only (every captured layer output agrees)"
+
+
+# --------------------------------------------------------------------------- the ladder
+
+
+LadderOutcome = tuple[Level | None, bool, str, list[LevelResult]]
+
+
+def ladder_steps(
+    model: nn.Module,
+    make_cache: MakeCache,
+    draws: list[Draw],
+    k: int,
+    policy: ProbePolicy = ProbePolicy(),
+    levels: tuple[Level, ...] = LADDER,
+) -> Generator[str, None, LadderOutcome]:
+    """The ladder, one draw per step: yields a label before each draw and returns
+    (level or None, exact, reason, per-level results). The engine drives it a step at a time
+    between batched steps; ``run_ladder`` drives it to the end."""
+    install()
+    width = k + 1
+    baselines: dict[str, tuple[mx.array, list[int], int]] = {}
+    if policy.pinned_level is not None:
+        levels = (policy.pinned_level,)
+    results: list[LevelResult] = []
+    for level in levels:
+        lr = LevelResult(level.value, exact=True)
+        tic_level = time.perf_counter()
+        for draw in draws:
+            yield f"{level.value}: {draw.name}"
+            tic = time.perf_counter()
+            if draw.name not in baselines:
+                chain1, fed = run_chain(model, make_cache, draw, width)
+                chain2, _ = run_chain(model, make_cache, draw, width)
+                baselines[draw.name] = (chain1, fed, compare(chain1, chain2)[1])
+            chain, fed, classic_var = baselines[draw.name]
+            block = run_block(model, make_cache, draw, fed, level)
+            first, diff, total = compare(chain, block)
+            dr = DrawResult(
+                draw.name,
+                len(draw.prompt),
+                exact=diff == 0,
+                first_position=first,
+                differing_bytes=diff,
+                total_bytes=total,
+                chain_vs_chain_bytes=classic_var,
+            )
+            if classic_var:
+                dr.nondeterministic = True
+                dr.accepted_as_classic_variation = policy.accept_classic_variation and diff <= classic_var
+                dr.exact = False
+            if not dr.exact and first is not None and policy.localize:
+                dr.first_divergence = localize(model, make_cache, draw, fed, level, first)
+            dr.seconds = time.perf_counter() - tic
+            lr.draws.append(dr)
+            if not (dr.exact or dr.accepted_as_classic_variation):
+                lr.exact = False
+                break  # stop at the first divergence
+        lr.seconds = time.perf_counter() - tic_level
+        results.append(lr)
+        if lr.exact:
+            if any(d.nondeterministic for d in lr.draws):
+                return level, True, "no worse than classic decode's own run-to-run variation (operator policy)", results
+            return level, True, "exact at every draw", results
+    last = results[-1].draws[-1]
+    why = (
+        f"classic decode is not reproducible at draw {last.draw} ({last.chain_vs_chain_bytes} bytes differ chain vs chain)"
+        if last.nondeterministic
+        else f"no level is exact: at {results[-1].level}, draw {last.draw} position {last.first_position} "
+        f"differs in {last.differing_bytes} of {last.total_bytes} logit bytes"
+    )
+    if policy.pinned_level is not None:
+        return (
+            policy.pinned_level,
+            False,
+            f"operator pinned {policy.pinned_level.value}, which is inexact: {why}",
+            results,
+        )
+    if policy.allow_inexact:
+        return Level.WIDE, False, f"--allow-inexact: bursts run at wide, marked inexact ({why})", results
+    return None, False, f"declined: {why}", results
+
+
+def run_ladder(
+    model: nn.Module,
+    make_cache: MakeCache,
+    draws: list[Draw],
+    k: int,
+    policy: ProbePolicy = ProbePolicy(),
+    levels: tuple[Level, ...] = LADDER,
+    progress: Callable[[str], None] | None = None,
+) -> LadderOutcome:
+    return drive(ladder_steps(model, make_cache, draws, k, policy, levels), progress)
+
+
+def drive(steps: Generator[str, None, Any], progress: Callable[[str], None] | None = None) -> Any:
+    """Run a step generator to its end and return its value."""
+    while True:
+        try:
+            label = next(steps)
+        except StopIteration as done:
+            return done.value
+        if progress is not None:
+            progress(label)
+
+
+# --------------------------------------------------------------------------- fingerprints and memo
+
+
+def _file_sha256(path: Path, memo: dict[str, Any]) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if key not in memo:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        memo[key] = h.hexdigest()
+    return str(memo[key])
+
+
+def model_fingerprint(model_dir: Path, cache_dir: Path) -> str:
+    """sha256 over the config and every weight file's content (file hashes memoised by size
+    and mtime, so a 5 GB checkpoint is read once)."""
+    memo_path = cache_dir / "file-hashes.json"
+    memo: dict[str, Any] = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+    h = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix in (".safetensors", ".json") and path.is_file():
+            h.update(path.name.encode())
+            h.update(_file_sha256(path, memo).encode())
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    memo_path.write_text(json.dumps(memo))
+    return h.hexdigest()
+
+
+def backend_fingerprint() -> dict[str, str]:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return {
+        "device": str(mx.default_device()),
+        "device_name": str(info.get("device_name", "")),
+        "architecture": str(info.get("architecture", "")),
+        "mlx": mx.__version__,
+    }
+
+
+def pairing_fingerprint(pairing: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps({**pairing, "probe_version": PROBE_VERSION}, sort_keys=True).encode()).hexdigest()
+
+
+class VerdictStore:
+    """Verdicts as JSON files named by fingerprint."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, fingerprint: str) -> Path:
+        return self.root / f"{fingerprint}.json"
+
+    def get(self, fingerprint: str) -> Verdict | None:
+        path = self.path(fingerprint)
+        if not path.exists():
+            return None
+        try:
+            verdict = Verdict.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            return None  # a damaged file is re-probed, never trusted
+        verdict.from_cache = True
+        return verdict
+
+    def put(self, verdict: Verdict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(verdict.fingerprint).with_suffix(".tmp")
+        tmp.write_text(json.dumps(verdict.to_json(), indent=2))
+        tmp.replace(self.path(verdict.fingerprint))
+
+
+def probe_steps(
+    model: nn.Module,
+    make_cache: MakeCache,
+    pairing: dict[str, Any],
+    draws: list[Draw],
+    k: int,
+    store: VerdictStore | None = None,
+    policy: ProbePolicy = ProbePolicy(),
+    force: bool = False,
+) -> Generator[str, None, Verdict]:
+    """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
+    the drafter and the backend), from the store when its fingerprint is known, else measured a
+    draw per step."""
+    full = {
+        **pairing,
+        "k": k,
+        "policy": {k2: str(v) for k2, v in asdict(policy).items()},
+        "draws": [(d.name, len(d.prompt)) for d in draws],
+    }
+    fp = pairing_fingerprint(full)
+    if store is not None and not force:
+        cached = store.get(fp)
+        if cached is not None:
+            return cached
+    tic = time.perf_counter()
+    level, exact, reason, ladder = yield from ladder_steps(model, make_cache, draws, k, policy)
+    verdict = Verdict(
+        fp, full, None if level is None else level.value, exact, reason, ladder, time.perf_counter() - tic
+    )
+    if store is not None:
+        store.put(verdict)
+    return verdict
+
+
+def failed_verdict(name: str, exc: BaseException) -> Verdict:
+    """A probe that raised: declined, with the error as the reason (fail closed)."""
+    return Verdict("", {"pairing": name}, None, False, f"declined: the probe failed: {exc!r}", [], 0.0)
+
+
+def probe(
+    model: nn.Module,
+    make_cache: MakeCache,
+    pairing: dict[str, Any],
+    draws: list[Draw],
+    k: int,
+    store: VerdictStore | None = None,
+    policy: ProbePolicy = ProbePolicy(),
+    progress: Callable[[str], None] | None = None,
+    force: bool = False,
+) -> Verdict:
+    return drive(probe_steps(model, make_cache, pairing, draws, k, store, policy, force), progress)
+
+
+def iter_table(verdict: Verdict) -> Iterator[tuple[str, str, str, str, str]]:
+    """Rows of (level, result, first position, draw, seconds) for printing."""
+    for lr in verdict.ladder:
+        for d in lr.draws:
+            if d.exact:
+                result = "exact"
+            elif d.nondeterministic:
+                result = f"nondeterministic: block {d.differing_bytes} / chain-vs-chain {d.chain_vs_chain_bytes} of {d.total_bytes} B"
+            else:
+                result = f"{d.differing_bytes} / {d.total_bytes} B differ"
+            if d.first_divergence:
+                result += f" (first: {d.first_divergence})"
+            pos = "-" if d.first_position is None else str(d.first_position)
+            yield lr.level, result, pos, f"{d.draw} ({d.context} tok)", f"{d.seconds:.2f}"
+
+
+# --------------------------------------------------------------------------- serving's pairing
+
+
+def serving_pairing(
+    model_dir: Path, config: dict[str, Any], drafter: str, cache: list[Any], cache_root: Path
+) -> dict[str, Any]:
+    """Everything that can change a verdict: weights and config, dtype and quantization (both in
+    the config and the weights), drafter, the cache types serving builds, backend and versions."""
+    return {
+        "model": model_fingerprint(model_dir, cache_root),
+        "model_type": config.get("model_type"),
+        "quantization": config.get("quantization"),
+        "drafter": drafter,
+        "caches": [type(c).__name__ + (f"({c.max_size})" if hasattr(c, "max_size") else "") for c in cache],
+        "backend": backend_fingerprint(),
+    }
