@@ -16,6 +16,21 @@ from scheduler.spawn import DaemonProcess
 TEST_CONTEXT = 384
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Generated models and memoised verdicts go to a temp dir, never the user's cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("mlx-batchd-cache")
+    old = os.environ.get("MLX_BATCHD_CACHE")
+    os.environ["MLX_BATCHD_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MLX_BATCHD_CACHE", None)
+    else:
+        os.environ["MLX_BATCHD_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer bf16 llama with random weights and a byte tokenizer: loads like any mlx-lm model."""
@@ -47,6 +62,7 @@ class Daemon:
 
 def start_daemon(model: Path | str, workdir: Path, *extra: str) -> Daemon:
     """Start ``mlx-batchd serve`` as a real process on an ipc socket and wait for the ready handshake."""
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "daemon.log"
     process = DaemonProcess(model, f"ipc://{workdir / 'daemon.sock'}", *extra, log=log_path.open("w"))
     daemon = Daemon(process, log_path)

@@ -138,3 +138,72 @@ def llama_config(
     if quant_bits is not None:
         config["quantization"] = {"group_size": 64, "bits": quant_bits}
     return config
+
+
+def gemma3_config(
+    hidden: int = 128,
+    layers: int = 4,
+    window: int = 64,
+    pattern: int = 2,
+    dtype: str = "float32",
+    vocab: int = BYTE_VOCAB,
+) -> dict[str, Any]:
+    """A gemma3-text config with sliding-window layers (rotating KV caches)."""
+    return {
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "head_dim": hidden // 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "sliding_window": window,
+        "sliding_window_pattern": pattern,
+        "max_position_embeddings": 4096,
+        "query_pre_attn_scalar": hidden // 4,
+        "torch_dtype": dtype,
+    }
+
+
+def qwen3_config(
+    hidden: int = 128, layers: int = 2, experts: int = 0, dtype: str = "bfloat16", vocab: int = BYTE_VOCAB
+) -> dict[str, Any]:
+    """A qwen3 config; ``experts > 0`` makes it qwen3_moe (switch layers, 2 experts per token)."""
+    config: dict[str, Any] = {
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+    }
+    if experts:
+        config.update(
+            model_type="qwen3_moe",
+            num_experts=experts,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=hidden,
+            norm_topk_prob=True,
+        )
+    return config
+
+
+#: Named configs for ``mlx-batchd synth``; the H200 measurements use ``llama-8b-4bit``.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": llama_config(),
+    "llama-8b-4bit": llama_config(4096, 32, 14336, 32, 8, 128256, context=8192, quant_bits=4),
+    "gemma3-sliding-f32": gemma3_config(),
+    "qwen3-tiny": qwen3_config(),
+    "qwen3-moe-tiny": qwen3_config(experts=4, dtype="float32"),  # MLX CPU gather_mm is f32-only
+    "mistral-tiny": {**llama_config(), "model_type": "mistral"},
+}
