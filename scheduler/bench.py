@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         "model": args.model,
         "model_path": loaded.info.path,
         "device": str(mx.default_device()),
-        "mlx": mx.__version__,
+        "mlx": str(getattr(mx, "__version__", "unknown")),
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,

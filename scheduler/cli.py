@@ -105,7 +105,7 @@ def _probe(args: argparse.Namespace) -> int:
                 k,
                 store,
                 _probe_policy(args),
-                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+                progress=lambda label: _tick(bar, label),
                 force=args.force,
             )
         report.append({"k": k, "verdict": verdict.to_json()})
@@ -129,6 +129,11 @@ def _probe(args: argparse.Namespace) -> int:
     else:
         print("\nrow-exact widths (narrow level): " + ", ".join(f"{k}: {v}" for k, v in widths.items()))
     return 0
+
+
+def _tick(bar: Any, label: str) -> None:
+    bar.set_postfix_str(label)
+    bar.update()
 
 
 def _synth(args: argparse.Namespace) -> int:

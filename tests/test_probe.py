@@ -48,7 +48,8 @@ def _load(path: Path) -> Any:
     return model
 
 
-def _probe(model: Any, k: int = 3, policy: ProbePolicy = ProbePolicy(), window: int | None = None, **kw: Any) -> Any:
+def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, window: int | None = None, **kw: Any) -> Any:
+    policy = policy or ProbePolicy()
     draws = make_draws(k, VOCAB, 4096, window)
     return probe(model, lambda: make_prompt_cache(model), {"test": True}, draws, k, policy=policy, **kw)
 
