@@ -81,28 +81,32 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
 
 def main(args: argparse.Namespace) -> int:
     import mlx.core as mx
+    from mlx_lm.utils import load as mlx_load
     from tqdm import tqdm
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
-    from workers.models import load
+    from workers.models import resolve_model_path
 
-    loaded = load(args.model)
-    eos = list(loaded.info.eos_token_ids)
+    # The raw arm is plain mlx-lm, loaded without the daemon's kernel-level patches, so the
+    # ratio includes everything the daemon adds.
+    path = resolve_model_path(args.model)
+    model, tokenizer = mlx_load(str(path))[:2]
+    eos = sorted(tokenizer.eos_token_ids)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    vocab = loaded.info.vocab_size
+    vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     sock = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-")) / "daemon.sock"
     samples: dict[tuple[str, int], list[float]] = {}
     with DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens)) as daemon:
         with Client(daemon.address, timeout=3600) as client:
             warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
-            run_raw(loaded.model, eos, warm, 8)
+            run_raw(model, eos, warm, 8)
             run_daemon(client, warm, 8)
             steps = [(b, rep, arm) for b in batches for rep in range(args.repeats) for arm in ("raw", "daemon")]
             for b, rep, arm in tqdm(steps, desc="bench", unit="run"):
                 prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
                 if arm == "raw":
-                    n, wall = run_raw(loaded.model, eos, prompts, args.tokens)
+                    n, wall = run_raw(model, eos, prompts, args.tokens)
                 else:
                     n, wall = run_daemon(client, prompts, args.tokens)
                 samples.setdefault((arm, b), []).append(n / wall)
@@ -113,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append({"batch": b, "raw_tok_s": raw, "daemon_tok_s": dmn, "ratio": dmn / raw})
     meta = {
         "model": args.model,
-        "model_path": loaded.info.path,
+        "model_path": str(path),
         "device": str(mx.default_device()),
         "mlx": str(getattr(mx, "__version__", "unknown")),
         "tokens": args.tokens,
