@@ -24,6 +24,7 @@ DEMO_PROMPTS = [
 def _serve(args: argparse.Namespace) -> int:
     from scheduler.admission import Limits
     from scheduler.daemon import DaemonSettings, serve
+    from workers.burst import BurstSettings
     from workers.loop import EngineSettings
 
     settings = DaemonSettings(
@@ -35,6 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
             pin_scope=args.pin_scope,
             probe_k=args.probe_k,
             probe_policy=_probe_policy(args),
+            draft=args.draft,
+            mtp=args.mtp,
+            bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
         ),
         listen=args.listen or default_address(),
         context_length=args.context_length,
@@ -266,7 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe-k",
         type=int,
         default=None,
-        help="probe the verify pairing for K drafted tokens at start-up, in the background",
+        help="without a drafter: probe the verify pairing for K drafted tokens at start-up",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="speculative drafter for B = 1 bursts: a draft model directory, 'demo' or 'prompt-lookup'",
+    )
+    p.add_argument("--mtp", default=None, help="an MTP head directory (or 'demo') as the drafter")
+    p.add_argument("-k", type=int, default=4, help="drafted tokens per burst round (the verify block is K + 1)")
+    p.add_argument(
+        "--audit-fraction",
+        type=float,
+        default=0.02,
+        help="fraction of burst rounds re-checked against a single-token forward",
     )
     _add_probe_policy(p)
     p.set_defaults(func=_serve)

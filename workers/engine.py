@@ -7,6 +7,7 @@ nothing of sockets, so it can be driven directly by tests and benchmarks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator
 from contextlib import AbstractContextManager
@@ -15,12 +16,26 @@ from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from clients.protocol import SamplingOptions
-from workers.kernels import Level, process_level, set_process_level
+from workers.arrays import as_float, as_int
+from workers.burst import (
+    Adaptive,
+    Auditor,
+    BurstCounters,
+    BurstSeq,
+    BurstSettings,
+    emit_in_order,
+)
+from workers.drafters import Drafter
+from workers.kernels import Level, bytes_equal, process_level, set_process_level
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
 from workers.probe import Verdict, failed_verdict
-from workers.sampling import make_sampler
+from workers.sampling import SeededSampler, make_sampler
+from workers.speculative import accept_greedy, accept_sampled
+
+log = logging.getLogger("mlx_batchd.engine")
 
 PinScope = Literal["scoped", "process"]
 
@@ -85,9 +100,13 @@ class ProbeState:
 class _Sequence:
     job: Job
     uid: int
+    sampler: SeededSampler | None = None
+    stops: frozenset[int] = frozenset()
     prefill_started: float | None = None
     first_token: float | None = None
     emitted: int = 0
+    #: Set when this sequence must not burst again (a non-trimmable cache, a failed drafter).
+    no_burst: str | None = None
 
 
 @dataclass
@@ -131,6 +150,15 @@ class Engine:
         self.prefill_batch = prefill_batch
         self.prefill_step = prefill_step
         self.counters = EngineCounters()
+        self.drafter: Drafter | None = None
+        self.burst_settings = BurstSettings()
+        self.pairing: str | None = None
+        self.revoked: dict[str, str] = {}
+        self.bursts = BurstCounters()
+        self.adaptive = Adaptive(self.burst_settings)
+        self._auditor = Auditor(0.0, 0)
+        self._burst: BurstSeq | None = None
+        self._last_decline: tuple[int, str] | None = None
         self._seqs: dict[int, _Sequence] = {}  # by caller seq
         self._by_uid: dict[int, _Sequence] = {}
         self._gen = self._new_generator()
@@ -161,19 +189,28 @@ class Engine:
     # ------------------------------------------------------------------ commands
 
     def submit(self, job: Job) -> None:
-        stops = [(t,) for t in (*self.eos_token_ids, *job.stop_token_ids)]
-        # ``None`` is the batch's shared greedy sampler (mlx-lm's annotation omits it).
-        samplers: list[Any] = [make_sampler(job.sampling, self.vocab_size)]
-        (uid,) = self._gen.insert(
-            [job.prompt],
-            max_tokens=[job.max_tokens],
-            samplers=samplers,
-            stop_sequences=[StopSequences(stops)],
-        )
-        seq = _Sequence(job=job, uid=uid)
+        stops = frozenset((*self.eos_token_ids, *job.stop_token_ids))
+        seq = _Sequence(job=job, uid=-1, sampler=make_sampler(job.sampling, self.vocab_size), stops=stops)
+        seq.uid = self._insert(seq, [job.prompt], job.max_tokens, None, [])
         self._seqs[job.seq] = seq
-        self._by_uid[uid] = seq
         self.counters.submitted += 1
+
+    def _insert(
+        self, s: _Sequence, segments: list[list[int]], max_tokens: int, cache: list[Any] | None, in_cache: list[int]
+    ) -> int:
+        """Put a sequence into ``BatchGenerator`` (new, or back from a burst with its cache)."""
+        # ``None`` is the batch's shared greedy sampler (mlx-lm's annotation omits it).
+        samplers: list[Any] = [s.sampler]
+        (uid,) = self._gen.insert_segments(
+            [segments],
+            max_tokens=[max_tokens],
+            caches=None if cache is None else [cache],
+            all_tokens=[in_cache],
+            samplers=samplers,
+            stop_sequences=[StopSequences([(t,) for t in sorted(s.stops)])],
+        )
+        self._by_uid[uid] = s
+        return uid
 
     def cancel(
         self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None
@@ -182,7 +219,10 @@ class Engine:
         s = self._seqs.get(seq)
         if s is None:
             return []
-        self._gen.remove([s.uid])
+        if self._burst is not None and self._burst.seq is s:
+            self._end_burst()
+        else:
+            self._gen.remove([s.uid])
         return [self._finish(s, reason, code, message)]
 
     def cancel_all(self, reason: str, code: str | None = None, message: str | None = None) -> list[Event]:
@@ -197,16 +237,19 @@ class Engine:
         it ends with ``engine_error`` and a fresh generator takes over; the engine lives on.
         """
         try:
-            return self._step()
+            return self._burst_or_step()
         except Exception as exc:  # one broken step must not take the daemon down
             self.counters.step_errors += 1
+            log.exception("engine step failed")
             events = self.cancel_all("error", "engine_error", f"the engine failed this step: {exc!r}")
+            self._end_burst()
             self._gen = self._new_generator()
             return events
 
     def _step(self) -> list[Event]:
         tic = time.perf_counter()
         decoding = len(self._gen._generation_batch) > 0
+        solo = len(self._gen._generation_batch) == 1 and not self._prefill_pending()
         with unpinned("serving"):  # batched work never sees a scoped pin
             prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()
@@ -217,6 +260,8 @@ class Engine:
         if decoding:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic
+            if solo and not prompt_responses:
+                self.adaptive.observe_classic(time.perf_counter() - tic)
         for pr in prompt_responses:
             s = self._by_uid.get(pr.uid)
             if s is not None and s.prefill_started is None:
@@ -244,7 +289,7 @@ class Engine:
         self, s: _Sequence, reason: str, code: str | None, message: str | None, removed: bool = False
     ) -> Finished:
         del self._seqs[s.job.seq]
-        del self._by_uid[s.uid]
+        self._by_uid.pop(s.uid, None)
         self.counters.finished += 1
         self.counters.prompt_tokens += len(s.job.prompt) if s.prefill_started is not None else 0
         now = time.monotonic()
@@ -312,3 +357,236 @@ class Engine:
         if self.probe_state is not None:
             out[self.probe_state.name] = {"status": "probing", "at": self.probe_state.label}
         return out
+
+    # ------------------------------------------------------------------ bursts
+
+    def configure_bursts(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
+        """Enable B = 1 bursts with ``drafter``; they run once ``pairing`` has a usable verdict."""
+        self.drafter = drafter
+        self.burst_settings = settings
+        self.pairing = pairing
+        self.adaptive = Adaptive(settings)
+        self._auditor = Auditor(settings.audit_fraction, settings.seed)
+
+    def _prefill_pending(self) -> bool:
+        return bool(self._gen._unprocessed_sequences) or len(self._gen._prompt_batch) > 0
+
+    def _verdict_level(self) -> tuple[Level | None, str | None]:
+        """The verify level, or why there is none."""
+        if self.pairing is None:
+            return None, "no_drafter"
+        if self.pairing in self.revoked:
+            return None, "revoked"
+        verdict = self.verdicts.get(self.pairing)
+        if verdict is None:
+            return None, "probing"
+        if verdict.level is None:
+            return None, "verdict_declined"
+        return Level(verdict.level), None
+
+    def _burst_refusal(self) -> tuple[_Sequence | None, str | None]:
+        if len(self._seqs) != 1:
+            return None, "contention" if len(self._seqs) > 1 else None
+        (s,) = self._seqs.values()
+        if s.uid not in self._gen._generation_batch.uids or self._prefill_pending():
+            return None, None  # still prefilling: nothing to decide yet
+        if s.no_burst:
+            return s, s.no_burst
+        _, why = self._verdict_level()
+        if why is not None:
+            return s, why
+        return s, self.adaptive.refusal(time.perf_counter())
+
+    def _note_decline(self, s: _Sequence | None, reason: str) -> None:
+        """Count a declined burst once per (sequence, reason) episode, not once per step."""
+        key = (-1 if s is None else s.job.seq, reason)
+        if key != self._last_decline:
+            self._last_decline = key
+            self.bursts.declined[reason] = self.bursts.declined.get(reason, 0) + 1
+
+    def _burst_or_step(self) -> list[Event]:
+        events: list[Event] = []
+        if self._burst is not None:
+            if len(self._seqs) == 1:
+                return self._round()
+            self.bursts.interrupted += 1
+            self._note_decline(self._burst.seq, "contention")
+            events += self._rejoin()
+        elif self.drafter is not None:
+            s, why = self._burst_refusal()
+            if why is not None:
+                if why not in ("no_drafter",):
+                    self._note_decline(s, why)
+            elif s is not None and self._start_burst(s):
+                return self._round()
+        return events + self._step()
+
+    def _start_burst(self, s: _Sequence) -> bool:
+        gb = self._gen._generation_batch
+        idx = gb.uids.index(s.uid)
+        cache = gb.extract_cache(idx)
+        if not can_trim_prompt_cache(cache):
+            s.no_burst = "not_trimmable"
+            self._note_decline(s, s.no_burst)
+            return False
+        pending_arr, lp_arr = gb._next_tokens[idx], gb._next_logprobs[idx]
+        mx.eval(pending_arr, lp_arr)
+        pending = as_int(pending_arr)
+        history = list(gb.tokens[idx]) + [pending]
+        self._gen.remove([s.uid])
+        self._by_uid.pop(s.uid, None)
+        lp = as_float(lp_arr[pending]) if s.job.logprobs else None
+        self._burst = BurstSeq(s, cache, history, pending, lp, s.sampler, s.stops)
+        assert self.drafter is not None
+        try:
+            self.drafter.start(history)
+        except Exception:
+            log.exception("drafter failed to start; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            self._rejoin()
+            return False
+        self.bursts.bursts += 1
+        return True
+
+    def _end_burst(self) -> None:
+        if self._burst is not None and self.drafter is not None:
+            self.drafter.stop()
+        self._burst = None
+
+    def _rejoin(self) -> list[Event]:
+        """Emit the pending token and put the sequence back into the batch with its cache."""
+        b = self._burst
+        assert b is not None
+        self._end_burst()
+        s = b.seq
+        events = self._emit(s, [b.pending], [b.pending_logprob or 0.0])
+        if s.job.seq not in self._seqs:
+            return events  # the pending token ended it
+        s.uid = self._insert(s, [[b.pending]], s.job.max_tokens - s.emitted, b.cache, b.history[:-1])
+        return events
+
+    def _emit(self, s: _Sequence, candidates: list[int], logprobs: list[float]) -> list[Event]:
+        tokens, lps, finish = emit_in_order(candidates, logprobs, s.emitted, s.job.max_tokens, s.stops)
+        events: list[Event] = []
+        if tokens:
+            if s.first_token is None:
+                s.first_token = time.monotonic()
+            events.append(Tokens(s.job.seq, tokens, lps if s.job.logprobs else None))
+            s.emitted += len(tokens)
+            self.counters.generated_tokens += len(tokens)
+        if finish is not None:
+            if self._burst is not None and self._burst.seq is s:
+                self._end_burst()
+            events.append(self._finish(s, finish, None, None))
+        return events
+
+    def _verify(self, b: BurstSeq, block: list[int], level: Level) -> tuple[mx.array, mx.array | None]:
+        """The verify forward: one block, pinned to ``level`` (a lone token is a plain step).
+        Returns the logits rows and, for drafters that need them, the hidden states."""
+        scope = unpinned("verify") if len(block) == 1 else self.pinned(level, "verify")
+        hidden = None
+        with scope:
+            inputs = mx.array([block])
+            if self.drafter is not None and self.drafter.needs_hidden:
+                logits, hidden = self.counted.with_hidden(inputs, b.cache)
+                mx.eval(logits, hidden)
+            else:
+                logits = self.counted(inputs, cache=b.cache)
+                mx.eval(logits)
+        return logits[0], hidden
+
+    def _round(self) -> list[Event]:
+        b = self._burst
+        assert b is not None and self.drafter is not None
+        level, why = self._verdict_level()
+        if level is None:  # revoked or re-probed away while bursting
+            self._note_decline(b.seq, why or "revoked")
+            return self._rejoin()
+        s = b.seq
+        tic = time.perf_counter()
+        try:
+            draft = self.drafter.propose(self.burst_settings.k, b.sampler)
+        except Exception:
+            log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            return self._rejoin()
+        block = [b.pending, *draft.tokens]
+        audit = self._auditor.pick() and len(block) > 1
+        single = None
+        if audit:
+            with unpinned("audit"):
+                single = self.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
+                mx.eval(single)
+            trim_prompt_cache(b.cache, 1)
+        logits, hidden = self._verify(b, block, level)
+        self.bursts.rounds += 1
+        self.bursts.drafted += len(draft.tokens)
+        if single is not None:
+            self.bursts.audits += 1
+            if not bytes_equal(single, logits[0]):
+                return self._revoke(b, len(block), level)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if b.sampler is None:
+            outcome = accept_greedy(draft.tokens, logits)
+        else:
+            outcome = accept_sampled(draft.tokens, draft.q, logprobs, b.sampler)
+        a = outcome.accepted
+        self.bursts.accepted += a
+        trim_prompt_cache(b.cache, len(draft.tokens) - a)
+        candidates = [b.pending, *draft.tokens[:a]]
+        lps = [b.pending_logprob or 0.0]
+        if s.job.logprobs:
+            lps += [as_float(logprobs[j, draft.tokens[j]]) for j in range(a)]
+            b.pending_logprob = as_float(logprobs[a, outcome.next_token])
+        else:
+            lps += [0.0] * a
+        b.history += [*draft.tokens[:a], outcome.next_token]
+        b.pending = outcome.next_token
+        events = self._emit(s, candidates, lps)
+        self.bursts.emitted += sum(len(e.tokens) for e in events if isinstance(e, Tokens))
+        if s.job.seq not in self._seqs:
+            return events
+        try:
+            self.drafter.commit(a, b.history, hidden)
+        except Exception:
+            log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            return events + self._rejoin()
+        self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
+        if not self.adaptive.after_round(time.perf_counter()):
+            self._note_decline(s, "adaptive")
+            events += self._rejoin()
+        return events
+
+    def _revoke(self, b: BurstSeq, block_len: int, level: Level) -> list[Event]:
+        """The audit caught the verify disagreeing with classic decode: fail closed for good."""
+        assert self.pairing is not None
+        self.bursts.audit_failures += 1
+        reason = (
+            f"audit: verify at {level.value} differs from a single-token forward at position 0 "
+            f"(request seq {b.seq.job.seq}, context {len(b.history) - 1} tokens)"
+        )
+        self.revoked[self.pairing] = reason
+        log.warning("revoking the verdict for %s: %s", self.pairing, reason)
+        trim_prompt_cache(b.cache, block_len)  # drop the whole unverified block
+        return self._rejoin()
+
+    def burst_summary(self) -> dict[str, Any]:
+        return {
+            "drafter": None if self.drafter is None else self.drafter.name,
+            "k": self.burst_settings.k,
+            "active": self._burst is not None,
+            "bursts": self.bursts.bursts,
+            "rounds": self.bursts.rounds,
+            "drafted_tokens": self.bursts.drafted,
+            "accepted_tokens": self.bursts.accepted,
+            "emitted_tokens": self.bursts.emitted,
+            "interrupted": self.bursts.interrupted,
+            "declined": dict(self.bursts.declined),
+            "audits": self.bursts.audits,
+            "audit_failures": self.bursts.audit_failures,
+            "revoked": dict(self.revoked),
+            "speedup_estimate": self.adaptive.speedup,
+            "classic_step_s": self.adaptive.classic_step_s,
+            "round_s": self.adaptive.round_s,
+        }

@@ -330,7 +330,7 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
             singles = mx.concatenate([call(x, slice(i, i + 1)) for i in range(max_width)], axis=0)
             width = 1
             for m in range(2, max_width + 1):
-                if not _bytes_equal(call(x, slice(0, m)), singles[:m]):
+                if not bytes_equal(call(x, slice(0, m)), singles[:m]):
                     break
                 width = m
             report.widths[sig] = width
@@ -339,7 +339,7 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
     return report
 
 
-def _bytes_equal(a: mx.array, b: mx.array) -> bool:
+def bytes_equal(a: mx.array, b: mx.array) -> bool:
     """Byte equality of two arrays of the same dtype (never ``allclose``)."""
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.all(bytes_view(a) == bytes_view(b)).item())
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
 from workers.models import LoadedModel, ModelInfo
 from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
@@ -76,6 +77,10 @@ class EngineSettings:
     probe_k: int | None = None
     drafter: str = "none"
     probe_policy: ProbePolicy = field(default_factory=ProbePolicy)
+    #: ``--draft``: a draft model directory, ``demo`` or ``prompt-lookup``; ``--mtp``: an MTP head.
+    draft: str | None = None
+    mtp: str | None = None
+    bursts: BurstSettings = field(default_factory=BurstSettings)
 
 
 def warm_up(engine: Engine) -> None:
@@ -138,8 +143,10 @@ class EngineThread:
                 pin_scope=s.pin_scope,
             )
             warm_up(engine)
-            if s.probe_k is not None:
-                start_probe(engine, loaded, s)
+            if s.draft is not None or s.mtp is not None:
+                configure_bursts(engine, loaded, s)
+            elif s.probe_k is not None:
+                start_probe(engine, loaded, s, s.drafter, s.probe_k)
             engine.counters = type(engine.counters)()
         except Exception:
             self._emit([Dead(traceback.format_exc())])
@@ -201,23 +208,36 @@ class EngineThread:
             "pin_scope": engine.pin_scope,
             "pins": engine.ledger.snapshot(),
             "verdicts": engine.verdict_summary(),
+            "bursts": engine.burst_summary(),
         }
 
 
-def start_probe(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
-    """Queue the start-up probe for the configured pairing (memoised on disk by fingerprint)."""
+def start_probe(engine: Engine, loaded: LoadedModel, s: EngineSettings, drafter: str, k: int) -> str:
+    """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from workers.demo import cache_dir
-
-    assert s.probe_k is not None
 
     def make_cache() -> list[Any]:
         return make_prompt_cache(loaded.model)
 
     root = cache_dir()
-    pairing = serving_pairing(Path(loaded.info.path), loaded.config, s.drafter, make_cache(), root / "probe")
-    draws = make_draws(s.probe_k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
-    name = f"{loaded.info.name}+{s.drafter} k={s.probe_k}"
+    pairing = serving_pairing(Path(loaded.info.path), loaded.config, drafter, make_cache(), root / "probe")
+    draws = make_draws(k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
+    name = f"{loaded.info.name}+{drafter} k={k}"
     store = VerdictStore(root / "verdicts")
-    engine.start_probe(name, probe_steps(engine.counted, make_cache, pairing, draws, s.probe_k, store, s.probe_policy))
+    engine.start_probe(name, probe_steps(engine.counted, make_cache, pairing, draws, k, store, s.probe_policy))
+    return name
+
+
+def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
+    """Load the drafter, check it fits the target, and probe the pairing in the background."""
+    from workers.drafters import load_drafter, load_mtp_drafter
+
+    if s.mtp is not None:
+        drafter = load_mtp_drafter(s.mtp, loaded.model)
+    else:
+        assert s.draft is not None
+        drafter = load_drafter(s.draft, loaded.model, loaded.info.vocab_size)
+    name = start_probe(engine, loaded, s, drafter.name, s.bursts.k)
+    engine.configure_bursts(drafter, s.bursts, name)

@@ -77,12 +77,21 @@ class CountedModel:
         self.model = model
         self.ledger = ledger
 
-    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+    def _prepare(self, inputs: Any, cache: Any) -> Any:
         level = current_level()
         self.ledger.record_forward(level, _purpose.get(), in_scoped_pin(), int(inputs.size))
         if level is Level.PER_QUERY and cache is not None and inputs.shape[0] == 1 and inputs.shape[1] > 1:
-            cache = wrap_caches(cache)
-        return self.model(inputs, cache=cache, **kwargs)
+            return wrap_caches(cache)
+        return cache
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        return self.model(inputs, cache=self._prepare(inputs, cache), **kwargs)
+
+    def with_hidden(self, inputs: Any, cache: Any) -> tuple[Any, Any]:
+        """``(logits, hidden)``: the transformer's output before the head, for MTP drafters."""
+        from workers.mtp import target_forward
+
+        return target_forward(self.model, inputs, self._prepare(inputs, cache))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)

@@ -31,7 +31,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers.kernels import LADDER, Level, bytes_view, install, scoped, wrap_caches
+from workers.arrays import as_int
+from workers.kernels import LADDER, Level, bytes_equal, install, scoped, wrap_caches
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
 PROBE_VERSION = 1
@@ -160,7 +161,7 @@ def run_chain(model: Any, make_cache: MakeCache, draw: Draw, width: int) -> tupl
             logits = model(mx.array([[token]]), cache=cache)[0, -1]
             mx.eval(logits)
             rows.append(logits)
-            token = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            token = as_int(mx.argmax(logits))
     return mx.stack(rows), fed
 
 
@@ -268,7 +269,7 @@ def localize(
             continue
         for j in range(position + 1):
             a, b = chain[name][j][0, -1], block[name][-1][0, j]
-            if not bool(mx.all(bytes_view(a) == bytes_view(b)).item()):
+            if not bytes_equal(a, b):
                 return f"{name}, position {j}"
     return "logits only (every captured layer output agrees)"
 

@@ -1,0 +1,169 @@
+"""Speculative bursts for the one active sequence (B = 1), and the policy that grants them.
+
+A burst takes the sequence out of ``BatchGenerator`` with its KV cache and its pending token
+(sampled by the last batched step, not yet emitted or fed), and runs rounds: the drafter proposes
+up to K tokens, the target verifies ``[pending, drafts...]`` in one forward under the verdict's
+level (scoped to that forward), the kept tokens are emitted and the rejected ones rolled back in
+both caches. When another sequence arrives, the burst ends at the round boundary: the pending
+token is emitted and the sequence goes back into ``BatchGenerator`` with its cache.
+
+Token accounting mirrors ``GenerationBatch.next`` exactly: each emitted token counts toward
+``max_tokens``; a stop token ends the sequence and is not emitted; stop wins over length.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.drafters import Drafter
+from workers.sampling import SeededSampler
+
+
+@dataclass
+class BurstSettings:
+    k: int = 4
+    #: Fraction of rounds whose first position is re-computed with a single-token forward.
+    audit_fraction: float = 0.02
+    #: Classic B = 1 steps timed before the first burst of a pairing, and again after a pause.
+    profile_steps: int = 3
+    #: Rounds measured before the adaptive policy may stop bursting.
+    min_rounds: int = 4
+    #: Seconds bursting stays off after the measured speedup fell below 1.
+    reprofile_after_s: float = 30.0
+    ema: float = 0.2
+    seed: int = 0
+
+
+@dataclass
+class BurstCounters:
+    bursts: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    interrupted: int = 0
+    audits: int = 0
+    audit_failures: int = 0
+    declined: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Adaptive:
+    """Measured speedup of bursts over classic B = 1 decode, and the decision it drives."""
+
+    settings: BurstSettings
+    classic_step_s: float | None = None
+    classic_samples: int = 0
+    round_s: float | None = None
+    tokens_per_round: float | None = None
+    rounds: int = 0
+    paused_until: float = 0.0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.settings.ema * (new - old)
+
+    def observe_classic(self, seconds: float) -> None:
+        self.classic_step_s = self._ema(self.classic_step_s, seconds)
+        self.classic_samples += 1
+
+    def observe_round(self, seconds: float, tokens: int) -> None:
+        self.round_s = self._ema(self.round_s, seconds)
+        self.tokens_per_round = self._ema(self.tokens_per_round, float(tokens))
+        self.rounds += 1
+
+    @property
+    def speedup(self) -> float | None:
+        if self.classic_step_s is None or self.round_s is None or self.tokens_per_round is None:
+            return None
+        return self.tokens_per_round * self.classic_step_s / self.round_s
+
+    def refusal(self, now: float) -> str | None:
+        """Why a burst may not start now, or ``None``."""
+        if now < self.paused_until:
+            return "adaptive"
+        if self.classic_samples < self.settings.profile_steps:
+            return "profiling"
+        return None
+
+    def after_round(self, now: float) -> bool:
+        """Whether to keep bursting; pauses (and forgets the measurements) when it does not pay."""
+        s = self.speedup
+        if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
+            self.paused_until = now + self.settings.reprofile_after_s
+            self.classic_samples = 0
+            self.round_s = self.tokens_per_round = None
+            self.rounds = 0
+            return False
+        return True
+
+
+@dataclass
+class BurstSeq:
+    """The sequence while it is out of the batch."""
+
+    seq: Any  # workers.engine._Sequence
+    cache: list[Any]
+    history: list[int]  # prompt + emitted + pending
+    pending: int
+    pending_logprob: float | None
+    sampler: SeededSampler | None
+    stops: frozenset[int]
+
+
+@dataclass
+class RoundResult:
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str | None  # "stop" / "length" or None
+    drafted: int
+    accepted: int
+    audited: bool = False
+    audit_failed: bool = False
+
+
+def emit_in_order(
+    candidates: list[int], logprobs: list[float], emitted: int, max_tokens: int, stops: frozenset[int]
+) -> tuple[list[int], list[float], str | None]:
+    """What classic decode would emit from these tokens, in order: stops end (unemitted), the
+    ``max_tokens``-th token ends with ``length``."""
+    out: list[int] = []
+    lps: list[float] = []
+    for token, lp in zip(candidates, logprobs):
+        emitted += 1
+        if token in stops:
+            return out, lps, "stop"
+        out.append(token)
+        lps.append(lp)
+        if emitted >= max_tokens:
+            return out, lps, "length"
+    return out, lps, None
+
+
+class Auditor:
+    """Chooses which rounds to audit, reproducibly."""
+
+    def __init__(self, fraction: float, seed: int) -> None:
+        self.fraction = fraction
+        self._rng = random.Random(seed)
+
+    def pick(self) -> bool:
+        return self.fraction > 0 and self._rng.random() < self.fraction
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+__all__ = [
+    "Adaptive",
+    "Auditor",
+    "BurstCounters",
+    "BurstSeq",
+    "BurstSettings",
+    "Drafter",
+    "RoundResult",
+    "emit_in_order",
+]
