@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from clients.protocol import SamplingOptions
 from workers import kernels
 from workers.burst import BurstSettings
-from workers.drafters import DraftModel, Drafter, PromptLookup
+from workers.drafters import Drafter, DraftModel, PromptLookup
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
 from workers.probe import ProbePolicy, make_draws, probe_steps
