@@ -299,6 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe_policy(p)
     p.set_defaults(func=_probe)
 
+    p = sub.add_parser("bench-bursts", help="verify cost per level, B = 1 bursts vs classic, batched pin tax")
+    p.add_argument("--model", default="demo")
+    p.add_argument(
+        "--draft", action="append", default=[], help="drafter spec (repeatable): directory, demo, prompt-lookup"
+    )
+    p.add_argument("--mtp", default=None)
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--ks", default="2,3,4,5,6,7,8", help="K values for the verify-cost table")
+    p.add_argument("--batch-sizes", default="2,4,8,16,32")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per B = 1 request")
+    p.add_argument("--batched-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=300, help="cache length for the verify-cost table")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--process-level", default="narrow", choices=["narrow", "per-query"])
+    p.add_argument("--out", default="docs/bench")
+    p.set_defaults(func=lambda a: __import__("scheduler.bench_bursts", fromlist=["main"]).main(a))
+
     p = sub.add_parser("synth", help="write a random-weight model directory from a preset config")
     p.add_argument("--preset", required=True)
     p.add_argument("--out", required=True)
