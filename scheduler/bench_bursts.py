@@ -149,7 +149,7 @@ def b1_rows(
                 "acceptance": accepted / drafted if drafted else None,
                 "tokens_per_round": (b.emitted - before["emitted"]) / rounds if rounds else None,
                 # one classic B = 1 step takes 1 / base seconds
-            "round_cost_steps": a.round_s * base if a.round_s else None,
+                "round_cost_steps": a.round_s * base if a.round_s else None,
                 "speedup": statistics.median(rates) / base,
                 "level": f"{verdict.level or 'declined'}{'' if verdict.exact else ' (inexact)'}",
             }

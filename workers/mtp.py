@@ -33,9 +33,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -97,7 +98,7 @@ class MTPConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MTPConfig":
+    def from_dict(cls, d: dict[str, Any]) -> MTPConfig:
         if d.get("model_type") != MODEL_TYPE:
             raise ValueError(f"not an MTP head config: model_type={d.get('model_type')!r}, want {MODEL_TYPE!r}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -144,9 +145,8 @@ def target_embedding(target: nn.Module) -> nn.Module:
 
 def target_lm_head(target: nn.Module) -> Callable[[mx.array], mx.array]:
     """The target's output head: ``lm_head`` if it has one, else the tied embedding used as a linear."""
-    head = getattr(target, "lm_head", None)
-    if head is not None and "lm_head" in target:
-        return head
+    if "lm_head" in target:
+        return target.lm_head
     return target_embedding(target).as_linear
 
 
@@ -159,7 +159,7 @@ def target_forward(target: nn.Module, inputs: mx.array, cache: list | None = Non
 def target_arch(target: nn.Module) -> dict[str, Any]:
     """The target's architecture arguments covered by the fingerprint, as plain JSON values."""
     args = target.args
-    d = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+    d = dict(vars(args))
     return {k: d.get(k) for k in _ARCH_FIELDS}
 
 
@@ -223,10 +223,9 @@ class MTPHead(nn.Module):
         step feeds back in place of ``hidden``.
         """
         x = self.fuse_inputs(hidden, token_ids)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(x, cache[0])
-        for layer, c in zip(self.layers, cache):
+        caches: list[Any] = list(cache) if cache is not None else [None] * len(self.layers)
+        mask = create_attention_mask(x, caches[0])
+        for layer, c in zip(self.layers, caches):
             x = layer(x, mask, cache=c)
         return self.logits(x), x
 
@@ -297,7 +296,11 @@ def check_fingerprint(config: MTPConfig, target: nn.Module, check_weights: bool 
     fields = ["model_type", "hidden_size", "vocab_size", "num_hidden_layers", "config_sha256"]
     if check_weights:
         fields.append("embed_sha256")
-    diffs = [f"{f}: head expects {getattr(want, f)!r}, target has {getattr(got, f)!r}" for f in fields if getattr(want, f) != getattr(got, f)]
+    diffs = [
+        f"{f}: head expects {getattr(want, f)!r}, target has {getattr(got, f)!r}"
+        for f in fields
+        if getattr(want, f) != getattr(got, f)
+    ]
     if diffs:
         raise ValueError("MTP head does not belong to this target model:\n  " + "\n  ".join(diffs))
 
@@ -315,8 +318,8 @@ def load_mtp(path: str | Path, target_model: nn.Module, check_weights: bool = Tr
     config = MTPConfig.from_dict(json.loads(cfg_file.read_text()))
     check_fingerprint(config, target_model, check_weights=check_weights)
     head = MTPHead(config, target_model)
-    weights = mx.load(str(path / "model.safetensors"))
-    expected = {k: v.shape for k, v in tree_flatten(head.parameters())}
+    weights = cast(dict[str, mx.array], mx.load(str(path / "model.safetensors")))
+    expected = {k: v.shape for k, v in cast(list[tuple[str, mx.array]], tree_flatten(head.parameters()))}
     got = {k: v.shape for k, v in weights.items()}
     if expected.keys() != got.keys():
         raise ValueError(

@@ -203,6 +203,15 @@ class _Capture(nn.Module):
         self._store.setdefault(self._name, []).append(out)
         return out
 
+    def __getattr__(self, key: str) -> Any:
+        # Models read attributes of their layers (e.g. llama's ``use_sliding`` in make_cache).
+        if key in self:
+            return self[key]
+        inner = dict.get(self, "inner")
+        if inner is None:
+            raise AttributeError(key)
+        return getattr(inner, key)
+
 
 def _layers(model: nn.Module) -> list[nn.Module]:
     for holder in (model, getattr(model, "model", None), getattr(model, "language_model", None)):

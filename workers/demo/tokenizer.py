@@ -11,8 +11,8 @@ The only special token is ``<|endoftext|>`` (id 0): it separates files in traini
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -72,6 +72,4 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into a model directory."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(model_max_length), indent=2) + "\n"
-    )
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
