@@ -30,7 +30,7 @@ class BurstSettings:
     #: Classic B = 1 steps timed before the first burst of a pairing, and again after a pause.
     profile_steps: int = 3
     #: Rounds measured before the adaptive policy may stop bursting.
-    min_rounds: int = 4
+    min_rounds: int = 16
     #: Seconds bursting stays off after the measured speedup fell below 1.
     reprofile_after_s: float = 30.0
     ema: float = 0.2
