@@ -205,6 +205,34 @@ def _table(rows: list[dict[str, Any]], fmt: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
+    ks = [r["block"] for r in report["verify_cost"]]
+    for level in [lv.value for lv in LADDER]:
+        left.plot(ks, [r[level] for r in report["verify_cost"]], "o-", label=level)
+    left.plot(ks, ks, ":", color="grey", label="block = that many steps")
+    left.set(xlabel="verify block (tokens)", ylabel="cost in classic B = 1 steps", title="verify cost per level")
+    left.legend()
+    names = [r["drafter"] for r in report["b1"]]
+    mid.barh(names, [r["tok_s"] for r in report["b1"]])
+    mid.set(xlabel="tokens / s at B = 1", title="bursts vs classic")
+    rows = report["batched"]
+    bs = [r["batch"] for r in rows]
+    for key in [k for k in rows[0] if k != "batch" and "/" not in k]:
+        right.plot(bs, [r[key] for r in rows], "o-", label=key)
+    right.set(xscale="log", xlabel="batch size", ylabel="tokens / s", title="batched decode")
+    right.set_xscale("log", base=2)
+    right.legend()
+    fig.suptitle(f"{report['model']} on {report['device']} {report['device_name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -248,5 +276,6 @@ def main(args: argparse.Namespace) -> int:
     )
     (out / "bursts.json").write_text(json.dumps(report, indent=2))
     (out / "bursts.md").write_text(md)
+    _plot(report, out / "bursts.png")
     print(md)
     return 0

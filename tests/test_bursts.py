@@ -279,3 +279,37 @@ def test_sampled_bursts_keep_the_target_distribution(paths: dict[str, Path], tar
     assert set(counts) <= set(top)
     assert n >= 80
     assert _chi_square(counts, probs, n) < 16.27
+
+
+@pytest.fixture(scope="module")
+def demo() -> Any:
+    from workers.models import load as load_model
+
+    return load_model("demo")
+
+
+def test_mtp_head_bursts_on_the_demo_pair_are_byte_identical(demo: Any) -> None:
+    """The shipped MTP head drafting for the shipped target, alone and interrupted by an arrival."""
+    from workers.drafters import load_mtp_drafter
+
+    prompts = ["def fibonacci(n):", "class Stack:", "for i in range(10):"]
+    jobs = [job(i, demo.tokenizer.encode(p), n=40) for i, p in enumerate(prompts)]
+    eos = demo.info.eos_token_ids
+
+    def engine_for(drafter: Drafter | None) -> Engine:
+        engine = Engine(demo.model, eos_token_ids=eos, vocab_size=demo.info.vocab_size)
+        if drafter is not None:
+            from workers.probe import Verdict
+
+            engine.configure_bursts(drafter, EXACT_FOREVER, "demo+mtp")
+            engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact (see test_probe)", [], 0.0)
+        return engine
+
+    want = {j.seq: run(engine_for(None), [j])[j.seq] for j in jobs}
+    for j in jobs:
+        engine = engine_for(load_mtp_drafter("demo", demo.model))
+        assert run(engine, [j]) == {j.seq: want[j.seq]}
+        assert 0 < engine.bursts.accepted <= engine.bursts.drafted
+    engine = engine_for(load_mtp_drafter("demo", demo.model))
+    assert run(engine, [jobs[0]], arrivals={4: [jobs[1]], 12: [jobs[2]]}) == want
+    assert engine.bursts.interrupted >= 1
