@@ -83,6 +83,20 @@ def test_chat_without_template_is_refused() -> None:
     assert info.value.code == ErrorCode.NO_CHAT_TEMPLATE
 
 
+def _stream_through(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
+    """Feed text piece by piece as the front end does; flush if no stop string completed."""
+    s = StopStrings(stops)
+    out, matched = "", False
+    for p in pieces:
+        text, matched = s.feed(p)
+        out += text
+        if matched:
+            break
+    if not matched:
+        out += s.flush()
+    return out, matched
+
+
 @pytest.mark.parametrize(
     "pieces,stops,emitted,hit",
     [
@@ -94,15 +108,7 @@ def test_chat_without_template_is_refused() -> None:
     ],
 )
 def test_stop_strings(pieces: list[str], stops: list[str], emitted: str, hit: bool) -> None:
-    s = StopStrings(stops)
-    out, matched = "", False
-    for p in pieces:
-        text, matched = s.feed(p)
-        out += text
-        if matched:
-            break
-    if not matched:
-        out += s.flush()
+    out, matched = _stream_through(pieces, stops)
     assert (out, matched) == (emitted, hit)
 
 
@@ -113,15 +119,7 @@ def test_stop_strings(pieces: list[str], stops: list[str], emitted: str, hit: bo
 def test_stop_strings_match_a_plain_search(pieces: list[str], stops: list[str]) -> None:
     """Streaming in any split equals cutting the whole text at the first stop string."""
     full = "".join(pieces)
-    s = StopStrings(stops)
-    out, matched = "", False
-    for p in pieces:
-        text, matched = s.feed(p)
-        out += text
-        if matched:
-            break
-    if not matched:
-        out += s.flush()
+    out, matched = _stream_through(pieces, stops)
     hits = [full.find(x) for x in stops if x in full]
     want = full[: min(hits)] if hits else full
     assert out == want and matched == bool(hits)

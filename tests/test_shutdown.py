@@ -27,16 +27,22 @@ def _stream_into(address: str, results: list[Any], started: threading.Semaphore,
                 results.append((event, len(got)))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_with_requests_in_flight(tiny_model: Path, tmp_path: Path, sig: int) -> None:
-    daemon = start_daemon(tiny_model, tmp_path)
+def _streams_started(address: str, n: int, max_tokens: int) -> tuple[list[Any], list[threading.Thread]]:
+    """``n`` streaming requests on their own threads, returned once each has its first token."""
     results: list[Any] = []
     started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream_into, args=(daemon.address, results, started, 4000)) for _ in range(4)]
+    threads = [threading.Thread(target=_stream_into, args=(address, results, started, max_tokens)) for _ in range(n)]
     for t in threads:
         t.start()
     for _ in threads:
         assert started.acquire(timeout=60)
+    return results, threads
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_with_requests_in_flight(tiny_model: Path, tmp_path: Path, sig: int) -> None:
+    daemon = start_daemon(tiny_model, tmp_path)
+    results, threads = _streams_started(daemon.address, 4, 4000)
     assert daemon.stop(sig) == 0, daemon.log()
     for t in threads:
         t.join(timeout=60)
@@ -49,13 +55,7 @@ def test_signal_with_requests_in_flight(tiny_model: Path, tmp_path: Path, sig: i
 
 def test_drain_lets_in_flight_requests_finish(tiny_model: Path, tmp_path: Path) -> None:
     daemon = start_daemon(tiny_model, tmp_path, "--drain-timeout", "60")
-    results: list[Any] = []
-    started = threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream_into, args=(daemon.address, results, started, 150)) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        assert started.acquire(timeout=60)
+    results, threads = _streams_started(daemon.address, 3, 150)
     daemon.proc.send_signal(signal.SIGTERM)
     with Client(daemon.address, timeout=30) as c:
         late = list(c.stream(tokens=[1, 2], max_tokens=5))
