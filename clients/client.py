@@ -43,10 +43,19 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        curve_secret: str | None = None,
+        server_key: str | None = None,
     ) -> None:
+        """``curve_secret`` (your ``NAME.key_secret``) and ``server_key`` (the daemon's public key
+        file) authenticate and encrypt the connection with CURVE; give both or neither."""
         self.address = address or default_address()
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
+        if (curve_secret is None) != (server_key is None):
+            raise ClientError("give both curve_secret and server_key, or neither")
+        self.curve_secret = curve_secret
+        self.server_key = server_key
+        self._auth_error: str | None = None
         self._routes: dict[str, MemoryObjectSendStream[dict[str, Any]]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -56,11 +65,48 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
+        monitor = self._setup_curve(self._sock) if self.curve_secret is not None else None
         self._sock.connect(self.address)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._reader)
+        if monitor is not None:
+            self._tg.start_soon(self._watch_handshakes, monitor)
         return self
+
+    def _setup_curve(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+        """CURVE keys on the socket, and a monitor so a refused handshake fails calls at once."""
+        import zmq.auth
+
+        try:
+            public, secret = zmq.auth.load_certificate(str(self.curve_secret))
+            server_public, _ = zmq.auth.load_certificate(str(self.server_key))
+        except (OSError, ValueError) as exc:
+            raise ClientError(f"cannot read CURVE keys: {exc}") from None
+        if secret is None:
+            raise ClientError(f"{self.curve_secret} holds no secret key (use NAME.key_secret)")
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_serverkey = server_public
+        events = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return sock.get_monitor_socket(events)
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._auth_error = None
+                    continue
+                self._auth_error = f"the daemon refused this client's CURVE key ({event['endpoint']!r})"
+                for rid in list(self._routes):
+                    self._routes[rid].send_nowait(
+                        {"type": "error", "id": rid, "code": "unauthorized", "message": self._auth_error}
+                    )
+        finally:
+            monitor.close(linger=0)
 
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -93,6 +139,8 @@ class AsyncClient:
     async def _send(self, msg: dict[str, Any]) -> None:
         if self._sock is None:
             raise ClientError("use the client as a context manager: `async with AsyncClient(...) as c:`")
+        if self._auth_error is not None:
+            raise RequestError("unauthorized", self._auth_error)
         frame = pack(msg)
         if len(frame) > self.max_frame_bytes:
             raise ClientError(f"message is {len(frame)} bytes; the daemon accepts at most {self.max_frame_bytes}")
@@ -116,7 +164,10 @@ class AsyncClient:
         try:
             await self._send(simple_message(kind, rid))
             with anyio.fail_after(self._timeout(timeout)):
-                return await recv.receive()
+                reply = await recv.receive()
+            if reply.get("type") == "error":
+                raise RequestError(str(reply.get("code")), str(reply.get("message")), rid)
+            return reply
         finally:
             self._close_route(rid)
 

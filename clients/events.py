@@ -13,11 +13,15 @@ class ClientError(Exception):
 class RequestError(ClientError):
     """The daemon ended a request with an error. ``code`` is a stable ``ErrorCode`` value."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, request_id: str | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code
         self.message = message
         self.request_id = request_id
+        #: With ``busy``: how long the daemon suggests waiting before sending again.
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,9 @@ def event_from_message(msg: dict[str, Any]) -> Event | None:
         return TokenEvent(rid, list(msg.get("tokens", [])), str(msg.get("text", "")), msg.get("logprobs"))
     if kind == "end":
         err = msg.get("error")
-        error = RequestError(err["code"], err["message"], rid) if isinstance(err, dict) else None
+        error = (
+            RequestError(err["code"], err["message"], rid, err.get("retry_after_s")) if isinstance(err, dict) else None
+        )
         return EndEvent(
             rid, str(msg.get("finish_reason")), dict(msg.get("usage") or {}), dict(msg.get("timings") or {}), error
         )

@@ -68,6 +68,8 @@ class ErrorCode(StrEnum):
     SHUTDOWN = "shutdown"
     ENGINE_ERROR = "engine_error"
     ENGINE_DEAD = "engine_dead"
+    BUSY = "busy"
+    UNAUTHORIZED = "unauthorized"
 
 
 class ProtocolError(Exception):
@@ -147,6 +149,8 @@ class Submit:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
+    #: Order among the same tenant's waiting requests (higher first), capped by the tenant's ceiling.
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,9 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
             rid,
         )
     stop_token_ids = _int_list(msg, "stop_token_ids", rid, MAX_STOP_TOKEN_IDS) or []
+    priority = _get(msg, "priority", int, rid, 0)
+    if not -1000 <= priority <= 1000:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'priority' must be in [-1000, 1000], got {priority}", rid)
     return Submit(
         id=rid,
         prompt=prompt,
@@ -282,6 +289,7 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         stop=list(stop),
         stop_token_ids=stop_token_ids,
         logprobs=bool(_get(msg, "logprobs", bool, rid, False)),
+        priority=priority,
     )
 
 
@@ -347,6 +355,8 @@ def submit_message(req: Submit) -> dict[str, Any]:
         msg["stop_token_ids"] = list(req.stop_token_ids)
     if req.logprobs:
         msg["logprobs"] = True
+    if req.priority:
+        msg["priority"] = req.priority
     return msg
 
 
@@ -375,8 +385,9 @@ def end_message(
     usage: dict[str, int],
     timings: dict[str, float | None],
     error: tuple[ErrorCode, str] | None = None,
+    retry_after_s: float | None = None,
 ) -> dict[str, Any]:
-    """The one terminal event of a request."""
+    """The one terminal event of a request. ``retry_after_s`` accompanies ``busy``."""
     msg: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "type": MsgType.END.value,
@@ -387,6 +398,8 @@ def end_message(
     }
     if error is not None:
         msg["error"] = {"code": error[0].value, "message": error[1]}
+        if retry_after_s is not None:
+            msg["error"]["retry_after_s"] = retry_after_s
     return msg
 
 

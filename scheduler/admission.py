@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.protocol import ErrorCode, ProtocolError, Submit
+from scheduler.tenants import Tenant
 from workers.models import ModelInfo
 
 
@@ -44,8 +45,9 @@ def prompt_ids(req: Submit, tokenizer: Any, info: ModelInfo) -> list[int]:
     return list(tokenizer.encode(req.prompt))
 
 
-def admit(req: Submit, ids: list[int], info: ModelInfo, limits: Limits) -> Admitted:
-    """Check the tokenized prompt and the budget against the model and the daemon's caps."""
+def admit(req: Submit, ids: list[int], info: ModelInfo, limits: Limits, tenant: Tenant | None = None) -> Admitted:
+    """Check the tokenized prompt and the budget against the model, the daemon's caps and the
+    tenant's limits."""
     if not ids:
         raise ProtocolError(ErrorCode.EMPTY_PROMPT, "the prompt tokenizes to nothing; send at least one token", req.id)
     vocab = info.vocab_size
@@ -61,9 +63,22 @@ def admit(req: Submit, ids: list[int], info: ModelInfo, limits: Limits) -> Admit
             f"the prompt has {n} tokens but the model's context is {ctx}; send at most {ctx - 1}",
             req.id,
         )
+    if tenant is not None and n > tenant.max_prompt_tokens:
+        raise ProtocolError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"the prompt has {n} tokens; tenant {tenant.name!r} may send at most {tenant.max_prompt_tokens}",
+            req.id,
+        )
     room = ctx - n
+    tenant_cap = tenant.max_new_tokens if tenant is not None else limits.max_tokens_cap
     if req.max_tokens is None:
-        return Admitted(ids, min(limits.default_max_tokens, limits.max_tokens_cap, room))
+        return Admitted(ids, min(limits.default_max_tokens, limits.max_tokens_cap, tenant_cap, room))
+    if tenant is not None and req.max_tokens > tenant_cap:
+        raise ProtocolError(
+            ErrorCode.MAX_TOKENS_OUT_OF_RANGE,
+            f"max_tokens {req.max_tokens} is above tenant {tenant.name!r}'s limit of {tenant_cap}",
+            req.id,
+        )
     if not 1 <= req.max_tokens <= limits.max_tokens_cap:
         raise ProtocolError(
             ErrorCode.MAX_TOKENS_OUT_OF_RANGE,

@@ -45,8 +45,33 @@ def _serve(args: argparse.Namespace) -> int:
         limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens),
         max_frame_bytes=args.max_frame_bytes,
         drain_timeout=args.drain_timeout,
+        max_queued=args.max_queued,
+        tenants=Path(args.tenants) if args.tenants else None,
+        curve_secret=Path(args.curve_secret) if args.curve_secret else None,
+        insecure=args.insecure,
     )
     return serve(settings)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """``keys new NAME``: a CURVE keypair as pyzmq certificate files (NAME.key, NAME.key_secret)."""
+    import zmq.auth
+
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), args.name)
+    Path(secret).chmod(0o600)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
+def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"curve_secret": args.curve_secret, "server_key": args.server_key}
+
+
+def _add_client_auth(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curve-secret", default=None, help="your secret key file (NAME.key_secret)")
+    p.add_argument("--server-key", default=None, help="the daemon's public key file")
 
 
 def _probe_policy(args: argparse.Namespace) -> Any:
@@ -170,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(args.addr) as client:
+    with Client(args.addr, **_client_kwargs(args)) as client:
         for event in client.stream(prompt, **kwargs):
             if isinstance(event, TokenEvent):
                 sys.stdout.write(event.text)
@@ -193,7 +218,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from clients import Client
 
-    with Client(args.addr, timeout=args.timeout) as client:
+    with Client(args.addr, timeout=args.timeout, **_client_kwargs(args)) as client:
         print(json.dumps({"health": client.health(), "stats": client.stats()}, indent=2))
     return 0
 
@@ -319,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.02,
         help="fraction of burst rounds re-checked against a single-token forward",
     )
+    p.add_argument("--max-queued", type=int, default=1024, help="requests waiting for a slot before `busy`")
+    p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
+    p.add_argument("--curve-secret", default=None, help="the daemon's CURVE secret key file")
+    p.add_argument("--insecure", action="store_true", help="allow tcp:// without authentication (not recommended)")
     _add_probe_policy(p)
     p.set_defaults(func=_serve)
 
@@ -362,12 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", default=None, help="daemon address (default: the local ipc socket)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     _add_sampling(p)
+    _add_client_auth(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("stats", help="print a running daemon's health and counters")
     p.add_argument("--addr", default=None)
     p.add_argument("--timeout", type=float, default=10.0)
+    _add_client_auth(p)
     p.set_defaults(func=_stats)
+
+    p = sub.add_parser("keys", help="CURVE keys for tenants and the daemon")
+    keys = p.add_subparsers(dest="keys_command", required=True)
+    k = keys.add_parser("new", help="write NAME.key (public) and NAME.key_secret")
+    k.add_argument("name")
+    k.add_argument("--dir", default=".")
+    k.set_defaults(func=_keys)
 
     p = sub.add_parser("demo", help="start a daemon on the demo model and run concurrent jobs through it")
     p.add_argument("--model", default="demo")

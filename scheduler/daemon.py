@@ -6,13 +6,15 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 
 from clients.address import default_address
 from clients.protocol import DEFAULT_MAX_FRAME_BYTES
 from scheduler.admission import Limits
-from scheduler.frontend import FrontEnd, FrontEndSettings
+from scheduler.frontend import ConfigError, FrontEnd, FrontEndSettings
+from scheduler.tenants import TenantsError
 from workers.loop import EngineSettings, EngineThread, Signal
 
 SWITCH_INTERVAL_S = 0.0005
@@ -27,6 +29,10 @@ class DaemonSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout: float = 0.0
+    max_queued: int = 1024
+    tenants: Path | None = None
+    curve_secret: Path | None = None
+    insecure: bool = False
 
 
 def serve(settings: DaemonSettings) -> int:
@@ -42,6 +48,11 @@ def serve(settings: DaemonSettings) -> int:
             limits=settings.limits,
             max_frame_bytes=settings.max_frame_bytes,
             drain_timeout=settings.drain_timeout,
+            capacity=settings.engine.max_batch,
+            max_queued=settings.max_queued,
+            tenants=settings.tenants,
+            curve_secret=settings.curve_secret,
+            insecure=settings.insecure,
         ),
         make_engine,
     )
@@ -49,4 +60,8 @@ def serve(settings: DaemonSettings) -> int:
     # loop's bookkeeping from holding up the next decode step by up to the default 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return anyio.run(front.run, backend="asyncio")
+    try:
+        return anyio.run(front.run, backend="asyncio")
+    except (ConfigError, TenantsError) as exc:
+        print(f"mlx-batchd: {exc}", file=sys.stderr)
+        return 2

@@ -45,7 +45,9 @@ from clients.protocol import (
     unpack,
 )
 from scheduler.admission import Limits, admit, prompt_ids
+from scheduler.fairness import FairQueue
 from scheduler.stopping import StopStrings
+from scheduler.tenants import LOCAL, Tenant, TenantsError, TenantTable, load_tenants, local_table
 from workers.engine import Finished, Job, Tokens
 from workers.loop import Dead, EngineThread, Ready, Signal, Stopped
 from workers.models import ModelInfo
@@ -65,6 +67,17 @@ class FrontEndSettings:
     drain_timeout: float = 0.0
     send_hwm: int = 100_000
     handle_signals: bool = True
+    #: Sequences handed to the engine at once (its batch size); the rest wait in the fair queue.
+    capacity: int = 32
+    #: Requests waiting for a slot, all tenants together, before new ones are answered ``busy``.
+    max_queued: int = 1024
+    tenants: Path | None = None
+    curve_secret: Path | None = None
+    insecure: bool = False
+
+
+class ConfigError(Exception):
+    """A daemon configuration that must not start (with what to change)."""
 
 
 @dataclass
@@ -72,10 +85,16 @@ class _Tracked:
     """One request the daemon owes a terminal event to."""
 
     client: bytes
+    tenant: str
     rid: str
     seq: int
     received_at: float
     req: Submit
+    job: Job | None = None
+
+    @property
+    def key(self) -> tuple[str, bytes, str]:
+        return (self.tenant, self.client, self.rid)
     detok: Any = None
     stops: StopStrings | None = None
     prompt_tokens: int = 0
@@ -93,7 +112,12 @@ class FrontEnd:
     ) -> None:
         self.settings = settings
         self._make_engine = make_engine
-        self._by_key: dict[tuple[bytes, str], _Tracked] = {}
+        #: (tenant, connection, request id): a request is reachable only from the connection that sent
+        #: it, and only while that connection speaks with the same tenant's key.
+        self._by_key: dict[tuple[str, bytes, str], _Tracked] = {}
+        self._table = local_table()
+        self._fair: FairQueue[_Tracked] = FairQueue()
+        self._in_engine = 0
         self._by_seq: dict[int, _Tracked] = {}
         self._seqs = count()
         self._info: ModelInfo | None = None
@@ -116,6 +140,8 @@ class FrontEnd:
         sock.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
         sock.setsockopt(zmq.LINGER, 2000)
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._table = self._load_table()
+        auth = self._secure(ctx, sock)
         self._bind(sock)
         loop = asyncio.get_running_loop()
 
@@ -136,11 +162,56 @@ class FrontEnd:
                 await self._engine_done.wait()  # set once the engine stopped or died
                 tg.cancel_scope.cancel()
         finally:
+            if auth is not None:
+                auth.stop()
             self._sync_sock.close(linger=2000)
             sock.close(linger=2000)
             ctx.term()
             self._unlink_ipc()
         return self._exit_code
+
+    def _load_table(self) -> TenantTable:
+        s = self.settings
+        table = local_table() if s.tenants is None else load_tenants(s.tenants)
+        tcp = not s.listen.startswith("ipc://")
+        if table.authenticated and s.curve_secret is None:
+            raise ConfigError("--tenants needs --curve-secret: tenants are identified by their CURVE keys")
+        if tcp and not table.authenticated and not s.insecure:
+            raise ConfigError(
+                f"refusing to listen on {s.listen} without authentication: give --tenants and --curve-secret "
+                "(CURVE keys from `mlx-batchd keys new NAME`), or --insecure to accept anyone who can connect"
+            )
+        return table
+
+    def _secure(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> Any:
+        """CURVE on the socket and a ZAP handler that admits only keys of configured tenants."""
+        if not self._table.authenticated:
+            if not self.settings.listen.startswith("ipc://"):
+                log.warning(
+                    "!!! INSECURE: %s has no authentication; anyone who can connect can submit jobs",
+                    self.settings.listen,
+                )
+            return None
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        assert self.settings.curve_secret is not None
+        public, secret = zmq.auth.load_certificate(str(self.settings.curve_secret))
+        if secret is None:
+            raise ConfigError(f"{self.settings.curve_secret} holds no secret key (use the .key_secret file)")
+        auth = AsyncioAuthenticator(ctx)
+        auth.start()
+        front = self
+
+        class Keys:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return front._table.by_key(key.decode("ascii")) is not None
+
+        auth.configure_curve_callback("*", credentials_provider=Keys())
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        return auth
 
     def _bind(self, sock: zmq.asyncio.Socket) -> None:
         addr = self.settings.listen
@@ -166,11 +237,32 @@ class FrontEnd:
         self._stop_requested.set()
 
     async def _watch_signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self.reload_tenants()
+                    continue
                 log.info("received %s; shutting down", signal.Signals(signum).name)
                 self.stop()
                 return
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: re-read the tenants file. New keys and limits apply to new requests; requests of
+        tenants that are gone are refused from now on (their queued ones end ``unauthorized``)."""
+        if self.settings.tenants is None:
+            return
+        try:
+            table = load_tenants(self.settings.tenants)
+        except TenantsError as exc:
+            log.error("tenants file not reloaded, keeping the old one: %s", exc)
+            return
+        self._table = table
+        log.info("tenants reloaded: %s", ", ".join(sorted(table.tenants)))
+        for name in list(self._fair.state):
+            if name not in table.tenants:
+                for t in self._fair.drop_tenant_queue(name):
+                    self._finish_here(t, FinishReason.ERROR, (ErrorCode.UNAUTHORIZED, "the tenant was removed"))
+        self._pump()
 
     async def _shutdown_when_asked(self) -> None:
         await self._stop_requested.wait()
@@ -231,13 +323,20 @@ class FrontEnd:
             else:
                 text_parts.append(segment)
         t.completion_tokens += len(out_tokens)
+        tenant = self._table.tenants.get(t.tenant)
+        if tenant is not None:
+            self._fair.generated(tenant, len(ev.tokens))
         self._send(t.client, token_message(t.rid, out_tokens, "".join(text_parts), out_lps))
 
     def _on_finished(self, ev: Finished) -> None:
         t = self._by_seq.pop(ev.seq, None)
         if t is None:
             return
-        self._by_key.pop((t.client, t.rid), None)
+        self._in_engine -= 1
+        self._fair.finished(t.tenant)
+        self._pump()
+        if self._by_key.get(t.key) is t:
+            del self._by_key[t.key]
         reason = FinishReason.STOP if t.stopped else FinishReason(ev.reason)
         if not t.stopped:
             t.detok.finalize()
@@ -260,22 +359,38 @@ class FrontEnd:
         for t in list(self._by_key.values()):
             self._finish_here(t, FinishReason.ERROR, (code, message))
 
-    def _finish_here(self, t: _Tracked, reason: FinishReason, error: tuple[ErrorCode, str] | None) -> None:
-        self._by_key.pop((t.client, t.rid), None)
+    def _finish_here(
+        self,
+        t: _Tracked,
+        reason: FinishReason,
+        error: tuple[ErrorCode, str] | None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        """End a request the engine does not hold (waiting, refused, or after the engine stopped)."""
+        if self._by_key.get(t.key) is t:
+            del self._by_key[t.key]
         self._by_seq.pop(t.seq, None)
+        self._fair.remove(t.tenant, t)
         timings = empty_timings()
         timings["total_s"] = time.monotonic() - t.received_at
         usage = empty_usage(t.prompt_tokens)
         usage["completion_tokens"] = t.completion_tokens
-        self._send(t.client, end_message(t.rid, reason, usage, timings, error))
+        self._send(t.client, end_message(t.rid, reason, usage, timings, error, retry_after_s))
 
     # ------------------------------------------------------------------ clients -> engine
 
+    def _tenant_of(self, frame: zmq.Frame) -> Tenant | None:
+        """Who sent this: the CURVE key's tenant (the ZAP User-Id, never anything the client
+        says), or ``local`` when no tenants file is in force."""
+        if not self._table.authenticated:
+            return self._table.tenants[LOCAL]
+        return self._table.by_key(str(frame.get("User-Id")))
+
     async def _receive(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
+            frames = await self._sock.recv_multipart(copy=False)
             self._counts["received"] += 1
-            client = frames[0]
+            client = frames[0].bytes
             if len(frames) != 2:
                 self._refuse(
                     client, ProtocolError(ErrorCode.BAD_FRAMES, f"send one frame per message, got {len(frames) - 1}")
@@ -283,15 +398,21 @@ class FrontEnd:
                 continue
             msg: dict[str, Any] | None = None
             try:
-                msg = unpack(frames[1], self.settings.max_frame_bytes)
+                msg = unpack(frames[1].bytes, self.settings.max_frame_bytes)
                 req = parse_request(msg)
             except ProtocolError as exc:
                 self._refuse_message(client, exc, msg)
                 continue
+            tenant = self._tenant_of(frames[1])
+            if tenant is None:
+                self._refuse(
+                    client, ProtocolError(ErrorCode.UNAUTHORIZED, "this key no longer belongs to any tenant", req.id)
+                )
+                continue
             if isinstance(req, Submit):
-                self._on_submit(client, req)
+                self._on_submit(client, tenant, req)
             elif isinstance(req, Cancel):
-                self._on_cancel(client, req)
+                self._on_cancel(tenant, client, req)
             elif isinstance(req, Health):
                 self._send(client, self._health(req.id))
             elif isinstance(req, Stats):
@@ -307,7 +428,7 @@ class FrontEnd:
             msg is not None
             and msg.get("type") == MsgType.SUBMIT
             and rid is not None
-            and (client, rid) not in self._by_key
+            and not any(t.rid == rid and t.client == client for t in self._by_key.values())
         ):
             self._counts["refused"] += 1
             timings = empty_timings()
@@ -321,8 +442,8 @@ class FrontEnd:
         self._counts["refused"] += 1
         self._send(client, error_message(exc.code, exc.message, exc.request_id))
 
-    def _on_submit(self, client: bytes, req: Submit) -> None:
-        key = (client, req.id)
+    def _on_submit(self, client: bytes, tenant: Tenant, req: Submit) -> None:
+        key = (tenant.name, client, req.id)
         if key in self._by_key:
             self._refuse(
                 client,
@@ -333,12 +454,25 @@ class FrontEnd:
                 ),
             )
             return
-        t = _Tracked(client=client, rid=req.id, seq=next(self._seqs), received_at=time.monotonic(), req=req)
+        t = _Tracked(
+            client=client, tenant=tenant.name, rid=req.id, seq=next(self._seqs), received_at=time.monotonic(), req=req
+        )
         self._by_key[key] = t
         if self._closing:
             self._finish_here(
                 t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
             )
+            return
+        waiting = sum(1 for o in self._by_key.values() if o.tenant == tenant.name and not o.in_engine) - 1
+        total = sum(1 for o in self._by_key.values() if not o.in_engine) - 1
+        if waiting >= tenant.max_queued or total >= self.settings.max_queued:
+            which = (
+                f"tenant {tenant.name!r} has {waiting} requests waiting (limit {tenant.max_queued})"
+                if waiting >= tenant.max_queued
+                else f"{total} requests are waiting (limit {self.settings.max_queued})"
+            )
+            retry = min(30.0, max(0.1, 0.05 * (total + 1)))
+            self._finish_here(t, FinishReason.ERROR, (ErrorCode.BUSY, f"busy: {which}; retry later"), retry)
             return
         if req.tokens is not None:
             self._admit(t, list(req.tokens))  # nothing to tokenize: admit in order, at once
@@ -357,7 +491,7 @@ class FrontEnd:
         except Exception as exc:
             self._finish_here(t, FinishReason.ERROR, (ErrorCode.BAD_FIELD, f"could not tokenize the prompt: {exc}"))
             return
-        if self._by_key.get((t.client, t.rid)) is not t:
+        if self._by_key.get(t.key) is not t:
             return  # ended meanwhile (shutdown)
         self._admit(t, ids)
 
@@ -371,42 +505,62 @@ class FrontEnd:
                 t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
             )
             return
+        tenant = self._table.tenants.get(t.tenant)
+        if tenant is None:
+            self._finish_here(t, FinishReason.ERROR, (ErrorCode.UNAUTHORIZED, "the tenant was removed"))
+            return
         try:
-            admitted = admit(t.req, ids, self._info, self.settings.limits)
+            admitted = admit(t.req, ids, self._info, self.settings.limits, tenant)
         except ProtocolError as exc:
             self._finish_here(t, FinishReason.ERROR, (exc.code, exc.message))
             return
         t.prompt_tokens = len(admitted.prompt)
         t.detok = self._tokenizer.detokenizer
         t.stops = StopStrings(t.req.stop) if t.req.stop else None
-        t.in_engine = True
-        self._by_seq[t.seq] = t
-        self._engine.submit(
-            Job(
-                seq=t.seq,
-                prompt=admitted.prompt,
-                max_tokens=admitted.max_tokens,
-                sampling=t.req.sampling,
-                stop_token_ids=tuple(t.req.stop_token_ids),
-                logprobs=t.req.logprobs,
-                received_at=t.received_at,
-            )
+        t.job = Job(
+            seq=t.seq,
+            prompt=admitted.prompt,
+            max_tokens=admitted.max_tokens,
+            sampling=t.req.sampling,
+            stop_token_ids=tuple(t.req.stop_token_ids),
+            logprobs=t.req.logprobs,
+            received_at=t.received_at,
         )
+        self._fair.push(tenant, t, min(t.req.priority, tenant.priority_ceiling))
+        self._pump()
 
-    def _on_cancel(self, client: bytes, req: Cancel) -> None:
-        t = self._by_key.get((client, req.id))
+    def _pump(self) -> None:
+        """Hand waiting requests to the engine while it has free slots, fairest tenant first."""
+        now = time.monotonic()
+        while self._in_engine < self.settings.capacity and not self._closing:
+            nxt = self._fair.pop(self._table.tenants, now)
+            if nxt is None:
+                return
+            name, t = nxt
+            if self._by_key.get(t.key) is not t or t.job is None:
+                continue
+            self._fair.admitted(self._table.tenants[name], t.prompt_tokens)
+            self._in_engine += 1
+            t.in_engine = True
+            self._by_seq[t.seq] = t
+            self._engine.submit(t.job)
+
+    def _on_cancel(self, tenant: Tenant, client: bytes, req: Cancel) -> None:
+        t = self._by_key.get((tenant.name, client, req.id))
         if t is None:
             self._refuse(
                 client,
                 ProtocolError(
                     ErrorCode.UNKNOWN_REQUEST_ID,
-                    f"no request {req.id!r} is in flight on this connection (finished already, or never sent)",
+                    f"no request {req.id!r} of yours is in flight on this connection (finished already, or never sent)",
                     req.id,
                 ),
             )
             return
         if t.in_engine:
             self._engine.cancel(t.seq, "cancelled")
+        elif t.job is not None:
+            self._finish_here(t, FinishReason.CANCELLED, None)  # waiting for a slot
         else:
             t.cancel_requested = True  # still tokenizing: ends when admission sees the flag
 
@@ -442,6 +596,22 @@ class FrontEnd:
             "messages_received": self._counts["received"],
             "messages_refused": self._counts["refused"],
             "requests_completed": self._counts["completed"],
+            "requests_waiting": len(self._fair),
+            "tenants": {
+                name: {
+                    "weight": tenant.weight,
+                    "active": self._fair.state[name].active if name in self._fair.state else 0,
+                    "waiting": self._fair.queued(name),
+                    "virtual_counter": self._fair.state[name].counter if name in self._fair.state else 0.0,
+                    "served_prompt_tokens": self._fair.state[name].served_prompt_tokens
+                    if name in self._fair.state
+                    else 0,
+                    "served_generated_tokens": self._fair.state[name].served_generated_tokens
+                    if name in self._fair.state
+                    else 0,
+                }
+                for name, tenant in self._table.tenants.items()
+            },
             "engine": self._engine.snapshot(),
         }
 
@@ -453,8 +623,9 @@ class FrontEnd:
         except (zmq.Again, zmq.ZMQError) as exc:
             log.warning("dropping client %s: %s", client.hex(), exc)
             for t in [t for t in self._by_key.values() if t.client == client]:
-                self._by_key.pop((t.client, t.rid), None)
+                del self._by_key[t.key]
                 if t.in_engine:
                     self._engine.cancel(t.seq, "cancelled")
                 else:
+                    self._fair.remove(t.tenant, t)
                     t.cancel_requested = True
