@@ -224,8 +224,6 @@ class FrontEnd:
             sock.bind(addr)
             path.chmod(0o600)
         else:
-            if addr.startswith("tcp://"):
-                log.warning("listening on %s without authentication: any local process can submit jobs", addr)
             sock.bind(addr)
 
     def _unlink_ipc(self) -> None:

@@ -20,8 +20,17 @@ from clients.sync import Client
 class DaemonProcess:
     """A ``mlx-batchd serve`` child process. ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, model: str | Path, address: str, *extra: str, log: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        address: str,
+        *extra: str,
+        log: IO[str] | None = None,
+        client_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """``client_kwargs`` are what a client needs to be let in (CURVE keys) for the handshake."""
         self.address = address
+        self.client_kwargs = client_kwargs or {}
         self.cmd = [sys.executable, "-m", "scheduler", "serve", "--model", str(model), "--listen", address, *extra]
         kwargs: dict[str, Any] = {"env": {**os.environ, "PYTHONUNBUFFERED": "1"}, "text": True}
         if log is not None:
@@ -31,7 +40,7 @@ class DaemonProcess:
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Poll health until ``ready``; fail fast if the process dies first."""
         deadline = time.monotonic() + timeout
-        with Client(self.address) as client:
+        with Client(self.address, **self.client_kwargs) as client:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode} before it was ready")

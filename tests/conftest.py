@@ -60,11 +60,15 @@ class Daemon:
         return self.process.stop(sig, timeout)
 
 
-def start_daemon(model: Path | str, workdir: Path, *extra: str) -> Daemon:
-    """Start ``mlx-batchd serve`` as a real process on an ipc socket and wait for the ready handshake."""
+def start_daemon(
+    model: Path | str, workdir: Path, *extra: str, address: str | None = None, client_kwargs: dict[str, str] | None = None
+) -> Daemon:
+    """Start ``mlx-batchd serve`` as a real process (an ipc socket unless ``address``) and wait for
+    the ready handshake."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "daemon.log"
-    process = DaemonProcess(model, f"ipc://{workdir / 'daemon.sock'}", *extra, log=log_path.open("w"))
+    address = address or f"ipc://{workdir / 'daemon.sock'}"
+    process = DaemonProcess(model, address, *extra, log=log_path.open("w"), client_kwargs=client_kwargs)
     daemon = Daemon(process, log_path)
     try:
         process.wait_ready(timeout=120)
