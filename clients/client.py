@@ -136,7 +136,9 @@ class AsyncClient:
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     self._routes.pop(str(msg.get("id")), None)
 
-    async def _send(self, msg: dict[str, Any]) -> None:
+    async def _send(self, msg: dict[str, Any], timeout: float | None = None) -> None:
+        """Send one message. A DEALER with no connected peer blocks on send (no daemon yet, or a
+        refused handshake), so the send is bounded by the caller's timeout too."""
         if self._sock is None:
             raise ClientError("use the client as a context manager: `async with AsyncClient(...) as c:`")
         if self._auth_error is not None:
@@ -144,7 +146,8 @@ class AsyncClient:
         frame = pack(msg)
         if len(frame) > self.max_frame_bytes:
             raise ClientError(f"message is {len(frame)} bytes; the daemon accepts at most {self.max_frame_bytes}")
-        await self._sock.send(frame)
+        with anyio.fail_after(timeout):
+            await self._sock.send(frame)
 
     def _open_route(self, rid: str) -> MemoryObjectReceiveStream[dict[str, Any]]:
         if rid in self._routes:
@@ -162,8 +165,8 @@ class AsyncClient:
         rid = uuid.uuid4().hex
         recv = self._open_route(rid)
         try:
-            await self._send(simple_message(kind, rid))
             with anyio.fail_after(self._timeout(timeout)):
+                await self._send(simple_message(kind, rid))
                 reply = await recv.receive()
             if reply.get("type") == "error":
                 raise RequestError(str(reply.get("code")), str(reply.get("message")), rid)
@@ -199,9 +202,9 @@ class AsyncClient:
                 return health
             await anyio.sleep(0.05)
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id: str, timeout: float | None = 5.0) -> None:
         """Ask the daemon to stop a request; its stream then ends with ``cancelled``."""
-        await self._send(simple_message(MsgType.CANCEL, request_id))
+        await self._send(simple_message(MsgType.CANCEL, request_id), timeout)
 
     async def stream(
         self,
@@ -242,7 +245,7 @@ class AsyncClient:
         limit = self._timeout(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         try:
-            await self._send(submit_message(req))
+            await self._send(submit_message(req), limit)
             while not ended:
                 # The timeout wraps each receive, never a yield, so the generator can be
                 # stepped from different tasks (as the blocking client does).
@@ -257,8 +260,8 @@ class AsyncClient:
         finally:
             self._close_route(req.id)
             if not ended and self._sock is not None:
-                with anyio.CancelScope(shield=True):
-                    await self.cancel(req.id)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self.cancel(req.id)  # best effort: a daemon out of reach cancels nothing
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Run a job to its end. Raises ``RequestError`` if the daemon ended it with an error."""
