@@ -33,6 +33,7 @@ class DaemonSettings:
     tenants: Path | None = None
     curve_secret: Path | None = None
     insecure: bool = False
+    metrics: str | None = None
 
 
 def serve(settings: DaemonSettings) -> int:
@@ -53,6 +54,7 @@ def serve(settings: DaemonSettings) -> int:
             tenants=settings.tenants,
             curve_secret=settings.curve_secret,
             insecure=settings.insecure,
+            metrics=settings.metrics,
         ),
         make_engine,
     )

@@ -74,6 +74,8 @@ class FrontEndSettings:
     tenants: Path | None = None
     curve_secret: Path | None = None
     insecure: bool = False
+    #: ``HOST:PORT`` for the Prometheus exposition, or ``None``.
+    metrics: str | None = None
 
 
 class ConfigError(Exception):
@@ -95,6 +97,7 @@ class _Tracked:
     @property
     def key(self) -> tuple[str, bytes, str]:
         return (self.tenant, self.client, self.rid)
+
     detok: Any = None
     stops: StopStrings | None = None
     prompt_tokens: int = 0
@@ -127,6 +130,9 @@ class FrontEnd:
         self._exit_code = 0
         self._tokenize_limiter = anyio.CapacityLimiter(1)
         self._counts = {"received": 0, "refused": 0, "completed": 0}
+        self._outcomes: dict[str, dict[str, int]] = {}
+        #: The latest ``stats()``, replaced (never mutated) by the loop; metrics scrapes read it.
+        self.published: dict[str, Any] = {}
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
@@ -152,16 +158,24 @@ class FrontEnd:
         self._engine_done = anyio.Event()
         self._stop_requested = anyio.Event()
         self._engine = self._make_engine(emit)
+        metrics_server = None
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 self._engine.start()
                 if self.settings.handle_signals:
                     tg.start_soon(self._watch_signals)
+                if self.settings.metrics is not None:
+                    from scheduler.metrics import serve_metrics
+
+                    metrics_server = serve_metrics(self.settings.metrics, lambda: self.published)
+                    tg.start_soon(self._publish_stats)
                 tg.start_soon(self._shutdown_when_asked)
                 await self._engine_done.wait()  # set once the engine stopped or died
                 tg.cancel_scope.cancel()
         finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
             if auth is not None:
                 auth.stop()
             self._sync_sock.close(linger=2000)
@@ -243,6 +257,11 @@ class FrontEnd:
                 log.info("received %s; shutting down", signal.Signals(signum).name)
                 self.stop()
                 return
+
+    async def _publish_stats(self, period: float = 0.25) -> None:
+        while True:
+            self.published = self.stats()
+            await anyio.sleep(period)
 
     def reload_tenants(self) -> None:
         """SIGHUP: re-read the tenants file. New keys and limits apply to new requests; requests of
@@ -350,6 +369,7 @@ class FrontEnd:
             error = (ErrorCode(ev.error_code), ev.error_message or ev.error_code)
         usage = {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens}
         self._counts["completed"] += 1
+        self._count_outcome(t, reason, error)
         self._send(t.client, end_message(t.rid, reason, usage, ev.timings.as_dict(), error))
 
     def _end_all_pending(self, code: ErrorCode, message: str) -> None:
@@ -373,7 +393,14 @@ class FrontEnd:
         timings["total_s"] = time.monotonic() - t.received_at
         usage = empty_usage(t.prompt_tokens)
         usage["completion_tokens"] = t.completion_tokens
+        self._count_outcome(t, reason, error)
         self._send(t.client, end_message(t.rid, reason, usage, timings, error, retry_after_s))
+
+    def _count_outcome(self, t: _Tracked, reason: FinishReason, error: tuple[ErrorCode, str] | None) -> None:
+        """Per tenant: stop / length / cancelled, or the error code (a bounded set)."""
+        outcome = error[0].value if error is not None else reason.value
+        per = self._outcomes.setdefault(t.tenant, {})
+        per[outcome] = per.get(outcome, 0) + 1
 
     # ------------------------------------------------------------------ clients -> engine
 
@@ -595,6 +622,7 @@ class FrontEnd:
             "messages_refused": self._counts["refused"],
             "requests_completed": self._counts["completed"],
             "requests_waiting": len(self._fair),
+            "outcomes": {tenant: dict(per) for tenant, per in self._outcomes.items()},
             "tenants": {
                 name: {
                     "weight": tenant.weight,

@@ -1,0 +1,123 @@
+"""Prometheus exposition (``--metrics HOST:PORT``) of the numbers the ``stats`` reply carries.
+
+The event loop publishes a stats snapshot a few times a second; scrapes read the latest snapshot
+from the HTTP server's thread, so a scrape never touches live daemon state and never waits on the
+loop or the engine. Labels are bounded: tenants come from the tenants file, outcomes, levels,
+purposes and decline reasons from fixed sets in the code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "mlx_batchd"
+
+
+class StatsCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        if not s:
+            return
+        engine = s.get("engine", {})
+        yield GaugeMetricFamily(
+            f"{PREFIX}_requests_in_flight", "Requests admitted and not ended", value=s["requests_in_flight"]
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_requests_waiting", "Requests waiting for a decode slot", value=s["requests_waiting"]
+        )
+
+        requests = CounterMetricFamily(
+            f"{PREFIX}_requests", "Requests that ended, by tenant and outcome", labels=["tenant", "outcome"]
+        )
+        for tenant, outcomes in s.get("outcomes", {}).items():
+            for outcome, n in outcomes.items():
+                requests.add_metric([tenant, outcome], n)
+        yield requests
+
+        tokens = CounterMetricFamily(f"{PREFIX}_tokens", "Tokens served, by tenant and kind", labels=["tenant", "kind"])
+        waiting = GaugeMetricFamily(
+            f"{PREFIX}_tenant_waiting_requests", "Requests waiting, by tenant", labels=["tenant"]
+        )
+        active = GaugeMetricFamily(
+            f"{PREFIX}_tenant_active_sequences", "Sequences decoding, by tenant", labels=["tenant"]
+        )
+        for tenant, t in s.get("tenants", {}).items():
+            tokens.add_metric([tenant, "prompt"], t["served_prompt_tokens"])
+            tokens.add_metric([tenant, "generated"], t["served_generated_tokens"])
+            waiting.add_metric([tenant], t["waiting"])
+            active.add_metric([tenant], t["active"])
+        yield from (tokens, waiting, active)
+
+        yield GaugeMetricFamily(
+            f"{PREFIX}_active_sequences", "Sequences in the engine", value=engine.get("active_sequences", 0)
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_batch_size", "Sequences in the decode batch", value=engine.get("batch_size", 0)
+        )
+        yield CounterMetricFamily(f"{PREFIX}_decode_steps", "Batched decode steps", value=engine.get("decode_steps", 0))
+        yield CounterMetricFamily(
+            f"{PREFIX}_decode_seconds", "Seconds spent in batched decode steps", value=engine.get("decode_seconds", 0.0)
+        )
+
+        bursts = engine.get("bursts", {})
+        drafter = bursts.get("drafter") or "none"
+        for key, help_ in (
+            ("rounds", "Speculative burst rounds"),
+            ("drafted_tokens", "Tokens proposed by the drafter"),
+            ("accepted_tokens", "Drafted tokens the target accepted"),
+            ("audits", "Burst rounds re-checked against a single-token forward"),
+            ("audit_failures", "Audits that found the verify diverging from classic decode"),
+        ):
+            family = CounterMetricFamily(f"{PREFIX}_burst_{key}", help_, labels=["drafter"])
+            family.add_metric([drafter], bursts.get(key, 0))
+            yield family
+        declined = CounterMetricFamily(f"{PREFIX}_bursts_declined", "Bursts not run, by reason", labels=["reason"])
+        for reason, n in bursts.get("declined", {}).items():
+            declined.add_metric([reason], n)
+        yield declined
+
+        pins = engine.get("pins", {})
+        forwards = CounterMetricFamily(
+            f"{PREFIX}_pinned_forwards", "Forwards that asked for a kernel level", labels=["level", "purpose"]
+        )
+        seconds = CounterMetricFamily(
+            f"{PREFIX}_pinned_seconds", "Seconds of pinned forwards", labels=["level", "purpose"]
+        )
+        for row in pins.get("pinned", []):
+            forwards.add_metric([row["level"], row["purpose"]], row["forwards"])
+            seconds.add_metric([row["level"], row["purpose"]], row["seconds"])
+        yield from (forwards, seconds)
+        yield CounterMetricFamily(
+            f"{PREFIX}_pin_collateral_forwards",
+            "Forwards that ran pinned without asking (0 with scoped pins)",
+            value=pins.get("collateral_forwards", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_pin_collateral_seconds",
+            "Seconds of collateral pinned work",
+            value=pins.get("collateral_seconds", 0.0),
+        )
+        verdicts = GaugeMetricFamily(
+            f"{PREFIX}_verdict_exact", "1 if the pairing's verify is exact at its level", labels=["pairing", "level"]
+        )
+        for pairing, v in engine.get("verdicts", {}).items():
+            if "level" in v:
+                verdicts.add_metric([pairing, v["level"] or "declined"], 1.0 if v["exact"] else 0.0)
+        yield verdicts
+
+
+def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]]) -> Any:
+    """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server."""
+    host, _, port = address.rpartition(":")
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(snapshot))
+    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    return server

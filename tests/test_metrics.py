@@ -1,0 +1,56 @@
+"""The Prometheus exposition of a real daemon, scraped over HTTP and parsed."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from clients import Client
+from tests.conftest import start_daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    d = start_daemon(tiny_model, tmp_path, "--metrics", f"127.0.0.1:{port}", "--draft", "prompt-lookup", "-k", "3")
+    try:
+        with Client(d.address, timeout=120) as c:
+            before = _scrape(port)
+            c.generate(tokens=[7, 7, 7, 7, 8, 8, 8, 8], max_tokens=30)
+            c.generate(tokens=[5, 6], max_tokens=4)
+            time.sleep(0.6)  # the loop publishes a snapshot four times a second
+            after = _scrape(port)
+        ended = sum(
+            v
+            for (name, labels), v in after.items()
+            if name == "mlx_batchd_requests_total" and ("tenant", "local") in labels
+        )
+        assert ended >= 2
+        generated = after[("mlx_batchd_tokens_total", (("kind", "generated"), ("tenant", "local")))]
+        assert generated >= 4 and generated > before.get(
+            ("mlx_batchd_tokens_total", (("kind", "generated"), ("tenant", "local"))), 0
+        )
+        assert after[("mlx_batchd_burst_rounds_total", (("drafter", "prompt-lookup"),))] > 0
+        assert after[("mlx_batchd_pin_collateral_forwards_total", ())] == 0
+        assert any(name == "mlx_batchd_verdict_exact" and v == 1.0 for (name, _), v in after.items())
+        assert after[("mlx_batchd_requests_in_flight", ())] == 0
+    finally:
+        assert d.stop() == 0
