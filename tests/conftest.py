@@ -61,7 +61,11 @@ class Daemon:
 
 
 def start_daemon(
-    model: Path | str, workdir: Path, *extra: str, address: str | None = None, client_kwargs: dict[str, str] | None = None
+    model: Path | str,
+    workdir: Path,
+    *extra: str,
+    address: str | None = None,
+    client_kwargs: dict[str, str] | None = None,
 ) -> Daemon:
     """Start ``mlx-batchd serve`` as a real process (an ipc socket unless ``address``) and wait for
     the ready handshake."""
