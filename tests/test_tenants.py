@@ -287,3 +287,22 @@ def test_fair_queue_orders_by_weighted_service_priority_and_caps() -> None:
     assert q.pop(tenants, 0.0) is None  # only b-low waits, and b is capped
     q.finished("b")
     assert q.pop(tenants, 0.0) == ("b", "b-low")
+
+
+def test_token_rate_budget_holds_a_tenant_back_until_it_refills() -> None:
+    t = Tenant("t", token_rate=10.0, token_burst=20.0)
+    q: FairQueue[str] = FairQueue()
+    q.push(t, "r1")
+    q.push(t, "r2")
+    assert q.pop({"t": t}, 0.0) == ("t", "r1")
+    q.admitted(t, 15)
+    q.generated(t, 10)  # 25 tokens spent from a bucket of 20
+    q.finished("t")
+    assert q.pop({"t": t}, 0.1) is None  # 20 - 25 + 1 refilled: still in debt
+    assert q.pop({"t": t}, 1.0) == ("t", "r2")  # 10 tokens/s: back in credit after 0.5 s
+
+
+def test_default_ipc_socket_is_private(daemon: Daemon) -> None:
+    path = Path(daemon.address[len("ipc://") :])
+    assert oct(path.stat().st_mode)[-3:] == "600"
+    assert oct(path.parent.stat().st_mode)[-3:] == "700"
