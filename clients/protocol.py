@@ -69,6 +69,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     ENGINE_DEAD = "engine_dead"
     BUSY = "busy"
+    KV_BUDGET = "kv_budget"
     UNAUTHORIZED = "unauthorized"
 
 

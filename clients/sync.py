@@ -35,6 +35,8 @@ class Client:
         self.address = self._client.address
 
     def close(self) -> None:
+        """Close the connection. Requests still streaming are abandoned; the daemon notices the
+        connection is gone and cancels them."""
         self._stack.close()
 
     def __enter__(self) -> Client:
@@ -70,4 +72,7 @@ class Client:
                     return
                 yield event
         finally:
-            self._portal.call(agen.aclose)
+            try:
+                self._portal.call(agen.aclose)
+            except RuntimeError:
+                pass  # the client was closed mid-stream: its socket (and the request) are gone already

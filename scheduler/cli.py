@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         curve_secret=Path(args.curve_secret) if args.curve_secret else None,
         insecure=args.insecure,
         metrics=args.metrics,
+        kv_budget_bytes=int(args.kv_budget_mb * 2**20),
     )
     return serve(settings)
 
@@ -349,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
     p.add_argument("--curve-secret", default=None, help="the daemon's CURVE secret key file")
     p.add_argument("--insecure", action="store_true", help="allow tcp:// without authentication (not recommended)")
+    p.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=0.0,
+        help="KV cache the admitted requests may reserve (prompt + max_tokens each); 0 = no cap",
+    )
     p.add_argument("--metrics", default=None, help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     _add_probe_policy(p)
     p.set_defaults(func=_serve)

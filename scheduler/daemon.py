@@ -34,6 +34,7 @@ class DaemonSettings:
     curve_secret: Path | None = None
     insecure: bool = False
     metrics: str | None = None
+    kv_budget_bytes: int = 0
 
 
 def serve(settings: DaemonSettings) -> int:
@@ -55,6 +56,7 @@ def serve(settings: DaemonSettings) -> int:
             curve_secret=settings.curve_secret,
             insecure=settings.insecure,
             metrics=settings.metrics,
+            kv_budget_bytes=settings.kv_budget_bytes,
         ),
         make_engine,
     )

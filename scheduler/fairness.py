@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -87,12 +88,17 @@ class FairQueue(Generic[T]):
         self._refill(s, tenant, now)
         return s.active < tenant.max_concurrent and (s.bucket is None or s.bucket > 0)
 
-    def pop(self, tenants: dict[str, Tenant], now: float) -> tuple[str, T] | None:
-        """The next request to admit, or ``None`` if nobody eligible is waiting."""
+    def pop(
+        self, tenants: dict[str, Tenant], now: float, fits: Callable[[T], bool] | None = None
+    ) -> tuple[str, T] | None:
+        """The next request to admit, or ``None`` if nobody eligible is waiting. ``fits`` can hold
+        back a tenant whose next request does not fit the resources left (e.g. the KV budget)."""
         best: tuple[float, int, str] | None = None
         for name, s in self.state.items():
             tenant = tenants.get(name)
             if not s.queue or tenant is None or not self.eligible(tenant, now):
+                continue
+            if fits is not None and not fits(s.queue[0][2]):
                 continue
             key = (s.counter, s.queue[0][1], name)
             if best is None or key < best:

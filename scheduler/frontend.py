@@ -76,6 +76,8 @@ class FrontEndSettings:
     insecure: bool = False
     #: ``HOST:PORT`` for the Prometheus exposition, or ``None``.
     metrics: str | None = None
+    #: KV-cache bytes the engine may hold for admitted requests (prompt + max_tokens each); 0 = no cap.
+    kv_budget_bytes: int = 0
 
 
 class ConfigError(Exception):
@@ -121,6 +123,7 @@ class FrontEnd:
         self._table = local_table()
         self._fair: FairQueue[_Tracked] = FairQueue()
         self._in_engine = 0
+        self._kv_reserved = 0
         self._by_seq: dict[int, _Tracked] = {}
         self._seqs = count()
         self._info: ModelInfo | None = None
@@ -145,6 +148,10 @@ class FrontEnd:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
         sock.setsockopt(zmq.LINGER, 2000)
+        # ZMTP heartbeats: a peer that vanished without closing (a dead host, a cut cable) is
+        # dropped after 6 s, and its requests are then cancelled like any disconnected client's.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._table = self._load_table()
         auth = self._secure(ctx, sock)
@@ -350,6 +357,7 @@ class FrontEnd:
         if t is None:
             return
         self._in_engine -= 1
+        self._kv_reserved -= self._kv_need(t)
         self._fair.finished(t.tenant)
         self._pump()
         if self._by_key.get(t.key) is t:
@@ -551,14 +559,35 @@ class FrontEnd:
             logprobs=t.req.logprobs,
             received_at=t.received_at,
         )
+        budget = self.settings.kv_budget_bytes
+        if budget and self._kv_need(t) > budget:
+            need_mb, budget_mb = self._kv_need(t) / 2**20, budget / 2**20
+            self._finish_here(
+                t,
+                FinishReason.ERROR,
+                (
+                    ErrorCode.KV_BUDGET,
+                    f"this request needs {need_mb:.1f} MiB of KV cache (prompt + max_tokens) but the daemon's whole "
+                    f"budget is {budget_mb:.1f} MiB; lower max_tokens or shorten the prompt",
+                ),
+            )
+            return
         self._fair.push(tenant, t, min(t.req.priority, tenant.priority_ceiling))
         self._pump()
+
+    def _kv_need(self, t: _Tracked) -> int:
+        assert self._info is not None and t.job is not None
+        return (len(t.job.prompt) + t.job.max_tokens) * self._info.kv_bytes_per_token
+
+    def _fits(self, t: _Tracked) -> bool:
+        budget = self.settings.kv_budget_bytes
+        return not budget or t.job is None or self._kv_reserved + self._kv_need(t) <= budget
 
     def _pump(self) -> None:
         """Hand waiting requests to the engine while it has free slots, fairest tenant first."""
         now = time.monotonic()
         while self._in_engine < self.settings.capacity and not self._closing:
-            nxt = self._fair.pop(self._table.tenants, now)
+            nxt = self._fair.pop(self._table.tenants, now, self._fits)
             if nxt is None:
                 return
             name, t = nxt
@@ -566,6 +595,7 @@ class FrontEnd:
                 continue
             self._fair.admitted(self._table.tenants[name], t.prompt_tokens)
             self._in_engine += 1
+            self._kv_reserved += self._kv_need(t)
             t.in_engine = True
             self._by_seq[t.seq] = t
             self._engine.submit(t.job)
@@ -622,6 +652,8 @@ class FrontEnd:
             "messages_refused": self._counts["refused"],
             "requests_completed": self._counts["completed"],
             "requests_waiting": len(self._fair),
+            "kv_reserved_bytes": self._kv_reserved,
+            "kv_budget_bytes": self.settings.kv_budget_bytes,
             "outcomes": {tenant: dict(per) for tenant, per in self._outcomes.items()},
             "tenants": {
                 name: {

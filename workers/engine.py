@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from clients.protocol import SamplingOptions
+from workers import faults
 from workers.arrays import as_float, as_int
 from workers.burst import (
     Adaptive,
@@ -271,18 +272,30 @@ class Engine:
             s = self._by_uid.get(r.uid)
             if s is None:
                 continue
-            if s.prefill_started is None:
-                s.prefill_started = now
-            if s.first_token is None:
-                s.first_token = now
-            # A stop token ends the sequence and is not part of the output (as in mlx-lm).
-            if r.finish_reason != "stop":
-                lp = [r.logprobs[r.token].item()] if s.job.logprobs else None
-                events.append(Tokens(s.job.seq, [r.token], lp))
-                s.emitted += 1
-                self.counters.generated_tokens += 1
-            if r.finish_reason is not None:
-                events.append(self._finish(s, r.finish_reason, None, None, removed=True))
+            try:
+                events += self._respond(s, r, now)
+            except Exception as exc:  # this request's own failure: it ends, the batch goes on
+                log.exception("request seq %d failed in the engine", s.job.seq)
+                self._gen.remove([s.uid])
+                events.append(self._finish(s, "error", "engine_error", f"this request failed in the engine: {exc}"))
+        return events
+
+    def _respond(self, s: _Sequence, r: Any, now: float) -> list[Event]:
+        """One sequence's share of a batched step: its token, its end."""
+        faults.check_request(s.job.prompt)
+        events: list[Event] = []
+        if s.prefill_started is None:
+            s.prefill_started = now
+        if s.first_token is None:
+            s.first_token = now
+        # A stop token ends the sequence and is not part of the output (as in mlx-lm).
+        if r.finish_reason != "stop":
+            lp = [r.logprobs[r.token].item()] if s.job.logprobs else None
+            events.append(Tokens(s.job.seq, [r.token], lp))
+            s.emitted += 1
+            self.counters.generated_tokens += 1
+        if r.finish_reason is not None:
+            events.append(self._finish(s, r.finish_reason, None, None, removed=True))
         return events
 
     def _finish(

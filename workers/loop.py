@@ -11,6 +11,7 @@ events, then ``Stopped`` after a shutdown, or ``Dead`` if the loop itself failed
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import traceback
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers import faults
 from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
 from workers.models import LoadedModel, ModelInfo
@@ -171,7 +173,8 @@ class EngineThread:
                 return cmds
 
     def _loop(self, engine: Engine) -> None:
-        while True:
+        for iteration in itertools.count():
+            faults.check_loop(iteration)
             events: list[Signal] = []
             for cmd in self._commands(block=not engine.has_work and not engine.probing):
                 if isinstance(cmd, _Submit):

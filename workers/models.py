@@ -26,6 +26,8 @@ class ModelInfo:
     context_length: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    #: KV-cache bytes one token of context costs (all layers, keys and values).
+    kv_bytes_per_token: int = 0
 
 
 @dataclass
@@ -72,6 +74,22 @@ def _context_length(config: dict[str, Any], override: int | None) -> int:
     return FALLBACK_CONTEXT
 
 
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Measured, not derived from a config: one token through a fresh cache, then the bytes each
+    cache holds per slot (caches preallocate in steps, so divide by their capacity)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    total = 0.0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if isinstance(keys, mx.array) and keys.ndim >= 3 and keys.shape[2] > 0:
+            total += c.nbytes / keys.shape[2]
+    return int(total)
+
+
 def load(spec: str, context_length: int | None = None) -> LoadedModel:
     """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
     from mlx_lm.utils import load as mlx_load
@@ -79,6 +97,7 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
     path = resolve_model_path(spec)
     model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], mlx_load(str(path), return_config=True))
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
+    kv_bytes = kv_bytes_per_token(model)
     info = ModelInfo(
         name=spec if spec == "demo" else path.name,
         path=str(path),
@@ -87,5 +106,6 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
         context_length=_context_length(config, context_length),
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         has_chat_template=bool(tokenizer.has_chat_template),
+        kv_bytes_per_token=kv_bytes,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info, widths=widths)
