@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import zmq
@@ -152,7 +152,6 @@ class FrontEnd:
         # dropped after 6 s, and its requests are then cancelled like any disconnected client's.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-        self._sync_sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self._table = self._load_table()
         auth = self._secure(ctx, sock)
         self._bind(sock)
@@ -185,7 +184,6 @@ class FrontEnd:
                 metrics_server.shutdown()
             if auth is not None:
                 auth.stop()
-            self._sync_sock.close(linger=2000)
             sock.close(linger=2000)
             ctx.term()
             self._unlink_ipc()
@@ -675,10 +673,18 @@ class FrontEnd:
 
     def _send(self, client: bytes, msg: dict[str, Any]) -> None:
         """Send without ever waiting. A client that is gone or not reading loses its requests,
-        which are cancelled so their slots are freed for everyone else."""
-        try:
-            self._sync_sock.send_multipart([client, pack(msg)], flags=zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as exc:
+        which are cancelled so their slots are freed for everyone else.
+
+        The send goes through the asyncio socket (NOBLOCK, so its future is already resolved):
+        ZeroMQ's notification fd is edge-triggered, and pyzmq re-arms the pending receive after
+        its own sends; a send through a second (shadow) socket object would swallow that edge and
+        leave new requests unread while the daemon streams tokens.
+        """
+        sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, pack(msg)], flags=zmq.NOBLOCK))
+        exc = sent.exception() if sent.done() else None
+        if exc is not None:
+            if not isinstance(exc, zmq.ZMQError):
+                raise exc
             log.warning("dropping client %s: %s", client.hex(), exc)
             for t in [t for t in self._by_key.values() if t.client == client]:
                 del self._by_key[t.key]
