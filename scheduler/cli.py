@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         metrics=args.metrics,
         kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+        max_inflight_per_client=args.max_inflight_per_client,
     )
     return serve(settings)
 
@@ -355,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="KV cache the admitted requests may reserve (prompt + max_tokens each); 0 = no cap",
+    )
+    p.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        default=256,
+        help="requests one connection may have in flight before `busy`",
     )
     p.add_argument("--metrics", default=None, help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
     _add_probe_policy(p)

@@ -35,6 +35,7 @@ class DaemonSettings:
     insecure: bool = False
     metrics: str | None = None
     kv_budget_bytes: int = 0
+    max_inflight_per_client: int = 256
 
 
 def serve(settings: DaemonSettings) -> int:
@@ -57,6 +58,7 @@ def serve(settings: DaemonSettings) -> int:
             insecure=settings.insecure,
             metrics=settings.metrics,
             kv_budget_bytes=settings.kv_budget_bytes,
+            max_inflight_per_client=settings.max_inflight_per_client,
         ),
         make_engine,
     )

@@ -78,6 +78,8 @@ class FrontEndSettings:
     metrics: str | None = None
     #: KV-cache bytes the engine may hold for admitted requests (prompt + max_tokens each); 0 = no cap.
     kv_budget_bytes: int = 0
+    #: Requests one connection may have in flight (waiting or decoding) before ``busy``.
+    max_inflight_per_client: int = 256
 
 
 class ConfigError(Exception):
@@ -492,6 +494,19 @@ class FrontEnd:
         if self._closing:
             self._finish_here(
                 t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
+            )
+            return
+        mine = sum(1 for o in self._by_key.values() if o.client == client)
+        if mine > self.settings.max_inflight_per_client:
+            self._finish_here(
+                t,
+                FinishReason.ERROR,
+                (
+                    ErrorCode.BUSY,
+                    f"busy: this connection has {mine - 1} requests in flight "
+                    f"(limit {self.settings.max_inflight_per_client}); wait for some to end",
+                ),
+                1.0,
             )
             return
         waiting = sum(1 for o in self._by_key.values() if o.tenant == tenant.name and not o.in_engine) - 1

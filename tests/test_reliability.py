@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from clients import Client, EndEvent, RequestError
+from clients.protocol import PROTOCOL_VERSION, pack, unpack
 from tests.conftest import Daemon, start_daemon
 from tests.reference import greedy_reference
 
@@ -170,5 +172,29 @@ def test_soak_random_cancels_and_disconnects(tiny_model: Path, tmp_path: Path) -
         assert len(ends) > 100 and "cancelled" in ends
         assert set(ends) <= {"stop", "length", "cancelled"}
         assert rss_after < rss_before * 1.5 + 64 * 1024, (rss_before, rss_after)
+    finally:
+        assert d.stop() == 0
+
+
+def test_in_flight_cap_per_connection(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path, "--max-inflight-per-client", "2", "--max-batch", "1")
+    try:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.RCVTIMEO, 30_000)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(d.address)
+        for i in range(4):
+            raw.send(pack({"v": PROTOCOL_VERSION, "type": "submit", "id": f"r{i}", "tokens": [5, 6], "max_tokens": 50}))
+        ends: dict[str, dict[str, Any]] = {}
+        while len(ends) < 4:
+            msg = unpack(raw.recv(), 1 << 30)
+            if msg["type"] == "end":
+                ends[msg["id"]] = msg
+        raw.close()
+        busy = [m for m in ends.values() if m.get("error", {}).get("code") == "busy"]
+        assert len(busy) == 2 and all(m["error"]["retry_after_s"] > 0 for m in busy)
+        assert {m["finish_reason"] for i, m in ends.items() if m not in busy} <= {"length", "stop"}
+        with Client(d.address, timeout=60) as c:  # another connection is not affected
+            assert c.generate(tokens=[5], max_tokens=3).finish_reason in ("length", "stop")
     finally:
         assert d.stop() == 0
