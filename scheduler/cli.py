@@ -24,24 +24,12 @@ DEMO_PROMPTS = [
 def _serve(args: argparse.Namespace) -> int:
     from scheduler.admission import Limits
     from scheduler.daemon import DaemonSettings, serve
+    from scheduler.frontend import FrontEndSettings
     from workers.burst import BurstSettings
     from workers.loop import EngineSettings
 
-    settings = DaemonSettings(
-        model=args.model,
-        engine=EngineSettings(
-            max_batch=args.max_batch,
-            prefill_batch=args.prefill_batch,
-            prefill_step=args.prefill_step,
-            pin_scope=args.pin_scope,
-            probe_k=args.probe_k,
-            probe_policy=_probe_policy(args),
-            draft=args.draft,
-            mtp=args.mtp,
-            bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
-        ),
+    front = FrontEndSettings(
         listen=args.listen or default_address(),
-        context_length=args.context_length,
         limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens),
         max_frame_bytes=args.max_frame_bytes,
         drain_timeout=args.drain_timeout,
@@ -53,6 +41,18 @@ def _serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mb * 2**20),
         max_inflight_per_client=args.max_inflight_per_client,
     )
+    engine = EngineSettings(
+        max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch,
+        prefill_step=args.prefill_step,
+        pin_scope=args.pin_scope,
+        probe_k=args.probe_k,
+        probe_policy=_probe_policy(args),
+        draft=args.draft,
+        mtp=args.mtp,
+        bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
+    )
+    settings = DaemonSettings(front, model=args.model, context_length=args.context_length, engine=engine)
     return serve(settings)
 
 
