@@ -46,9 +46,10 @@ from clients.protocol import (
 )
 from scheduler.admission import Limits, admit, prompt_ids
 from scheduler.fairness import FairQueue
+from scheduler.metrics import Observations
 from scheduler.stopping import StopStrings
 from scheduler.tenants import LOCAL, Tenant, TenantsError, TenantTable, load_tenants, local_table
-from workers.engine import Finished, Job, Tokens
+from workers.engine import Finished, Job, StepInfo, Tokens
 from workers.loop import Dead, EngineThread, Ready, Signal, Stopped
 from workers.models import ModelInfo
 
@@ -97,6 +98,7 @@ class _Tracked:
     received_at: float
     req: Submit
     job: Job | None = None
+    last_token_at: float | None = None
 
     @property
     def key(self) -> tuple[str, bytes, str]:
@@ -126,6 +128,7 @@ class FrontEnd:
         self._fair: FairQueue[_Tracked] = FairQueue()
         self._in_engine = 0
         self._kv_reserved = 0
+        self._obs = Observations()
         self._by_seq: dict[int, _Tracked] = {}
         self._seqs = count()
         self._info: ModelInfo | None = None
@@ -176,7 +179,7 @@ class FrontEnd:
                 if self.settings.metrics is not None:
                     from scheduler.metrics import serve_metrics
 
-                    metrics_server = serve_metrics(self.settings.metrics, lambda: self.published)
+                    metrics_server = serve_metrics(self.settings.metrics, lambda: self.published, self._obs.registry)
                     tg.start_soon(self._publish_stats)
                 tg.start_soon(self._shutdown_when_asked)
                 await self._engine_done.wait()  # set once the engine stopped or died
@@ -307,6 +310,10 @@ class FrontEnd:
         for sig in signals:
             if isinstance(sig, Tokens):
                 self._on_tokens(sig)
+            elif isinstance(sig, StepInfo):
+                self._obs.step.labels(sig.kind).observe(sig.seconds)
+                if sig.kind == "decode":
+                    self._obs.batch.observe(sig.batch_size)
             elif isinstance(sig, Finished):
                 self._on_finished(sig)
             elif isinstance(sig, Ready):
@@ -347,6 +354,13 @@ class FrontEnd:
             else:
                 text_parts.append(segment)
         t.completion_tokens += len(out_tokens)
+        now = time.monotonic()
+        if t.last_token_at is not None and ev.tokens:
+            gap = (now - t.last_token_at) / len(ev.tokens)
+            for _ in ev.tokens:
+                self._obs.itl.observe(gap)
+        t.last_token_at = now
+        self._obs.generated.labels(ev.mode).inc(len(ev.tokens))
         tenant = self._table.tenants.get(t.tenant)
         if tenant is not None:
             self._fair.generated(tenant, len(ev.tokens))
@@ -378,6 +392,13 @@ class FrontEnd:
         usage = {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens}
         self._counts["completed"] += 1
         self._count_outcome(t, reason, error)
+        for hist, value in (
+            (self._obs.ttft, ev.timings.ttft_s),
+            (self._obs.e2e, ev.timings.total_s),
+            (self._obs.queue, ev.timings.queue_s),
+        ):
+            if value is not None:
+                hist.observe(value)
         self._send(t.client, end_message(t.rid, reason, usage, ev.timings.as_dict(), error))
 
     def _end_all_pending(self, code: ErrorCode, message: str) -> None:

@@ -114,10 +114,51 @@ class StatsCollector(Collector):
         yield verdicts
 
 
-def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]]) -> Any:
+def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> Any:
     """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server."""
     host, _, port = address.rpartition(":")
-    registry = CollectorRegistry()
     registry.register(StatsCollector(snapshot))
     server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     return server
+
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Observations:
+    """Distributions observed as things happen (a snapshot cannot give percentiles). The metric
+    objects are thread-safe; the event loop observes, the HTTP thread reads."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From submit read to first token",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Between a request's tokens (a burst's tokens share its gap)",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_request_duration_seconds", "From submit read to the end", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.queue = Histogram(
+            f"{PREFIX}_queue_time_seconds", "From submit read to prefill start", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.step = Histogram(
+            f"{PREFIX}_step_seconds", "Engine step time by kind", ["kind"], registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.batch = Histogram(
+            f"{PREFIX}_batch_size", "Sequences per batched decode step", registry=r, buckets=BATCH_BUCKETS
+        )
+        self.generated = Counter(
+            f"{PREFIX}_generated_tokens", "Generated tokens by how they were produced", ["mode"], registry=r
+        )

@@ -52,5 +52,13 @@ def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
         assert after[("mlx_batchd_pin_collateral_forwards_total", ())] == 0
         assert any(name == "mlx_batchd_verdict_exact" and v == 1.0 for (name, _), v in after.items())
         assert after[("mlx_batchd_requests_in_flight", ())] == 0
+        # Distributions observed as they happen.
+        assert after[("mlx_batchd_time_to_first_token_seconds_count", ())] >= 2
+        assert after[("mlx_batchd_request_duration_seconds_count", ())] >= 2
+        assert after[("mlx_batchd_inter_token_latency_seconds_count", ())] >= 10
+        assert after[("mlx_batchd_step_seconds_count", (("kind", "burst_round"),))] > 0
+        assert after[("mlx_batchd_generated_tokens_total", (("mode", "burst"),))] > 0
+        assert after[("mlx_batchd_batch_size_count", ())] > 0  # classic steps profile before bursts
+        assert after[("mlx_batchd_step_seconds_count", (("kind", "decode"),))] > 0
     finally:
         assert d.stop() == 0

@@ -61,6 +61,17 @@ class Tokens:
     seq: int
     tokens: list[int]
     logprobs: list[float] | None = None
+    #: "batched" (a BatchGenerator step) or "burst" (a speculative round).
+    mode: str = "batched"
+
+
+@dataclass
+class StepInfo:
+    """What one engine step was and cost, for the step-time and batch-size histograms."""
+
+    kind: str  # "decode" (a batched decode step, maybe with a prefill chunk), "prefill", "burst_round"
+    seconds: float
+    batch_size: int
 
 
 @dataclass
@@ -87,7 +98,7 @@ class Finished:
     error_message: str | None = None
 
 
-Event = Tokens | Finished
+Event = Tokens | Finished | StepInfo
 
 
 @dataclass
@@ -267,7 +278,9 @@ class Engine:
             s = self._by_uid.get(pr.uid)
             if s is not None and s.prefill_started is None:
                 s.prefill_started = now
-        events: list[Event] = []
+        events: list[Event] = [
+            StepInfo("decode" if decoding else "prefill", time.perf_counter() - tic, len(gen_responses))
+        ]
         for r in gen_responses:
             s = self._by_uid.get(r.uid)
             if s is None:
@@ -484,7 +497,8 @@ class Engine:
         if tokens:
             if s.first_token is None:
                 s.first_token = time.monotonic()
-            events.append(Tokens(s.job.seq, tokens, lps if s.job.logprobs else None))
+            mode = "burst" if self._burst is not None and self._burst.seq is s else "batched"
+            events.append(Tokens(s.job.seq, tokens, lps if s.job.logprobs else None, mode))
             s.emitted += len(tokens)
             self.counters.generated_tokens += len(tokens)
         if finish is not None:
@@ -566,6 +580,7 @@ class Engine:
             s.no_burst = "drafter_error"
             return events + self._rejoin()
         self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
+        events.append(StepInfo("burst_round", time.perf_counter() - tic, 1))
         if not self.adaptive.after_round(time.perf_counter()):
             self._note_decline(s, "adaptive")
             events += self._rejoin()
