@@ -189,3 +189,21 @@ def test_cli_generate_round_trip(daemon: Daemon) -> None:
     assert "[length]" in out.stderr or "[stop]" in out.stderr
     with Client(daemon.address) as c:
         assert out.stdout.rstrip("\n") == c.generate("hello", max_tokens=6).text
+
+
+def test_cli_stats_summary_and_json(daemon: Daemon) -> None:
+    human = subprocess.run(
+        [sys.executable, "-m", "scheduler", "stats", "--addr", daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert human.returncode == 0, human.stderr
+    assert "mlx-batchd ready" in human.stdout and "tenant local" in human.stdout and "collateral 0" in human.stdout
+    raw = subprocess.run(
+        [sys.executable, "-m", "scheduler", "stats", "--json", "--addr", daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert raw.returncode == 0 and '"requests_in_flight"' in raw.stdout
