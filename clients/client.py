@@ -161,12 +161,12 @@ class AsyncClient:
         if route is not None:
             route.close()
 
-    async def _call(self, kind: MsgType, timeout: float | None) -> dict[str, Any]:
+    async def _call(self, kind: MsgType, timeout: float | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         rid = uuid.uuid4().hex
         recv = self._open_route(rid)
         try:
             with anyio.fail_after(self._timeout(timeout)):
-                await self._send(simple_message(kind, rid))
+                await self._send({**simple_message(kind, rid), **(extra or {})})
                 reply = await recv.receive()
             if reply.get("type") == "error":
                 raise RequestError(str(reply.get("code")), str(reply.get("message")), rid)
@@ -183,9 +183,11 @@ class AsyncClient:
         """The daemon's status, model and limits. Answered once the model is loaded."""
         return await self._call(MsgType.HEALTH, timeout)
 
-    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
-        """Counters from the front end and the engine."""
-        return (await self._call(MsgType.STATS, timeout))["stats"]
+    async def stats(self, timeout: float | None = None, measure_tax: bool = False) -> dict[str, Any]:
+        """Counters from the front end and the engine. ``measure_tax`` asks the engine to time a
+        batched step pinned vs wide; the result shows in later replies (``engine.pin_tax``)."""
+        extra = {"measure_tax": True} if measure_tax else None
+        return (await self._call(MsgType.STATS, timeout, extra))["stats"]
 
     async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Block until the daemon answers health with status ``ready`` (the ready handshake)."""

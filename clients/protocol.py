@@ -167,6 +167,8 @@ class Health:
 @dataclass(frozen=True)
 class Stats:
     id: str
+    #: Ask the engine to time one batched step pinned vs wide (the reply carries the last result).
+    measure_tax: bool = False
 
 
 Request = Submit | Cancel | Health | Stats
@@ -329,7 +331,7 @@ def parse_request(msg: dict[str, Any]) -> Request:
         return Cancel(rid)
     if kind == MsgType.HEALTH:
         return Health(rid)
-    return Stats(rid)
+    return Stats(rid, measure_tax=bool(_get(msg, "measure_tax", bool, rid, False)))
 
 
 # --------------------------------------------------------------------------- builders

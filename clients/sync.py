@@ -48,8 +48,8 @@ class Client:
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         return self._portal.call(self._client.health, timeout)
 
-    def stats(self, timeout: float | None = None) -> dict[str, Any]:
-        return self._portal.call(self._client.stats, timeout)
+    def stats(self, timeout: float | None = None, measure_tax: bool = False) -> dict[str, Any]:
+        return self._portal.call(self._client.stats, timeout, measure_tax)
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         return self._portal.call(self._client.wait_ready, timeout)

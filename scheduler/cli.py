@@ -222,6 +222,9 @@ def _stats(args: argparse.Namespace) -> int:
     from clients import Client
 
     with Client(args.addr, timeout=args.timeout, **_client_kwargs(args)) as client:
+        if args.measure_tax:
+            client.stats(measure_tax=True)
+            time.sleep(args.tax_wait)
         health, stats = client.health(), client.stats()
     if args.json:
         print(json.dumps({"health": health, "stats": stats}, indent=2))
@@ -263,6 +266,12 @@ def format_stats(health: dict[str, Any], stats: dict[str, Any]) -> str:
                 if "level" in v
                 else f"probing ({v.get('at')})"
             )
+        )
+    tax = e.get("pin_tax") or {}
+    if tax:
+        lines.append(
+            f"pin tax: batch {tax['batch']} at {tax['level']}: {tax['ratio']:.3f}x a wide step; scoping saved "
+            f"~{tax['estimated_seconds_saved_by_scoping']:.2f}s of batched decode so far"
         )
     lines.append(
         f"pins ({e.get('pin_scope')}): "
@@ -462,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", default=None)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--json", action="store_true", help="the raw health and stats replies")
+    p.add_argument("--measure-tax", action="store_true", help="time a batched step pinned vs wide first")
+    p.add_argument("--tax-wait", type=float, default=2.0, help="seconds to let that measurement run")
     _add_client_auth(p)
     p.set_defaults(func=_stats)
 

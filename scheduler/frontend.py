@@ -470,6 +470,8 @@ class FrontEnd:
             elif isinstance(req, Health):
                 self._send(client, self._health(req.id))
             elif isinstance(req, Stats):
+                if req.measure_tax:
+                    self._engine.measure_tax()
                 self._send(
                     client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": self.stats()}
                 )

@@ -105,6 +105,18 @@ class StatsCollector(Collector):
             "Seconds of collateral pinned work",
             value=pins.get("collateral_seconds", 0.0),
         )
+        tax = engine.get("pin_tax") or {}
+        if tax:
+            ratio = GaugeMetricFamily(
+                f"{PREFIX}_pin_tax_ratio", "Batched step time pinned / wide, last measured", labels=["level", "batch"]
+            )
+            ratio.add_metric([tax["level"], str(tax["batch"])], tax["ratio"])
+            yield ratio
+            yield GaugeMetricFamily(
+                f"{PREFIX}_scoping_saved_seconds",
+                "Batched decode seconds a process-wide pin would have added (measured ratio x decode time)",
+                value=tax["estimated_seconds_saved_by_scoping"],
+            )
         verdicts = GaugeMetricFamily(
             f"{PREFIX}_verdict_exact", "1 if the pairing's verify is exact at its level", labels=["pairing", "level"]
         )

@@ -36,8 +36,17 @@ def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
             before = _scrape(port)
             c.generate(tokens=[7, 7, 7, 7, 8, 8, 8, 8], max_tokens=30)
             c.generate(tokens=[5, 6], max_tokens=4)
+            c.stats(measure_tax=True)  # time a batched step pinned vs wide, on demand
+            deadline = time.monotonic() + 30
+            while not c.stats()["engine"]["pin_tax"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            tax = c.stats()["engine"]["pin_tax"]
             time.sleep(0.6)  # the loop publishes a snapshot four times a second
             after = _scrape(port)
+        assert tax["level"] == "narrow" and tax["batch"] >= 2 and tax["ratio"] > 0  # the CPU verdict is wide
+        assert after[("mlx_batchd_pin_tax_ratio", (("batch", str(tax["batch"])), ("level", "narrow")))] == tax["ratio"]
+        assert ("mlx_batchd_scoping_saved_seconds", ()) in after
         ended = sum(
             v
             for (name, labels), v in after.items()

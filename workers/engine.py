@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from clients.protocol import SamplingOptions
 from workers import faults
@@ -171,6 +171,7 @@ class Engine:
         self._auditor = Auditor(0.0, 0)
         self._burst: BurstSeq | None = None
         self._last_decline: tuple[int, str] | None = None
+        self.last_tax: dict[str, Any] = {}
         self._seqs: dict[int, _Sequence] = {}  # by caller seq
         self._by_uid: dict[int, _Sequence] = {}
         self._gen = self._new_generator()
@@ -618,3 +619,46 @@ class Engine:
             "classic_step_s": self.adaptive.classic_step_s,
             "round_s": self.adaptive.round_s,
         }
+
+    # ------------------------------------------------------------------ the pin's tax
+
+    def measure_tax(self, batch: int, level: Level, reps: int = 3, context: int = 32) -> dict[str, Any]:
+        """Time one batched decode step at ``level`` vs wide, at ``batch`` sequences, on scratch
+        caches (serving state is untouched): what a process-wide pin would cost this batch."""
+        from mlx_lm.generate import _merge_caches
+
+        batch = max(1, batch)
+        caches = []
+        for i in range(batch):
+            c = make_prompt_cache(self.model)
+            self.model(mx.array([[(7 * i + j) % self.vocab_size for j in range(context)]]), cache=c)
+            caches.append(c)
+        merged = _merge_caches(caches)
+        mx.eval([c.state for c in merged])
+        step = mx.array([[1]] * batch)
+        times: dict[str, list[float]] = {"wide": [], "pinned": []}
+        for _ in range(reps + 1):
+            for name, lv in (("wide", Level.WIDE), ("pinned", level)):
+                tic = time.perf_counter()
+                with pinned(self.ledger, lv, "tax"):
+                    mx.eval(self.counted(step, cache=merged))
+                times[name].append(time.perf_counter() - tic)
+        wide = sorted(times["wide"][1:])[reps // 2]
+        pin = sorted(times["pinned"][1:])[reps // 2]
+        self.last_tax = {
+            "batch": batch,
+            "level": level.value,
+            "wide_step_s": wide,
+            "pinned_step_s": pin,
+            "ratio": pin / wide,
+            "measured_at": time.time(),
+        }
+        return self.last_tax
+
+    def tax_summary(self) -> dict[str, Any]:
+        """The last measurement and what scoping saved: the batched decode seconds so far would
+        each have cost ``ratio`` times as much under a process-wide pin."""
+        if not self.last_tax:
+            return {}
+        saved = 0.0 if self.pin_scope == "process" else (self.last_tax["ratio"] - 1.0) * self.counters.decode_seconds
+        return {**self.last_tax, "estimated_seconds_saved_by_scoping": saved}

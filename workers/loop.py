@@ -12,8 +12,10 @@ events, then ``Stopped`` after a shutdown, or ``Dead`` if the loop itself failed
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +25,7 @@ from typing import Any
 from workers import faults
 from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
+from workers.kernels import Level
 from workers.models import LoadedModel, ModelInfo
 from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
 
@@ -66,7 +69,12 @@ class _Shutdown:
     message: str
 
 
-_Command = _Submit | _Cancel | _Shutdown
+@dataclass
+class _MeasureTax:
+    pass
+
+
+_Command = _Submit | _Cancel | _Shutdown | _MeasureTax
 
 
 @dataclass
@@ -83,6 +91,8 @@ class EngineSettings:
     draft: str | None = None
     mtp: str | None = None
     bursts: BurstSettings = field(default_factory=BurstSettings)
+    #: Seconds between measurements of the pin's tax on batched decode (0 = only on demand).
+    tax_interval_s: float = 300.0
 
 
 def warm_up(engine: Engine) -> None:
@@ -107,6 +117,7 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
         self._engine: Engine | None = None
+        self._tax_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -123,6 +134,10 @@ class EngineThread:
 
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
         self._inbox.put(_Cancel(seq, reason, code, message))
+
+    def measure_tax(self) -> None:
+        """Time a batched step pinned vs wide at the current batch size, at the next step."""
+        self._inbox.put(_MeasureTax())
 
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
@@ -181,6 +196,8 @@ class EngineThread:
                     engine.submit(cmd.job)
                 elif isinstance(cmd, _Cancel):
                     events += engine.cancel(cmd.seq, cmd.reason, cmd.code, cmd.message)
+                elif isinstance(cmd, _MeasureTax):
+                    self._measure_tax(engine)
                 else:
                     events += engine.cancel_all(cmd.reason, cmd.code, cmd.message)
                     if events:
@@ -194,6 +211,20 @@ class EngineThread:
             # holds up a batch; under heavier load it waits.
             if engine.probing and engine.active <= 1:
                 engine.probe_step()
+            if self._settings.tax_interval_s and time.monotonic() - self._tax_at > self._settings.tax_interval_s:
+                self._measure_tax(engine)
+
+    def _measure_tax(self, engine: Engine) -> None:
+        """At the verdict's level when it pins, else at narrow (what a pin would cost)."""
+        self._tax_at = time.monotonic()
+        level = Level.NARROW
+        for v in engine.verdicts.values():
+            if v.level not in (None, Level.WIDE.value):
+                level = Level(v.level)
+        try:
+            engine.measure_tax(max(2, engine.batch_size()), level)
+        except Exception:
+            logging.getLogger("mlx_batchd.engine").exception("pin tax measurement failed")
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges for the stats reply, read from any thread.
@@ -212,6 +243,7 @@ class EngineThread:
             "pins": engine.ledger.snapshot(),
             "verdicts": engine.verdict_summary(),
             "bursts": engine.burst_summary(),
+            "pin_tax": engine.tax_summary(),
         }
 
 
