@@ -120,10 +120,15 @@ class StatsCollector(Collector):
         verdicts = GaugeMetricFamily(
             f"{PREFIX}_verdict_exact", "1 if the pairing's verify is exact at its level", labels=["pairing", "level"]
         )
+        probe_s = GaugeMetricFamily(
+            f"{PREFIX}_verdict_probe_seconds", "How long the pairing's probe took", labels=["pairing"]
+        )
         for pairing, v in engine.get("verdicts", {}).items():
             if "level" in v:
                 verdicts.add_metric([pairing, v["level"] or "declined"], 1.0 if v["exact"] else 0.0)
+                probe_s.add_metric([pairing], v["probe_seconds"])
         yield verdicts
+        yield probe_s
 
 
 def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> Any:

@@ -71,3 +71,35 @@ def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
         assert after[("mlx_batchd_step_seconds_count", (("kind", "decode"),))] > 0
     finally:
         assert d.stop() == 0
+
+
+def test_collateral_under_a_process_wide_pin(tiny_model: Path, tmp_path: Path) -> None:
+    """The seed's process-wide pin (here the operator's narrow level): batched decode that never
+    asked for it runs pinned, and the exposition says so; scoped (above) it stays 0."""
+    port = _free_port()
+    d = start_daemon(
+        tiny_model,
+        tmp_path,
+        "--metrics",
+        f"127.0.0.1:{port}",
+        "--draft",
+        "prompt-lookup",
+        "--pin-level",
+        "narrow",
+        "--pin-scope",
+        "process",
+    )
+    try:
+        with Client(d.address, timeout=120) as c:
+            deadline = time.monotonic() + 60
+            while "level" not in next(iter(c.stats()["engine"]["verdicts"].values()), {}):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            c.generate(tokens=[5, 6], max_tokens=20)
+            time.sleep(0.6)
+            after = _scrape(port)
+        assert after[("mlx_batchd_pin_collateral_forwards_total", ())] > 0
+        assert after[("mlx_batchd_pin_collateral_seconds_total", ())] > 0
+        assert any(name == "mlx_batchd_verdict_probe_seconds" and v > 0 for (name, _), v in after.items())
+    finally:
+        assert d.stop() == 0
