@@ -48,6 +48,101 @@ def run_daemon(client: Any, prompts: list[list[int]], max_tokens: int) -> tuple[
     return sum(r.usage["completion_tokens"] for r in results), wall
 
 
+def run_poisson(address: str, rate: float, n: int, vocab: int, max_tokens: int, seed: int = 7) -> dict[str, Any]:
+    """Mixed arrivals: ``n`` requests at Poisson times (``rate`` per second), random prompt lengths
+    and budgets, through one async client; client-side TTFT, inter-token gaps and durations."""
+    import anyio
+
+    from clients.client import AsyncClient
+    from clients.events import TokenEvent
+
+    rng = random.Random(seed)
+    plan = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        plan.append(
+            (
+                t,
+                [rng.randrange(4, min(vocab, 256)) for _ in range(rng.randrange(4, 64))],
+                rng.randrange(8, max_tokens + 1),
+            )
+        )
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+
+    async def one(client: AsyncClient, at: float, prompt: list[int], budget: int, start: float) -> None:
+        await anyio.sleep(max(0.0, start + at - time.perf_counter()))
+        sent = last = time.perf_counter()
+        first = True
+        async for ev in client.stream(tokens=prompt, max_tokens=budget):
+            if isinstance(ev, TokenEvent) and ev.tokens:
+                now = time.perf_counter()
+                if first:
+                    ttft.append(now - sent)
+                    first = False
+                else:
+                    itl.extend([(now - last) / len(ev.tokens)] * len(ev.tokens))
+                last = now
+        e2e.append(time.perf_counter() - sent)
+
+    async def main() -> None:
+        async with AsyncClient(address, timeout=3600) as client:
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for at, prompt, budget in plan:
+                    tg.start_soon(one, client, at, prompt, budget, start)
+
+    anyio.run(main, backend="asyncio")
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    return {
+        "rate": rate,
+        "requests": n,
+        **{
+            f"{name}_p{int(q * 100)}": pct(xs, q)
+            for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
+            for q in (0.5, 0.9, 0.99)
+        },
+        "samples": {"ttft": ttft, "itl": itl},
+    }
+
+
+def write_poisson(result: dict[str, Any], meta: dict[str, Any], out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "poisson.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2))
+    md = "| metric | p50 | p90 | p99 |\n|---|---|---|---|\n" + "".join(
+        f"| {name} (ms) | {result[f'{name}_p50'] * 1e3:.1f} | {result[f'{name}_p90'] * 1e3:.1f} | {result[f'{name}_p99'] * 1e3:.1f} |\n"
+        for name in ("ttft", "itl", "e2e")
+    )
+    (out / "poisson.md").write_text(md)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("ttft", "itl"):
+        xs = sorted(result["samples"][name])
+        if xs:
+            ax.plot([x * 1e3 for x in xs], [i / len(xs) for i in range(len(xs))], label=name)
+    ax.set(
+        xscale="log",
+        xlabel="milliseconds",
+        ylabel="fraction of samples",
+        title=f"{result['requests']} Poisson arrivals at {result['rate']}/s, {meta['model']}",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "poisson.png", dpi=120)
+    return md
+
+
 def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
     """JSON, a Markdown table and a PNG plot; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
@@ -97,8 +192,13 @@ def main(args: argparse.Namespace) -> int:
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     sock = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-")) / "daemon.sock"
     samples: dict[tuple[str, int], list[float]] = {}
-    with DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens)) as daemon:
+    extra = ["--draft", args.draft] if args.draft else []
+    poisson: dict[str, Any] | None = None
+    probe_seconds: dict[str, float] = {}
+    with DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens), *extra) as daemon:
         with Client(daemon.address, timeout=3600) as client:
+            while any("level" not in v for v in client.stats()["engine"]["verdicts"].values()):
+                time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
             warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
             run_raw(model, eos, warm, 8)
             run_daemon(client, warm, 8)
@@ -110,6 +210,11 @@ def main(args: argparse.Namespace) -> int:
                 else:
                     n, wall = run_daemon(client, prompts, args.tokens)
                 samples.setdefault((arm, b), []).append(n / wall)
+            if args.poisson_rate > 0:
+                poisson = run_poisson(daemon.address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+            for name, v in client.stats()["engine"]["verdicts"].items():
+                if "probe_seconds" in v:
+                    probe_seconds[name] = v["probe_seconds"]
     rows = []
     for b in batches:
         raw = statistics.median(samples[("raw", b)])
@@ -123,6 +228,12 @@ def main(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
+        "drafter": args.draft,
+        "probe_seconds": probe_seconds,
     }
     print(write_report(rows, meta, Path(args.out)))
+    if poisson is not None:
+        print(write_poisson(poisson, meta, Path(args.out)))
+    if probe_seconds:
+        print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
     return 0

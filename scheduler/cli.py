@@ -498,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/bench", help="folder for JSON, Markdown and PNG results")
+    p.add_argument("--draft", default=None, help="a drafter for the daemon (its probe time is reported)")
+    p.add_argument("--poisson-rate", type=float, default=0.0, help="also run mixed Poisson arrivals at this rate/s")
+    p.add_argument("--poisson-requests", type=int, default=40)
     p.set_defaults(func=lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a))
     return parser
 

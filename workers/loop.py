@@ -207,9 +207,9 @@ class EngineThread:
                 events += engine.step()
             if events:
                 self._emit(events)
-            # The probe runs a draw at a time while at most one sequence is active, so it never
-            # holds up a batch; under heavier load it waits.
-            if engine.probing and engine.active <= 1:
+            # The probe runs a draw at a time, only while the engine is idle, so serving never
+            # waits for it (a request arriving mid-draw waits for that one draw at most).
+            if engine.probing and engine.active == 0:
                 engine.probe_step()
             if self._settings.tax_interval_s and time.monotonic() - self._tax_at > self._settings.tax_interval_s:
                 self._measure_tax(engine)
