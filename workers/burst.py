@@ -14,11 +14,9 @@ Token accounting mirrors ``GenerationBatch.next`` exactly: each emitted token co
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.drafters import Drafter
 from workers.sampling import SeededSampler
 
 
@@ -113,17 +111,6 @@ class BurstSeq:
     stops: frozenset[int]
 
 
-@dataclass
-class RoundResult:
-    tokens: list[int]
-    logprobs: list[float]
-    finish: str | None  # "stop" / "length" or None
-    drafted: int
-    accepted: int
-    audited: bool = False
-    audit_failed: bool = False
-
-
 def emit_in_order(
     candidates: list[int], logprobs: list[float], emitted: int, max_tokens: int, stops: frozenset[int]
 ) -> tuple[list[int], list[float], str | None]:
@@ -151,19 +138,3 @@ class Auditor:
 
     def pick(self) -> bool:
         return self.fraction > 0 and self._rng.random() < self.fraction
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-__all__ = [
-    "Adaptive",
-    "Auditor",
-    "BurstCounters",
-    "BurstSeq",
-    "BurstSettings",
-    "Drafter",
-    "RoundResult",
-    "emit_in_order",
-]

@@ -309,12 +309,10 @@ class Engine:
             s.emitted += 1
             self.counters.generated_tokens += 1
         if r.finish_reason is not None:
-            events.append(self._finish(s, r.finish_reason, None, None, removed=True))
+            events.append(self._finish(s, r.finish_reason, None, None))
         return events
 
-    def _finish(
-        self, s: _Sequence, reason: str, code: str | None, message: str | None, removed: bool = False
-    ) -> Finished:
+    def _finish(self, s: _Sequence, reason: str, code: str | None, message: str | None) -> Finished:
         del self._seqs[s.job.seq]
         self._by_uid.pop(s.uid, None)
         self.counters.finished += 1
@@ -328,9 +326,6 @@ class Engine:
             total_s=now - t0,
         )
         return Finished(s.job.seq, reason, len(s.job.prompt), s.emitted, timings, code, message)
-
-    def clear_memory(self) -> None:
-        mx.clear_cache()
 
     # ------------------------------------------------------------------ pins and the probe
 

@@ -370,18 +370,6 @@ def ladder_steps(
     return None, False, f"declined: {why}", results
 
 
-def run_ladder(
-    model: Any,
-    make_cache: MakeCache,
-    draws: list[Draw],
-    k: int,
-    policy: ProbePolicy = ProbePolicy(),
-    levels: tuple[Level, ...] = LADDER,
-    progress: Callable[[str], None] | None = None,
-) -> LadderOutcome:
-    return drive(ladder_steps(model, make_cache, draws, k, policy, levels), progress)
-
-
 def drive(steps: Generator[str, None, Any], progress: Callable[[str], None] | None = None) -> Any:
     """Run a step generator to its end and return its value."""
     while True:
