@@ -10,6 +10,7 @@ in the machine's speed hits both; the median of the repeats is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -147,11 +148,20 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     """JSON, a Markdown table and a PNG plot; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "daemon_vs_raw.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [
-        "| B | raw BatchGenerator tok/s | daemon tok/s | daemon / raw |",
-        "|---|---|---|---|",
-        *(f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['daemon_tok_s']:.1f} | {r['ratio']:.3f} |" for r in rows),
-    ]
+    pinned = "daemon_process_pin_tok_s" in rows[0]
+    head = "| B | raw BatchGenerator tok/s | daemon tok/s | daemon / raw |"
+    rule = "|---|---|---|---|"
+    if pinned:
+        head += " daemon, process pin tok/s | process pin / scoped |"
+        rule += "---|---|"
+
+    def row(r: dict[str, Any]) -> str:
+        line = f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['daemon_tok_s']:.1f} | {r['ratio']:.3f} |"
+        if pinned:
+            line += f" {r['daemon_process_pin_tok_s']:.1f} | {r['daemon_process_pin_tok_s'] / r['daemon_tok_s']:.3f} |"
+        return line
+
+    lines = [head, rule, *(row(r) for r in rows)]
     md = "\n".join(lines) + "\n"
     (out / "daemon_vs_raw.md").write_text(md)
     import matplotlib
@@ -162,7 +172,9 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     fig, ax = plt.subplots(figsize=(6, 4))
     bs = [r["batch"] for r in rows]
     ax.plot(bs, [r["raw_tok_s"] for r in rows], "o-", label="raw BatchGenerator")
-    ax.plot(bs, [r["daemon_tok_s"] for r in rows], "s-", label="daemon (client over ipc)")
+    ax.plot(bs, [r["daemon_tok_s"] for r in rows], "s-", label="daemon, scoped pins (client over ipc)")
+    if pinned:
+        ax.plot(bs, [r["daemon_process_pin_tok_s"] for r in rows], "^-", label="daemon, process-wide pin")
     ax.set_xlabel("concurrent sequences (B)")
     ax.set_ylabel("generated tokens / s")
     ax.set_xscale("log", base=2)
@@ -195,31 +207,48 @@ def main(args: argparse.Namespace) -> int:
     extra = ["--draft", args.draft] if args.draft else []
     poisson: dict[str, Any] | None = None
     probe_seconds: dict[str, float] = {}
-    with DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens), *extra) as daemon:
-        with Client(daemon.address, timeout=3600) as client:
-            while any("level" not in v for v in client.stats()["engine"]["verdicts"].values()):
+    arms = ["raw", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
+    pin_sock = sock.with_name("pinned.sock")
+    pin_args = ["--probe-k", "4", "--pin-level", args.process_pin, "--pin-scope", "process"]
+    with contextlib.ExitStack() as stack:
+        daemon = stack.enter_context(
+            DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens), *extra)
+        )
+        client = stack.enter_context(Client(daemon.address, timeout=3600))
+        clients = {"daemon": client}
+        if args.process_pin:
+            pinned = stack.enter_context(
+                DaemonProcess(args.model, f"ipc://{pin_sock}", "--max-tokens-cap", str(args.tokens), *pin_args)
+            )
+            clients["daemon_process_pin"] = stack.enter_context(Client(pinned.address, timeout=3600))
+        for c in clients.values():
+            while any("level" not in v for v in c.stats()["engine"]["verdicts"].values()):
                 time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
-            warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
-            run_raw(model, eos, warm, 8)
-            run_daemon(client, warm, 8)
-            steps = [(b, rep, arm) for b in batches for rep in range(args.repeats) for arm in ("raw", "daemon")]
-            for b, rep, arm in tqdm(steps, desc="bench", unit="run"):
-                prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
-                if arm == "raw":
-                    n, wall = run_raw(model, eos, prompts, args.tokens)
-                else:
-                    n, wall = run_daemon(client, prompts, args.tokens)
-                samples.setdefault((arm, b), []).append(n / wall)
-            if args.poisson_rate > 0:
-                poisson = run_poisson(daemon.address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
-            for name, v in client.stats()["engine"]["verdicts"].items():
-                if "probe_seconds" in v:
-                    probe_seconds[name] = v["probe_seconds"]
+        warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
+        run_raw(model, eos, warm, 8)
+        for c in clients.values():
+            run_daemon(c, warm, 8)
+        steps = [(b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms]
+        for b, rep, arm in tqdm(steps, desc="bench", unit="run"):
+            prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
+            if arm == "raw":
+                n, wall = run_raw(model, eos, prompts, args.tokens)
+            else:
+                n, wall = run_daemon(clients[arm], prompts, args.tokens)
+            samples.setdefault((arm, b), []).append(n / wall)
+        if args.poisson_rate > 0:
+            poisson = run_poisson(daemon.address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+        for name, v in client.stats()["engine"]["verdicts"].items():
+            if "probe_seconds" in v:
+                probe_seconds[name] = v["probe_seconds"]
     rows = []
     for b in batches:
         raw = statistics.median(samples[("raw", b)])
         dmn = statistics.median(samples[("daemon", b)])
-        rows.append({"batch": b, "raw_tok_s": raw, "daemon_tok_s": dmn, "ratio": dmn / raw})
+        row: dict[str, Any] = {"batch": b, "raw_tok_s": raw, "daemon_tok_s": dmn, "ratio": dmn / raw}
+        if args.process_pin:
+            row["daemon_process_pin_tok_s"] = statistics.median(samples[("daemon_process_pin", b)])
+        rows.append(row)
     meta = {
         "model": args.model,
         "model_path": str(path),

@@ -501,6 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="a drafter for the daemon (its probe time is reported)")
     p.add_argument("--poisson-rate", type=float, default=0.0, help="also run mixed Poisson arrivals at this rate/s")
     p.add_argument("--poisson-requests", type=int, default=40)
+    p.add_argument(
+        "--process-pin",
+        default=None,
+        choices=["narrow", "per-query"],
+        help="also measure a daemon with --pin-scope process at this level (the tax scoping avoids)",
+    )
     p.set_defaults(func=lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a))
     return parser
 
