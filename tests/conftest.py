@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +107,14 @@ def daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def client(daemon: Daemon) -> Iterator[Client]:
     with Client(daemon.address, timeout=120) as c:
         yield c
+
+
+def wait_for_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
+    """The first pairing verdict in ``stats`` once its probe is done (the probe runs while idle)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [v for v in client.stats()["engine"]["verdicts"].values() if "level" in v]
+        if done:
+            return done[0]
+        time.sleep(0.05)
+    raise TimeoutError("no verdict")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from clients import Client
-from tests.conftest import start_daemon
+from tests.conftest import start_daemon, wait_for_verdict
 from tests.reference import greedy_reference
 
 
@@ -15,10 +14,7 @@ def test_daemon_bursts_are_exact_and_reported(tiny_model: Path, tmp_path: Path) 
     daemon = start_daemon(tiny_model, tmp_path, "--draft", "prompt-lookup", "-k", "3")
     try:
         with Client(daemon.address, timeout=120) as c:
-            deadline = time.monotonic() + 60
-            while "level" not in next(iter(c.stats()["engine"]["verdicts"].values()), {}):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for_verdict(c, timeout=60)
             prompt = [7, 7, 7, 7, 8, 8, 8, 8]
             assert c.generate(tokens=prompt, max_tokens=60).tokens == greedy_reference(tiny_model, prompt, 60)[0]
             bursts = c.stats()["engine"]["bursts"]

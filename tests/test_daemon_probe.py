@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 from clients import Client
-from tests.conftest import start_daemon
+from tests.conftest import start_daemon, wait_for_verdict
 from tests.reference import greedy_reference
-
-
-def _wait_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        verdicts = client.stats()["engine"]["verdicts"]
-        done = [v for v in verdicts.values() if "level" in v]
-        if done:
-            return done[0]
-        time.sleep(0.1)
-    raise TimeoutError("no verdict")
 
 
 def test_startup_probe_verdict_in_stats_and_memoised(tiny_model: Path, tmp_path: Path) -> None:
@@ -28,7 +15,7 @@ def test_startup_probe_verdict_in_stats_and_memoised(tiny_model: Path, tmp_path:
         with Client(daemon.address, timeout=120) as c:
             # Serving does not wait for the probe.
             assert c.generate(tokens=[5, 6, 7], max_tokens=10).tokens == greedy_reference(tiny_model, [5, 6, 7], 10)[0]
-            verdict = _wait_verdict(c)
+            verdict = wait_for_verdict(c)
             assert (verdict["level"], verdict["exact"], verdict["from_cache"]) == ("wide", True, False)
             pins = c.stats()["engine"]["pins"]
             assert pins["collateral_forwards"] == 0
@@ -38,6 +25,6 @@ def test_startup_probe_verdict_in_stats_and_memoised(tiny_model: Path, tmp_path:
     again = start_daemon(tiny_model, tmp_path / "b", "--probe-k", "2")
     try:
         with Client(again.address, timeout=120) as c:
-            assert _wait_verdict(c)["from_cache"] is True
+            assert wait_for_verdict(c)["from_cache"] is True
     finally:
         assert again.stop() == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
-from tests.conftest import start_daemon
+from tests.conftest import start_daemon, wait_for_verdict
 
 
 def _free_port() -> int:
@@ -91,10 +91,7 @@ def test_collateral_under_a_process_wide_pin(tiny_model: Path, tmp_path: Path) -
     )
     try:
         with Client(d.address, timeout=120) as c:
-            deadline = time.monotonic() + 60
-            while "level" not in next(iter(c.stats()["engine"]["verdicts"].values()), {}):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for_verdict(c, timeout=60)
             c.generate(tokens=[5, 6], max_tokens=20)
             time.sleep(0.6)
             after = _scrape(port)
