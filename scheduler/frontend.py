@@ -519,7 +519,13 @@ class FrontEnd:
                 t, FinishReason.ERROR, (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
             )
             return
-        mine = sum(1 for o in self._by_key.values() if o.client == client)
+        mine = waiting = total = 0  # one pass over what is tracked, the new request included
+        for o in self._by_key.values():
+            mine += o.client == client
+            if not o.in_engine:
+                total += 1
+                waiting += o.tenant == tenant.name
+        waiting, total = waiting - 1, total - 1  # others, not counting this one
         if mine > self.settings.max_inflight_per_client:
             self._finish_here(
                 t,
@@ -532,8 +538,6 @@ class FrontEnd:
                 1.0,
             )
             return
-        waiting = sum(1 for o in self._by_key.values() if o.tenant == tenant.name and not o.in_engine) - 1
-        total = sum(1 for o in self._by_key.values() if not o.in_engine) - 1
         if waiting >= tenant.max_queued or total >= self.settings.max_queued:
             which = (
                 f"tenant {tenant.name!r} has {waiting} requests waiting (limit {tenant.max_queued})"
