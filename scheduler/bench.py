@@ -1,4 +1,9 @@
-"""``mlx-batchd bench``: decode throughput through the daemon vs raw ``BatchGenerator``.
+"""``mlx-batchd bench``: the workload matrix, one command.
+
+Batched decode throughput vs B through the daemon (scoped pins), through a daemon with a process-wide
+pin (``--process-pin``) and through raw ``BatchGenerator``; B = 1 classic vs bursts per drafter
+(``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token percentiles; the
+start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in ``--out``.
 
 Both arms run the same workload in the same run: B greedy sequences with random prompts of the
 same length, every request submitted at once, timed from the first submit to the last token.
@@ -186,6 +191,82 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     return md
 
 
+def drafter_args(spec: str) -> list[str]:
+    """Daemon flags for one drafter spec: ``mtp:DIR|demo`` is an MTP head, anything else ``--draft``."""
+    return ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
+
+
+def _burst_counts(client: Any) -> dict[str, int]:
+    b = client.stats()["engine"].get("bursts", {})
+    return {k: int(b.get(k, 0)) for k in ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")}
+
+
+def b1_rows(
+    samples: dict[tuple[str, int], list[float]],
+    counts: dict[str, dict[str, int]],
+    verdicts: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats."""
+    classic = statistics.median(samples[("daemon", 1)])
+    rows: list[dict[str, Any]] = [
+        {
+            "drafter": "classic (no drafter)",
+            "tok_s": classic,
+            "speedup": 1.0,
+            "acceptance": None,
+            "tokens_per_round": None,
+            "verdict": "-",
+        }
+    ]
+    for arm, c in counts.items():
+        rate = statistics.median(samples[(arm, 1)])
+        v = verdicts.get(arm, {})
+        rows.append(
+            {
+                "drafter": arm.removeprefix("bursts:"),
+                "tok_s": rate,
+                "speedup": rate / classic,
+                "acceptance": c["accepted_tokens"] / c["drafted_tokens"] if c["drafted_tokens"] else None,
+                "tokens_per_round": c["emitted_tokens"] / c["rounds"] if c["rounds"] else None,
+                "verdict": f"{v.get('level') or 'declined'}{'' if v.get('exact', False) else ' (inexact)'}",
+            }
+        )
+    return rows
+
+
+def write_b1(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
+    """B = 1 classic vs bursts: JSON, Markdown, PNG; returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "b1_bursts.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    def cell(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    md = (
+        "| drafter | tok/s | vs classic | acceptance | tokens/round | verdict |\n|---|---|---|---|---|---|\n"
+        + "".join(
+            f"| {r['drafter']} | {r['tok_s']:.1f} | {r['speedup']:.3f} | {cell(r['acceptance'], '.3f')} "
+            f"| {cell(r['tokens_per_round'], '.2f')} | {r['verdict']} |\n"
+            for r in rows
+        )
+    )
+    (out / "b1_bursts.md").write_text(md)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 0.6 * len(rows) + 1.5))
+    ax.barh([r["drafter"] for r in rows], [r["tok_s"] for r in rows])
+    ax.set(
+        xlabel="generated tokens / s at B = 1 (daemon, client over ipc)", title=f"{meta['model']} on {meta['device']}"
+    )
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "b1_bursts.png", dpi=120)
+    return md
+
+
 def main(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
@@ -202,33 +283,46 @@ def main(args: argparse.Namespace) -> int:
     eos = sorted(tokenizer.eos_token_ids)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
-    sock = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-")) / "daemon.sock"
+    tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
+    drafters = [d for d in (args.drafters or "").split(",") if d]
     samples: dict[tuple[str, int], list[float]] = {}
-    extra = ["--draft", args.draft] if args.draft else []
     poisson: dict[str, Any] | None = None
-    probe_seconds: dict[str, float] = {}
-    arms = ["raw", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
-    pin_sock = sock.with_name("pinned.sock")
-    pin_args = ["--probe-k", "4", "--pin-level", args.process_pin, "--pin-scope", "process"]
+    cap = ["--max-tokens-cap", str(args.tokens)]
+    # Every daemon starts at once so their start-up probes overlap; each runs alone while measured.
+    daemons: dict[str, list[str]] = {"daemon": cap}
+    if args.process_pin:
+        daemons["daemon_process_pin"] = [
+            *cap,
+            "--probe-k",
+            "4",
+            "--pin-level",
+            args.process_pin,
+            "--pin-scope",
+            "process",
+        ]
+    for d in drafters:
+        daemons[f"bursts:{d}"] = [*cap, *drafter_args(d)]
     with contextlib.ExitStack() as stack:
-        daemon = stack.enter_context(
-            DaemonProcess(args.model, f"ipc://{sock}", "--max-tokens-cap", str(args.tokens), *extra)
-        )
-        client = stack.enter_context(Client(daemon.address, timeout=3600))
-        clients = {"daemon": client}
-        if args.process_pin:
-            pinned = stack.enter_context(
-                DaemonProcess(args.model, f"ipc://{pin_sock}", "--max-tokens-cap", str(args.tokens), *pin_args)
-            )
-            clients["daemon_process_pin"] = stack.enter_context(Client(pinned.address, timeout=3600))
+        clients: dict[str, Any] = {}
+        procs = {
+            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
+            for i, (name, extra) in enumerate(daemons.items())
+        }
+        for name, proc in procs.items():
+            clients[name] = stack.enter_context(Client(proc.address, timeout=3600))
         for c in clients.values():
             while any("level" not in v for v in c.stats()["engine"]["verdicts"].values()):
                 time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
         warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
         run_raw(model, eos, warm, 8)
-        for c in clients.values():
-            run_daemon(c, warm, 8)
-        steps = [(b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms]
+        for name, c in clients.items():
+            run_daemon(c, warm if not name.startswith("bursts:") else warm[:1], 8)
+        before = {name: _burst_counts(clients[name]) for name in clients if name.startswith("bursts:")}
+        arms = ["raw", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
+        b1_arms = [name for name in clients if name.startswith("bursts:")]
+        steps = [
+            (b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms + (b1_arms if b == 1 else [])
+        ]
         for b, rep, arm in tqdm(steps, desc="bench", unit="run"):
             prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
             if arm == "raw":
@@ -236,11 +330,19 @@ def main(args: argparse.Namespace) -> int:
             else:
                 n, wall = run_daemon(clients[arm], prompts, args.tokens)
             samples.setdefault((arm, b), []).append(n / wall)
+        counts = {name: {k: v - before[name][k] for k, v in _burst_counts(clients[name]).items()} for name in b1_arms}
+        probe_seconds: dict[str, float] = {}
+        verdicts: dict[str, dict[str, Any]] = {}
+        for name, c in clients.items():
+            for pairing, v in c.stats()["engine"]["verdicts"].items():
+                if "probe_seconds" in v:
+                    probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
+                verdicts[name] = v
         if args.poisson_rate > 0:
-            poisson = run_poisson(daemon.address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
-        for name, v in client.stats()["engine"]["verdicts"].items():
-            if "probe_seconds" in v:
-                probe_seconds[name] = v["probe_seconds"]
+            # The production shape: the first drafter's daemon (bursts whenever one request is alone).
+            target = b1_arms[0] if b1_arms else "daemon"
+            poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+            poisson["daemon"] = target
     rows = []
     for b in batches:
         raw = statistics.median(samples[("raw", b)])
@@ -257,12 +359,17 @@ def main(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
-        "drafter": args.draft,
+        "drafters": drafters,
+        "process_pin": args.process_pin,
         "probe_seconds": probe_seconds,
     }
-    print(write_report(rows, meta, Path(args.out)))
+    out = Path(args.out)
+    print(write_report(rows, meta, out))
+    if 1 in batches and b1_arms:
+        print(write_b1(b1_rows(samples, counts, verdicts), meta, out))
     if poisson is not None:
-        print(write_poisson(poisson, meta, Path(args.out)))
+        print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
+        print(write_poisson(poisson, meta, out))
     if probe_seconds:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
     return 0

@@ -446,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="2,4,8,16,32")
     p.add_argument("--tokens", type=int, default=128, help="tokens per B = 1 request")
     p.add_argument("--batched-tokens", type=int, default=64)
+    p.add_argument("--batched-repeats", type=int, default=2, help="runs per arm and batch size (best kept)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--context", type=int, default=300, help="cache length for the verify-cost table")
     p.add_argument("--repeats", type=int, default=3)
@@ -491,14 +492,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("bench", help="daemon vs raw BatchGenerator decode throughput")
+    p = sub.add_parser("bench", help="workload matrix: batched daemon vs raw, B = 1 bursts per drafter, Poisson, probe")
     p.add_argument("--model", default="demo")
     p.add_argument("--batch-sizes", default="1,4,8,16")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/bench", help="folder for JSON, Markdown and PNG results")
-    p.add_argument("--draft", default=None, help="a drafter for the daemon (its probe time is reported)")
+    p.add_argument(
+        "--drafters",
+        "--draft",
+        default="",
+        help="comma list of drafters for the B = 1 burst rows, one daemon each: DIR, demo, prompt-lookup, mtp:DIR|mtp:demo",
+    )
     p.add_argument("--poisson-rate", type=float, default=0.0, help="also run mixed Poisson arrivals at this rate/s")
     p.add_argument("--poisson-requests", type=int, default=40)
     p.add_argument(
@@ -508,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure a daemon with --pin-scope process at this level (the tax scoping avoids)",
     )
     p.set_defaults(func=lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a))
+    __import__("scheduler.top", fromlist=["add_parser"]).add_parser(sub)
     return parser
 
 

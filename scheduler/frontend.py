@@ -727,8 +727,10 @@ class FrontEnd:
         if exc is not None:
             if not isinstance(exc, zmq.ZMQError):
                 raise exc
-            log.warning("dropping client %s: %s", client.hex(), exc)
-            for t in [t for t in self._by_key.values() if t.client == client]:
+            gone = [t for t in self._by_key.values() if t.client == client]
+            # Once per client: later sends to it (events already in flight) find nothing left to drop.
+            (log.warning if gone else log.debug)("dropping client %s: %s", client.hex(), exc)
+            for t in gone:
                 del self._by_key[t.key]
                 if t.in_engine:
                     self._engine.cancel(t.seq, "cancelled")

@@ -145,6 +145,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    rejections: int = 0  # rounds that ended at a drafted token the target did not pick
 
 
 def greedy(target: nn.Module, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -184,6 +185,7 @@ def speculative(
         st.drafted += k
         st.accepted += a
         st.rounds += 1
+        st.rejections += a < k
         drafter.accepted(committed, a, k, hidden)
     st.tokens = committed[len(prompt) :]
     return st
@@ -276,18 +278,22 @@ def main(argv: list[str] | None = None) -> None:
     with tqdm(total=len(drafters) * len(ks) * len(prompts), desc="speculative") as bar:
         for name, drafter in drafters.items():
             for k in ks:
-                drafted = accepted = rounds = generated = mismatches = 0
+                drafted = accepted = rounds = rejections = generated = mismatches = 0
                 for pr, ref in zip(prompts, refs):
                     st = speculative(target, drafter, pr, args.new_tokens, k, eos)
                     drafted += st.drafted
                     accepted += st.accepted
                     rounds += st.rounds
+                    rejections += st.rejections
                     generated += len(st.tokens)
                     mismatches += _cut(st.tokens, args.new_tokens, eos) != ref
                     bar.update(1)
                 table[name][k] = {
                     "acceptance": accepted / drafted,
                     "tokens_per_round": 1 + accepted / rounds,  # drafted tokens kept plus the bonus
+                    # Per-position acceptance alpha (Leviathan et al.): the chance a drafted token is accepted
+                    # given that every token before it in the round was; the geometric model's estimate.
+                    "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
                     "equal_to_greedy": len(prompts) - mismatches,
                 }
     results["acceptance"] = table
@@ -311,13 +317,17 @@ def _print_markdown(r: dict, args: argparse.Namespace) -> None:
     n = r["prompts"]
     print(f"\nGreedy speculative decoding, {n} held-out code prompts, {args.new_tokens} new tokens each:\n")
     names = list(r["acceptance"])
-    print("| K | " + " | ".join(f"{m}: acceptance | {m}: tokens/round" for m in names) + " | equal to greedy |")
-    print("|---|" + "---|---|" * len(names) + "---|")
+    print(
+        "| K | "
+        + " | ".join(f"{m}: acceptance | {m}: alpha | {m}: tokens/round" for m in names)
+        + " | equal to greedy |"
+    )
+    print("|---|" + "---|---|---|" * len(names) + "---|")
     for k in r["ks"]:
         cells = []
         for m in names:
             c = r["acceptance"][m][k]
-            cells += [f"{c['acceptance']:.3f}", f"{c['tokens_per_round']:.2f}"]
+            cells += [f"{c['acceptance']:.3f}", f"{c['alpha']:.3f}", f"{c['tokens_per_round']:.2f}"]
         eq = min(r["acceptance"][m][k]["equal_to_greedy"] for m in names)
         print(f"| {k} | " + " | ".join(cells) + f" | {eq}/{n} |")
     print(f"\nGreedy sample ({args.sample_tokens} tokens):\n\n```python\n{r['sample']}\n```")

@@ -12,8 +12,10 @@ Phases (each saves its result as soon as it ends):
 
 1. tokenizer: a 4096-entry byte-level BPE fitted to the training files;
 2. target: llama-style, trained from scratch on next-token cross-entropy, then cast to bf16 (what ships);
-3. draft: a 2-layer llama distilled from the bf16 target (soft cross-entropy against its distribution),
-   because acceptance is agreement with the target, not with the data;
+3. draft: a shallow llama distilled from the bf16 target (soft cross-entropy against its distribution),
+   because acceptance is agreement with the target, not with the data. By default it starts as the
+   target's embedding, first ``--draft-layers`` blocks and final norm (an early exit of the target), so
+   distillation refines a model that already agrees with the target instead of learning from nothing;
 4. MTP head: distilled from the bf16 target's next-next-token distribution, trained chained to depth
    ``--mtp-depth`` exactly as it is used in drafting (see :func:`mtp_chain`).
 
@@ -172,6 +174,7 @@ SEQ_LEN = 512
 # Sizes chosen for a 2-core CPU with MLX's reference BLAS (docs/demo-models.md has the measurements):
 # the target must decode >= 50 tok/s in bf16 at B = 1, and all weights must fit in 25 MB.
 TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=704, num_attention_heads=4)
+# --draft-init scratch only; the default draft is the target's shape cut to --draft-layers blocks.
 DRAFT_SHAPE = dict(hidden_size=192, num_hidden_layers=2, intermediate_size=512, num_attention_heads=3)
 MTP_LAYERS = 1
 # --smoke: tiny shapes so the whole pipeline runs on a CPU in seconds (tests of this script only).
@@ -214,6 +217,25 @@ def llama_config_json(args: llama.ModelArgs, eos_id: int) -> dict:
         "eos_token_id": eos_id,
         "torch_dtype": "bfloat16",
     }
+
+
+def draft_from_target(target: llama.Model, target_shape: dict, layers: int) -> tuple[llama.Model, dict]:
+    """A draft that starts as an early exit of ``target``: its embedding, first ``layers`` blocks, final norm.
+
+    Why: acceptance is agreement with the target, and the target's own lower blocks plus its output head
+    already agree with it far more than a randomly initialised model of the same size; distillation then
+    only has to close the gap. Weights are copied as float32 for training (the target is bf16 by then).
+    """
+    shape = dict(target_shape, num_hidden_layers=min(layers, target_shape["num_hidden_layers"]))
+    draft = llama.Model(llama_args(target.args.vocab_size, shape))
+    keep = []
+    for name, value in tree_flatten(target.parameters()):
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= shape["num_hidden_layers"]:
+            continue
+        keep.append((name, value.astype(mx.float32)))
+    draft.load_weights(keep, strict=True)
+    return draft, shape
 
 
 def n_params(module: nn.Module) -> int:
@@ -397,10 +419,12 @@ def generate_pool(
     return pool
 
 
-def mixed_batches(tokens: np.ndarray, pool: np.ndarray, batch: int, rng: np.random.Generator) -> Iterator[mx.array]:
-    """Half real training windows, half rows of the on-policy pool; all ``pool.shape[1]`` tokens long."""
+def mixed_batches(
+    tokens: np.ndarray, pool: np.ndarray, batch: int, rng: np.random.Generator, pool_share: float = 0.5
+) -> Iterator[mx.array]:
+    """Real training windows plus ``pool_share`` of rows from the on-policy pool, ``pool.shape[1]`` tokens each."""
     width = pool.shape[1]
-    n_pool = batch // 2
+    n_pool = min(batch, round(batch * pool_share))
     hi = len(tokens) - width
     while True:
         starts = rng.integers(0, hi, size=batch - n_pool)
@@ -600,6 +624,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-batch", type=int, default=2048)
     p.add_argument("--pool-seconds", type=float, default=40.0)
     p.add_argument("--pool-def-fraction", type=float, default=0.0, help="share of pool prompts ending at a def line")
+    p.add_argument("--pool-share", type=float, default=0.5, help="share of each drafter batch drawn from the pool")
+    p.add_argument("--draft-init", choices=("target", "scratch"), default="target", help="target: early exit of it")
+    p.add_argument(
+        "--draft-layers", type=int, default=3, help="blocks of the target the draft keeps (--draft-init target)"
+    )
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=0, help="cap held-out windows (0: all)")
@@ -736,16 +765,25 @@ def main(argv: list[str] | None = None) -> dict:
     report["pool"] = {
         "seqs": int(len(pool)),
         "def_fraction": args.pool_def_fraction,
+        "share_of_drafter_batches": args.pool_share,
         "prompt": args.pool_prompt,
         "gen": args.pool_gen,
         "seconds": time.perf_counter() - t_pool,
     }
-    pool_wins = list(pool[-64:])  # the last rows: a sample for on-policy agreement metrics
+    pool_wins = list(pool[-64:])  # the last rows: a sample for on-policy agreement metrics, never trained on
+    pool_train = pool[:-64] if len(pool) > 128 else pool
     dseq = pool.shape[1] - 1
 
     # ---- draft
-    draft = llama.Model(llama_args(VOCAB_SIZE, draft_shape))
+    if args.draft_init == "target":
+        draft, draft_shape = draft_from_target(target, target_shape, args.draft_layers)
+    else:
+        draft = llama.Model(llama_args(VOCAB_SIZE, draft_shape))
     mx.eval(draft.parameters())
+    report["draft_init"] = {"from": args.draft_init, "layers": draft_shape["num_hidden_layers"]}
+    if args.draft_init == "target":  # what the early exit agrees on before distillation, for the report
+        report["draft_init"]["on_policy_sample"] = lm_metrics(draft, pool_wins, teacher=target)
+        log(f"draft init: on-policy agree {report['draft_init']['on_policy_sample']['top1_agree_target']:.3f}")
     spec = phase_spec("draft")
     rng = np.random.default_rng(args.seed + 2)
     res = train_phase(
@@ -753,7 +791,7 @@ def main(argv: list[str] | None = None) -> dict:
         dseq,
         draft,
         partial(distill_loss, teacher=target),
-        mixed_batches(train_tokens, pool, spec.batch, rng),
+        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share),
         [target.state],
         "draft" in compiled,
         log,
@@ -786,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict:
         dseq,
         head,
         partial(mtp_loss, target=target, depth=args.mtp_depth),
-        mixed_batches(train_tokens, pool, spec.batch, rng),
+        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share),
         [target.state],
         "mtp" in compiled,
         log,

@@ -1,0 +1,143 @@
+"""``mlx-batchd top``: one frame from a real daemon, and the rate math of ``render`` on snapshots."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from clients import Client
+from scheduler import top
+from tests.conftest import start_daemon, wait_for_verdict
+
+
+def _parser() -> argparse.ArgumentParser:
+    """``top`` registered the way scheduler/cli.py will do it, on a parser of our own."""
+    parser = argparse.ArgumentParser(prog="mlx-batchd")
+    top.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _text(renderable: Any) -> str:
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(renderable)
+    out = console.file.getvalue()
+    assert isinstance(out, str)
+    return out
+
+
+def _row(frame: str, label: str) -> list[str]:
+    """The cells of the table row whose first cell is ``label``."""
+    for line in frame.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
+        if cells and cells[0] == label:
+            return cells
+    raise AssertionError(f"no row {label!r} in:\n{frame}")
+
+
+def test_top_once_against_a_daemon(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    daemon = start_daemon(tiny_model, tmp_path, "--draft", "prompt-lookup", "-k", "2")
+    try:
+        with Client(daemon.address, timeout=120) as c:
+            verdict = wait_for_verdict(c)
+            result = c.generate(tokens=[5, 6, 7, 5, 6, 7], max_tokens=6)
+            assert result.finish_reason in ("length", "stop")
+            [pairing] = c.stats()["engine"]["verdicts"]
+        capsys.readouterr()
+        args = _parser().parse_args(["top", "--addr", daemon.address, "--once", "--timeout", "60"])
+        assert args.func(args) == 0
+        frame = capsys.readouterr().out
+    finally:
+        assert daemon.stop() == 0
+    assert _row(frame, "requests completed")[1] == "1"
+    assert _row(frame, "requests in flight")[1] == "0"
+    row = _row(frame, pairing)
+    assert row[1] == verdict["level"]
+    assert row[2] == ("exact" if verdict["exact"] else "inexact")
+    assert _row(frame, "local")[2] == "1"  # the default tenant's one request
+    assert _row(frame, result.finish_reason)[1] == "1"
+    assert _row(frame, "drafter")[1].startswith("prompt-lookup k=2")
+    # One frame, no previous snapshot: rates cannot be known yet.
+    assert _row(frame, "tokens/s total")[1] == top.MISSING
+
+
+def test_top_unreachable_daemon_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parser().parse_args(["top", "--addr", f"ipc://{tmp_path / 'nobody.sock'}", "--once", "--timeout", "0.5"])
+    assert args.func(args) == 1
+    assert "no stats reply" in capsys.readouterr().err
+
+
+def _snapshot(uptime: float, generated: int, emitted: int, drafted: int, accepted: int) -> dict[str, Any]:
+    return {
+        "uptime_s": uptime,
+        "requests_in_flight": 1,
+        "requests_waiting": 0,
+        "requests_completed": 3,
+        "messages_refused": 0,
+        "outcomes": {"local": {"length": 2, "cancelled": 1}},
+        "tenants": {
+            "local": {
+                "weight": 1.0,
+                "active": 1,
+                "waiting": 2,
+                "served_prompt_tokens": 40,
+                "served_generated_tokens": generated,
+            }
+        },
+        "engine": {
+            "generated_tokens": generated,
+            "decode_steps": 10,
+            "peak_batch_size": 4,
+            "active_sequences": 1,
+            "batch_size": 1,
+            "pin_scope": "scoped",
+            "pins": {
+                "pinned": [{"level": "wide", "purpose": "verify", "forwards": 7, "rows": 21, "seconds": 0.5}],
+                "collateral_forwards": 0,
+                "collateral_seconds": 0.0,
+            },
+            "verdicts": {"m+prompt-lookup k=3": {"level": "wide", "exact": True, "reason": "ok", "probe_seconds": 1.5}},
+            "bursts": {
+                "drafter": "prompt-lookup",
+                "k": 3,
+                "rounds": 9,
+                "drafted_tokens": drafted,
+                "accepted_tokens": accepted,
+                "emitted_tokens": emitted,
+                "declined": {"batch": 4},
+                "audits": 2,
+                "audit_failures": 0,
+            },
+            "pin_tax": {},
+        },
+    }
+
+
+def test_render_rates_and_acceptance() -> None:
+    before = _snapshot(uptime=10.0, generated=1000, emitted=100, drafted=100, accepted=50)
+    after = _snapshot(uptime=12.0, generated=1600, emitted=500, drafted=400, accepted=300)
+    frame = _text(top.render(after, before, 2.0))
+    assert _row(frame, "tokens/s total")[1] == "300.0"  # (1600 - 1000) / 2
+    assert _row(frame, "tokens/s burst")[1] == "200.0"  # (500 - 100) / 2
+    assert _row(frame, "tokens/s batched")[1] == "100.0"  # the rest
+    assert _row(frame, "acceptance")[1] == "0.75"  # 300 / 400 over the daemon's life
+    assert _row(frame, "acceptance (interval)")[1] == "0.83"  # 250 / 300 since the last poll
+    assert _row(frame, "local")[1:5] == ["1.0", "3", "3", "2"]  # weight, requests, in flight, waiting
+    assert _row(frame, "declined")[1] == "batch 4"
+    assert _row(frame, "m+prompt-lookup k=3")[1:4] == ["wide", "exact", "1.50"]
+
+    # A restart between polls (counters went back) gives no rate rather than a negative one.
+    restarted = _snapshot(uptime=1.0, generated=5, emitted=0, drafted=0, accepted=0)
+    assert _row(_text(top.render(restarted, after, 1.0)), "tokens/s total")[1] == top.MISSING
+
+
+def test_render_tolerates_a_loading_daemon() -> None:
+    frame = _text(top.render({"uptime_s": 0.5, "engine": {}}, None, 0.0))
+    assert _row(frame, "requests completed")[1] == top.MISSING
+    assert _row(frame, "drafter")[1] == "none (bursts off)"
+    assert _row(frame, "(none)")[4] == "engine not ready"
