@@ -300,26 +300,24 @@ def main(args: argparse.Namespace) -> int:
             "--pin-scope",
             "process",
         ]
-    for d in drafters:
-        daemons[f"bursts:{d}"] = [*cap, *drafter_args(d)]
+    b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
+    for arm, d in zip(b1_arms, drafters):
+        daemons[arm] = [*cap, *drafter_args(d)]
     with contextlib.ExitStack() as stack:
-        clients: dict[str, Any] = {}
         procs = {
             name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
             for i, (name, extra) in enumerate(daemons.items())
         }
-        for name, proc in procs.items():
-            clients[name] = stack.enter_context(Client(proc.address, timeout=3600))
+        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
         for c in clients.values():
             while any("level" not in v for v in c.stats()["engine"]["verdicts"].values()):
                 time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
         warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
         run_raw(model, eos, warm, 8)
         for name, c in clients.items():
-            run_daemon(c, warm if not name.startswith("bursts:") else warm[:1], 8)
-        before = {name: _burst_counts(clients[name]) for name in clients if name.startswith("bursts:")}
+            run_daemon(c, warm[:1] if name in b1_arms else warm, 8)
+        before = {name: _burst_counts(clients[name]) for name in b1_arms}
         arms = ["raw", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
-        b1_arms = [name for name in clients if name.startswith("bursts:")]
         steps = [
             (b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms + (b1_arms if b == 1 else [])
         ]

@@ -238,6 +238,13 @@ def draft_from_target(target: llama.Model, target_shape: dict, layers: int) -> t
     return draft, shape
 
 
+def as_shipped(module: nn.Module) -> None:
+    """Cast a trained module to bf16 in eval mode, evaluated: what ships, and what later phases read."""
+    module.set_dtype(mx.bfloat16)
+    module.eval()
+    mx.eval(module.parameters())
+
+
 def n_params(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
 
@@ -731,9 +738,7 @@ def main(argv: list[str] | None = None) -> dict:
         log,
         every=(args.eval_every, heldout_point),
     )
-    target.set_dtype(mx.bfloat16)  # what ships; the draft and the head learn from this exact model
-    target.eval()
-    mx.eval(target.parameters())
+    as_shipped(target)  # the draft and the head learn from this exact model
     save_llama(target, out / "target", tok, eos_id)
     report["target"] = {
         "shape": target_shape,
@@ -798,9 +803,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft" in compiled,
         log,
     )
-    draft.set_dtype(mx.bfloat16)
-    draft.eval()
-    mx.eval(draft.parameters())
+    as_shipped(draft)
     save_llama(draft, out / "draft", tok, eos_id)
     report["draft"] = {
         "shape": draft_shape,
@@ -831,9 +834,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mtp" in compiled,
         log,
     )
-    head.set_dtype(mx.bfloat16)
-    head.eval()
-    mx.eval(head.parameters())
+    as_shipped(head)
     mtp_mod.save_mtp(head, out / "mtp")
     report["mtp"] = {
         "layers": MTP_LAYERS,
