@@ -48,3 +48,26 @@ def test_mixed_batches_take_the_pool_share() -> None:
     assert int((rows == 7).all(axis=1).sum()) == 6
     only_real = next(train.mixed_batches(tokens, pool, 8, np.random.default_rng(0), pool_share=0.0))
     assert not (np.array(only_real) == 7).any()
+
+
+def test_training_script_smoke_run_loads_like_the_shipped_set(tmp_path) -> None:
+    """The whole script on tiny shapes and a few steps: every phase runs, and what it writes loads
+    through the loaders the daemon uses (the draft as an early exit of the target)."""
+    from mlx_lm import load
+
+    from workers import mtp
+
+    out = tmp_path / "weights"
+    steps = ["--target-steps", "3", "--draft-steps", "3", "--mtp-steps", "3"]
+    batches = ["--target-batch", "4", "--draft-batch", "4", "--mtp-batch", "4"]
+    pool = ["--pool-seqs", "8", "--pool-batch", "8", "--pool-gen", "8", "--pool-prompt", "9"]
+    report = train.main(
+        ["--smoke", "--max-files", "5", "--out", str(out), "--seq-len", "16", "--eval-windows", "1"]
+        + ["--eval-every", "3", "--draft-layers", "1", *steps, *batches, *pool]
+    )
+    assert report["draft_init"]["from"] == "target" and report["draft"]["shape"]["num_hidden_layers"] == 1
+    assert report["pool"]["seqs"] == 8 and report["pool"]["share_of_drafter_batches"] == 0.5
+    target, _ = load(str(out / "target"))
+    draft, _ = load(str(out / "draft"))
+    assert draft.args.hidden_size == target.args.hidden_size
+    mtp.load_mtp(out / "mtp", target)
