@@ -19,6 +19,7 @@ import contextlib
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -341,6 +342,11 @@ def main(args: argparse.Namespace) -> int:
             target = b1_arms[0] if b1_arms else "daemon"
             poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
             poisson["daemon"] = target
+    # Every daemon got SIGTERM when the stack closed; anything but 0 is a shutdown bug worth seeing.
+    exit_codes = {name: proc.proc.returncode for name, proc in procs.items()}
+    for name, code in exit_codes.items():
+        if code != 0:
+            print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
     rows = []
     for b in batches:
         raw = statistics.median(samples[("raw", b)])
@@ -360,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
         "drafters": drafters,
         "process_pin": args.process_pin,
         "probe_seconds": probe_seconds,
+        "daemon_exit_codes": exit_codes,
     }
     out = Path(args.out)
     print(write_report(rows, meta, out))

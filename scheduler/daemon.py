@@ -11,7 +11,7 @@ import anyio
 
 from scheduler.frontend import ConfigError, FrontEnd, FrontEndSettings
 from scheduler.tenants import TenantsError
-from workers.loop import EngineSettings, EngineThread, Signal
+from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -44,3 +44,5 @@ def serve(settings: DaemonSettings) -> int:
     except (ConfigError, TenantsError) as exc:
         print(f"mlx-batchd: {exc}", file=sys.stderr)
         return 2
+    finally:
+        release_thread_streams()  # MLX asks every thread that used it, the main one too

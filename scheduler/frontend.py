@@ -184,6 +184,8 @@ class FrontEnd:
                 tg.start_soon(self._shutdown_when_asked)
                 await self._engine_done.wait()  # set once the engine stopped or died
                 tg.cancel_scope.cancel()
+            # It has released its MLX state by now; let it finish before the interpreter may exit.
+            await anyio.to_thread.run_sync(self._engine.join, 10.0)
         finally:
             if metrics_server is not None:
                 metrics_server.shutdown()

@@ -78,6 +78,8 @@ def test_bench_matrix_runs_every_arm(tiny_model: Path, tmp_path: Path) -> None:
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])
     assert any(k.startswith("daemon_process_pin") for k in batched["meta"]["probe_seconds"])
+    codes = batched["meta"]["daemon_exit_codes"]  # every daemon shut down cleanly on SIGTERM
+    assert set(codes) >= {"daemon", "daemon_process_pin", "bursts:prompt-lookup"} and set(codes.values()) == {0}
     b1 = json.loads((out / "b1_bursts.json").read_text())["rows"]
     assert [r["drafter"] for r in b1] == ["classic (no drafter)", "prompt-lookup"]
     assert b1[0]["tok_s"] == batched["rows"][0]["daemon_tok_s"]

@@ -91,7 +91,8 @@ def test_mtp_config_is_fingerprinted():
 
 
 def test_mtp_refuses_another_target(target, draft):
-    with pytest.raises(ValueError, match="hidden_size"):
+    # The draft model is the target's early exit: same width, fewer blocks (and its own fine-tuned weights).
+    with pytest.raises(ValueError, match="num_hidden_layers"):
         mtp.load_mtp(WEIGHTS / "mtp", draft[0])
     # Same architecture, different weights: only the embedding hash tells them apart.
     args = llama.ModelArgs.from_dict(json.loads((WEIGHTS / "target" / "config.json").read_text()))

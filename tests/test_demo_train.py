@@ -66,8 +66,12 @@ def test_training_script_smoke_run_loads_like_the_shipped_set(tmp_path) -> None:
         + ["--eval-every", "3", "--draft-layers", "1", *steps, *batches, *pool]
     )
     assert report["draft_init"]["from"] == "target" and report["draft"]["shape"]["num_hidden_layers"] == 1
-    assert report["pool"]["seqs"] == 8 and report["pool"]["share_of_drafter_batches"] == 0.5
-    target, _ = load(str(out / "target"))
+    assert report["pool"]["seqs"] == 8 and report["pool"]["share_of_drafter_batches"] == 0.75
+    assert report["vocab_size"] == 257  # byte-level by default: 256 bytes + EOS
+    target, tokenizer = load(str(out / "target"))
+    text = "def f(x):\n        return 'é日'\n"
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode()) and tokenizer.decode(ids) == text  # one token per byte, lossless
     draft, _ = load(str(out / "draft"))
     assert draft.args.hidden_size == target.args.hidden_size
     mtp.load_mtp(out / "mtp", target)

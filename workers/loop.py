@@ -22,12 +22,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from workers import faults
 from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelInfo
 from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
+
+log = logging.getLogger("mlx_batchd.engine")
 
 
 @dataclass
@@ -102,6 +106,15 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
+def release_thread_streams() -> None:
+    """Wait for this thread's MLX work and destroy its streams (call last on a thread that used MLX)."""
+    try:
+        mx.synchronize()
+        mx.clear_streams()
+    except Exception:  # a thread that died of an MLX error must still get to report it
+        log.exception("could not release this thread's MLX streams")
+
+
 class EngineThread:
     """Runs ``load`` then the engine loop on a dedicated thread."""
 
@@ -147,6 +160,17 @@ class EngineThread:
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
+        final = self._serve()
+        # Release this thread's MLX state before saying we are done: once ``Stopped`` is out the main
+        # thread may finalize the interpreter, and MLX streams (and their worker threads) torn down by
+        # exit-time destructors instead abort the process ("terminate called without an active
+        # exception"). MLX asks every thread that used it to call ``clear_streams`` at its end.
+        self._engine = None
+        release_thread_streams()
+        self._emit([final])
+
+    def _serve(self) -> Stopped | Dead:
+        """Load, warm up, announce ``Ready`` and run the loop; the final signal is the caller's to send."""
         try:
             loaded = self._load()
             s = self._settings
@@ -166,16 +190,14 @@ class EngineThread:
                 start_probe(engine, loaded, s, s.drafter, s.probe_k)
             engine.counters = type(engine.counters)()
         except Exception:
-            self._emit([Dead(traceback.format_exc())])
-            return
+            return Dead(traceback.format_exc())
         self._engine = engine
         self._emit([Ready(loaded.info, loaded.tokenizer)])
         try:
             self._loop(engine)
         except Exception:
-            self._emit([Dead(traceback.format_exc())])
-            return
-        self._emit([Stopped()])
+            return Dead(traceback.format_exc())
+        return Stopped()
 
     def _commands(self, block: bool) -> list[_Command]:
         cmds: list[_Command] = []
@@ -224,7 +246,7 @@ class EngineThread:
         try:
             engine.measure_tax(max(2, engine.batch_size()), level)
         except Exception:
-            logging.getLogger("mlx_batchd.engine").exception("pin tax measurement failed")
+            log.exception("pin tax measurement failed")
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges for the stats reply, read from any thread.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -90,12 +91,46 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return int(total)
 
 
+def keep_leading_space(tokenizer: Any) -> None:
+    """Make ``tokenizer.detokenizer`` stream a continuation: keep a leading space on the first token.
+
+    Why: mlx-lm's BPE and SPM streaming detokenizers drop the first generated token's leading space,
+    as if the output started a document. The daemon's text continues the prompt, so ``prompt + text``
+    must read as the decoded sequence and ``text`` must equal ``tokenizer.decode(tokens)`` (for a
+    byte-level model whose first token is the indentation of a body, the trim ate a real space).
+    The detokenizer prototype is built once per model (its token map spans the vocabulary), so this
+    adjusts that prototype; every request copies it.
+    """
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    proto = getattr(tokenizer, "_detokenizer", None)
+    if type(proto) is BPEStreamingDetokenizer:
+        proto.__class__ = _continuation_bpe_class()
+    elif isinstance(proto, SPMStreamingDetokenizer):
+        proto.trim_space = False
+
+
+@functools.cache
+def _continuation_bpe_class() -> type:
+    """Built on first use: importing mlx-lm (and transformers) is slow, and this module is imported early."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    class ContinuationBPEDetokenizer(BPEStreamingDetokenizer):
+        """mlx-lm's BPE streaming detokenizer without its first-token space trim."""
+
+        def _maybe_trim_space(self, current_text: str) -> str:
+            return current_text
+
+    return ContinuationBPEDetokenizer
+
+
 def load(spec: str, context_length: int | None = None) -> LoadedModel:
     """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
     from mlx_lm.utils import load as mlx_load
 
     path = resolve_model_path(spec)
     model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], mlx_load(str(path), return_config=True))
+    keep_leading_space(tokenizer)
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)
     info = ModelInfo(

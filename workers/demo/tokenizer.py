@@ -1,9 +1,14 @@
-"""Byte-level BPE tokenizer for the demo models, in the on-disk layout mlx-lm's loader accepts.
+"""Byte-level tokenizer for the demo models, in the on-disk layout mlx-lm's loader accepts.
 
-Why byte-level BPE: every byte sequence round-trips (no unknown tokens, so any prompt works), and
-mlx-lm recognises the ``ByteLevel`` decoder and picks its streaming BPE detokenizer for it. Why train
-our own instead of shipping a known vocabulary: the demo must work offline, and a 4096-entry vocabulary
-fitted to Python source keeps the embedding table (and so the committed weights) small.
+The shipped models use 257 tokens: the 256 bytes and ``<|endoftext|>``. It is written as a byte-level
+BPE with no merges, so mlx-lm recognises the ``ByteLevel`` decoder and picks its streaming BPE
+detokenizer (which holds back incomplete UTF-8 sequences). Why bytes rather than a fitted vocabulary:
+every prompt round-trips with no boundary effects (a BPE that glues a newline to the indentation after
+it makes a prompt ending in a bare newline look unlike anything seen in training); the 8.2M-token
+corpus is 28M byte tokens, which a small model overfits far less; and per-token prediction is easier
+for the drafters, which is what speculative decoding is measured on (docs/demo-models.md has the
+comparison with the first shipped set's 4096-entry BPE). A larger ``vocab_size`` fits a byte-level BPE
+of that size instead.
 
 The only special token is ``<|endoftext|>`` (id 0): it separates files in training and is the EOS.
 """
@@ -17,6 +22,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
+# 256 byte tokens + EOS: a "BPE" with no merges, i.e. a byte-level tokenizer in the same file format.
+BYTE_VOCAB_SIZE = 257
 
 # A plain chat template: the demo models only ever saw Python source, so a conversation is rendered as
 # Python comments and the reply starts on a fresh line. It exists so chat-style requests still work.
@@ -30,8 +37,9 @@ CHAT_TEMPLATE = (
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Fit a byte-level BPE of ``vocab_size`` entries (``<|endoftext|>`` included) on ``texts``.
 
-    Deterministic for the same texts in the same order. ``add_prefix_space`` is off so that encoding a
-    prompt and decoding it gives the prompt back byte for byte.
+    ``BYTE_VOCAB_SIZE`` leaves no room for merges: the result is the plain byte tokenizer. Deterministic
+    for the same texts in the same order. ``add_prefix_space`` is off so that encoding a prompt and
+    decoding it gives the prompt back byte for byte.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -10,7 +10,7 @@ generated data modules and a fixed held-out set (see :func:`select_files`). Noth
 
 Phases (each saves its result as soon as it ends):
 
-1. tokenizer: a 4096-entry byte-level BPE fitted to the training files;
+1. tokenizer: bytes (257 tokens with EOS; ``--vocab-size N`` fits a byte-level BPE of N instead);
 2. target: llama-style, trained from scratch on next-token cross-entropy, then cast to bf16 (what ships);
 3. draft: a shallow llama distilled from the bf16 target (soft cross-entropy against its distribution),
    because acceptance is agreement with the target, not with the data. By default it starts as the
@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from workers import mtp as mtp_mod
-from workers.demo.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
+from workers.demo.tokenizer import BYTE_VOCAB_SIZE, EOS_TOKEN, save_tokenizer, train_tokenizer
 
 # --------------------------------------------------------------------------------------------- corpus
 
@@ -169,11 +169,16 @@ def def_prompt_ends(tokenizer, root: Path, files: tuple[str, ...]) -> np.ndarray
 
 # --------------------------------------------------------------------------------------------- models
 
-VOCAB_SIZE = 4096
-SEQ_LEN = 512
+# Byte-level: 256 byte tokens + EOS, no merges (see workers/demo/tokenizer.py for why). A larger value
+# fits a byte-level BPE of that many entries instead (the first shipped set used 4096).
+VOCAB_SIZE = BYTE_VOCAB_SIZE
+# Training context: the evaluation prompts carry ~1200 bytes of their file before the def line, and a
+# continuation of 256 bytes must still sit inside the positions the model was trained on.
+SEQ_LEN = 1536
 # Sizes chosen for a 2-core CPU with MLX's reference BLAS (docs/demo-models.md has the measurements):
 # the target must decode >= 50 tok/s in bf16 at B = 1, and all weights must fit in 25 MB.
-TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=704, num_attention_heads=4)
+# --target-layers overrides the depth.
+TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=8, intermediate_size=704, num_attention_heads=4)
 # --draft-init scratch only; the default draft is the target's shape cut to --draft-layers blocks.
 DRAFT_SHAPE = dict(hidden_size=192, num_hidden_layers=2, intermediate_size=512, num_attention_heads=3)
 MTP_LAYERS = 1
@@ -435,9 +440,9 @@ def mixed_batches(
     hi = len(tokens) - width
     while True:
         starts = rng.integers(0, hi, size=batch - n_pool)
-        real = np.stack([tokens[s : s + width] for s in starts])
+        real = [tokens[s : s + width] for s in starts]
         gen = pool[rng.integers(0, len(pool), size=n_pool)]
-        yield mx.array(np.concatenate([real, gen], axis=0).astype(np.int32))
+        yield mx.array(np.concatenate([np.asarray(real, dtype=pool.dtype).reshape(-1, width), gen]).astype(np.int32))
 
 
 def ce_loss(model: nn.Module, window: mx.array) -> mx.array:
@@ -613,11 +618,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=0, help="use only the first N training files (smoke tests)")
     p.add_argument("--mtp-depth", type=int, default=3)
-    # Default budgets fit one 10-minute device call; max steps cap the target at ~15 epochs of the corpus.
+    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help=f"{BYTE_VOCAB_SIZE}: bytes; more: a BPE")
+    p.add_argument("--target-layers", type=int, default=0, help="0: the default shape's depth")
+    # Default budgets fit one 10-minute device call; batches of 32 x 1536 bytes.
     for name, lr, batch, secs, cap in (
-        ("target", 2e-3, 64, 110.0, 1000),
-        ("draft", 3e-3, 64, 70.0, 4000),
-        ("mtp", 2e-3, 64, 90.0, 4000),
+        ("target", 2e-3, 32, 200.0, 8000),
+        ("draft", 3e-3, 32, 100.0, 6000),
+        ("mtp", 2e-3, 32, 130.0, 6000),
     ):
         p.add_argument(f"--{name}-lr", type=float, default=lr)
         p.add_argument(f"--{name}-batch", type=int, default=batch)
@@ -627,13 +634,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # Default none: on a fresh H200 compiling a phase's step cost ~70 s, more than the compiled target
     # step (28.5 ms vs 36.8 ms uncompiled) saves in a few-minute phase.
     p.add_argument("--compile", default="", help="comma list of phases whose step is mx.compile'd (target,draft,mtp)")
-    p.add_argument("--pool-seqs", type=int, default=8192, help="on-policy greedy continuations for the drafters")
-    p.add_argument("--pool-prompt", type=int, default=129)
-    p.add_argument("--pool-gen", type=int, default=128)
-    p.add_argument("--pool-batch", type=int, default=2048)
-    p.add_argument("--pool-seconds", type=float, default=40.0)
-    p.add_argument("--pool-def-fraction", type=float, default=0.0, help="share of pool prompts ending at a def line")
-    p.add_argument("--pool-share", type=float, default=0.5, help="share of each drafter batch drawn from the pool")
+    # Pool rows are prompt + continuation = SEQ_LEN + 1 tokens, so drafters train on full-length windows.
+    p.add_argument("--pool-seqs", type=int, default=49152, help="on-policy greedy continuations for the drafters")
+    p.add_argument("--pool-prompt", type=int, default=1281)
+    p.add_argument("--pool-gen", type=int, default=256)
+    p.add_argument("--pool-batch", type=int, default=1024)
+    p.add_argument("--pool-seconds", type=float, default=60.0)
+    p.add_argument("--pool-def-fraction", type=float, default=0.5, help="share of pool prompts ending at a def line")
+    p.add_argument("--pool-share", type=float, default=0.75, help="share of each drafter batch drawn from the pool")
     p.add_argument("--draft-init", choices=("target", "scratch"), default="target", help="target: early exit of it")
     p.add_argument(
         "--draft-layers", type=int, default=3, help="blocks of the target the draft keeps (--draft-init target)"
@@ -665,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"device {mx.default_device()}, stdlib {root}: {len(train_files)} train files, {len(corpus.heldout)} held-out")
 
     texts = (read_source(root / f) or "" for f in train_files)
-    tok = train_tokenizer(texts, VOCAB_SIZE)
+    tok = train_tokenizer(texts, args.vocab_size)
     eos_id = tok.token_to_id(EOS_TOKEN)
     train_tokens = encode_files(tok, root, train_files)
     heldout_tokens = encode_files(tok, root, corpus.heldout)
@@ -677,6 +685,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     seq = args.seq_len
     target_shape, draft_shape = SMOKE_SHAPES if args.smoke else (TARGET_SHAPE, DRAFT_SHAPE)
+    if args.target_layers:
+        target_shape = dict(target_shape, num_hidden_layers=args.target_layers)
+    vocab = tok.get_vocab_size()
     held_wins = eval_windows(heldout_tokens, seq, args.eval_windows or None)
     train_wins = sample_windows(train_tokens, seq, len(held_wins) or 8, seed=args.seed + 1)
     compiled = set(args.compile.split(",")) if args.compile else set()
@@ -698,7 +709,7 @@ def main(argv: list[str] | None = None) -> dict:
             "heldout_tokens": int(len(heldout_tokens)),
             "heldout_windows": len(held_wins),
         },
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": vocab,
         "seq_len": seq,
     }
 
@@ -715,7 +726,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     # ---- target
-    target = llama.Model(llama_args(VOCAB_SIZE, target_shape))
+    target = llama.Model(llama_args(vocab, target_shape))
     mx.eval(target.parameters())
     spec = phase_spec("target")
     rng = np.random.default_rng(args.seed)
@@ -785,7 +796,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.draft_init == "target":
         draft, draft_shape = draft_from_target(target, target_shape, args.draft_layers)
     else:
-        draft = llama.Model(llama_args(VOCAB_SIZE, draft_shape))
+        draft = llama.Model(llama_args(vocab, draft_shape))
     mx.eval(draft.parameters())
     report["draft_init"] = {"from": args.draft_init, "layers": draft_shape["num_hidden_layers"]}
     if args.draft_init == "target":  # what the early exit agrees on before distillation, for the report
