@@ -50,6 +50,22 @@ def test_mixed_batches_take_the_pool_share() -> None:
     assert not (np.array(only_real) == 7).any()
 
 
+def test_file_start_windows_begin_right_after_an_eos() -> None:
+    eos = 0
+    files = [np.arange(1, n + 1, dtype=np.uint16) for n in (40, 55, 70, 35, 90)]
+    tokens = np.concatenate([np.append(f, eos) for f in files]).astype(np.uint16)
+    starts = train.file_starts(tokens, eos)
+    assert starts.tolist() == np.cumsum([0] + [len(f) + 1 for f in files[:-1]]).tolist()
+    rng = np.random.default_rng(0)
+    aligned = np.array(next(train.batches(tokens, 16, 20, rng, starts, 1.0)))
+    assert (aligned[:, 0] == 1).all()  # every file's first token is 1
+    mixed = np.array(next(train.batches(tokens, 16, 20, np.random.default_rng(1), starts, 0.25)))
+    assert (mixed[12:, 0] == 1).all()  # the last quarter: file starts
+    pool = np.full((4, 21), 7, dtype=np.uint16)
+    rows = np.array(next(train.mixed_batches(tokens, pool, 8, rng, 0.5, starts, 1.0)))
+    assert (rows[:4, 0] == 1).all() and (rows[4:] == 7).all()
+
+
 def test_training_script_smoke_run_loads_like_the_shipped_set(tmp_path) -> None:
     """The whole script on tiny shapes and a few steps: every phase runs, and what it writes loads
     through the loaders the daemon uses (the draft as an early exit of the target)."""

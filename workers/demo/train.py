@@ -178,7 +178,7 @@ SEQ_LEN = 1536
 # Sizes chosen for a 2-core CPU with MLX's reference BLAS (docs/demo-models.md has the measurements):
 # the target must decode >= 50 tok/s in bf16 at B = 1, and all weights must fit in 25 MB.
 # --target-layers overrides the depth.
-TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=8, intermediate_size=704, num_attention_heads=4)
+TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=6, intermediate_size=704, num_attention_heads=4)
 # --draft-init scratch only; the default draft is the target's shape cut to --draft-layers blocks.
 DRAFT_SHAPE = dict(hidden_size=192, num_hidden_layers=2, intermediate_size=512, num_attention_heads=3)
 MTP_LAYERS = 1
@@ -299,11 +299,40 @@ def lr_at(step: int, spec: PhaseSpec, total: int) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
-def batches(tokens: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> Iterator[mx.array]:
-    """Endless random windows of ``seq + 1`` tokens (inputs plus shifted labels), ``[batch, seq + 1]``."""
+def file_starts(tokens: np.ndarray, eos: int) -> np.ndarray:
+    """Positions where a file begins in :func:`encode_files`' stream: 0 and after every EOS."""
+    return np.concatenate([[0], np.flatnonzero(tokens[:-1] == eos) + 1]).astype(np.int64)
+
+
+def window_starts(
+    rng: np.random.Generator, n: int, hi: int, starts_at: np.ndarray | None = None, share: float = 0.0
+) -> np.ndarray:
+    """``n`` window starts below ``hi``: ``share`` of them drawn from ``starts_at``, the rest uniform.
+
+    Why: uniform windows almost never begin at a file's first byte, so a model trained only on them
+    has never seen position 0 be the top of a file, and a bare prompt like ``def f(n):`` leaves it
+    guessing the indentation. Some windows aligned to file starts teach it what a beginning looks like.
+    """
+    k = round(n * share) if starts_at is not None else 0
+    usable = starts_at[starts_at < hi] if k else None
+    k = k if usable is not None and len(usable) else 0
+    uniform = rng.integers(0, hi, size=n - k)
+    return np.concatenate([uniform, rng.choice(usable, size=k)]) if k else uniform
+
+
+def batches(
+    tokens: np.ndarray,
+    batch: int,
+    seq: int,
+    rng: np.random.Generator,
+    starts_at: np.ndarray | None = None,
+    start_share: float = 0.0,
+) -> Iterator[mx.array]:
+    """Endless random windows of ``seq + 1`` tokens (inputs plus shifted labels), ``[batch, seq + 1]``;
+    ``start_share`` of them begin at one of ``starts_at`` (see :func:`window_starts`)."""
     hi = len(tokens) - seq - 1
     while True:
-        starts = rng.integers(0, hi, size=batch)
+        starts = window_starts(rng, batch, hi, starts_at, start_share)
         yield mx.array(np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32))
 
 
@@ -432,14 +461,22 @@ def generate_pool(
 
 
 def mixed_batches(
-    tokens: np.ndarray, pool: np.ndarray, batch: int, rng: np.random.Generator, pool_share: float = 0.5
+    tokens: np.ndarray,
+    pool: np.ndarray,
+    batch: int,
+    rng: np.random.Generator,
+    pool_share: float = 0.5,
+    starts_at: np.ndarray | None = None,
+    start_share: float = 0.0,
 ) -> Iterator[mx.array]:
-    """Real training windows plus ``pool_share`` of rows from the on-policy pool, ``pool.shape[1]`` tokens each."""
+    """Real training windows plus ``pool_share`` of rows from the on-policy pool, ``pool.shape[1]`` tokens each.
+
+    ``start_share`` of the real windows begin at one of ``starts_at`` (see :func:`window_starts`)."""
     width = pool.shape[1]
     n_pool = min(batch, round(batch * pool_share))
     hi = len(tokens) - width
     while True:
-        starts = rng.integers(0, hi, size=batch - n_pool)
+        starts = window_starts(rng, batch - n_pool, hi, starts_at, start_share)
         real = [tokens[s : s + width] for s in starts]
         gen = pool[rng.integers(0, len(pool), size=n_pool)]
         yield mx.array(np.concatenate([np.asarray(real, dtype=pool.dtype).reshape(-1, width), gen]).astype(np.int32))
@@ -622,8 +659,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-layers", type=int, default=0, help="0: the default shape's depth")
     # Default budgets fit one 10-minute device call; batches of 32 x 1536 bytes.
     for name, lr, batch, secs, cap in (
-        ("target", 2e-3, 32, 200.0, 8000),
-        ("draft", 3e-3, 32, 100.0, 6000),
+        ("target", 2e-3, 32, 230.0, 8000),
+        ("draft", 3e-3, 32, 90.0, 6000),
         ("mtp", 2e-3, 32, 130.0, 6000),
     ):
         p.add_argument(f"--{name}-lr", type=float, default=lr)
@@ -639,9 +676,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-prompt", type=int, default=1281)
     p.add_argument("--pool-gen", type=int, default=256)
     p.add_argument("--pool-batch", type=int, default=1024)
-    p.add_argument("--pool-seconds", type=float, default=60.0)
+    p.add_argument("--pool-seconds", type=float, default=45.0)
     p.add_argument("--pool-def-fraction", type=float, default=0.5, help="share of pool prompts ending at a def line")
     p.add_argument("--pool-share", type=float, default=0.75, help="share of each drafter batch drawn from the pool")
+    p.add_argument(
+        "--file-start-share", type=float, default=0.0, help="share of real training windows that begin a file"
+    )
     p.add_argument("--draft-init", choices=("target", "scratch"), default="target", help="target: early exit of it")
     p.add_argument(
         "--draft-layers", type=int, default=3, help="blocks of the target the draft keeps (--draft-init target)"
@@ -710,6 +750,7 @@ def main(argv: list[str] | None = None) -> dict:
             "heldout_windows": len(held_wins),
         },
         "vocab_size": vocab,
+        "file_start_share": args.file_start_share,
         "seq_len": seq,
     }
 
@@ -726,6 +767,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     # ---- target
+    starts = file_starts(train_tokens, eos_id)
     target = llama.Model(llama_args(vocab, target_shape))
     mx.eval(target.parameters())
     spec = phase_spec("target")
@@ -743,7 +785,7 @@ def main(argv: list[str] | None = None) -> dict:
         seq,
         target,
         ce_loss,
-        batches(train_tokens, spec.batch, seq, rng),
+        batches(train_tokens, spec.batch, seq, rng, starts, args.file_start_share),
         [],
         "target" in compiled,
         log,
@@ -809,7 +851,7 @@ def main(argv: list[str] | None = None) -> dict:
         dseq,
         draft,
         partial(distill_loss, teacher=target),
-        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share),
+        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share, starts, args.file_start_share),
         [target.state],
         "draft" in compiled,
         log,
@@ -840,7 +882,7 @@ def main(argv: list[str] | None = None) -> dict:
         dseq,
         head,
         partial(mtp_loss, target=target, depth=args.mtp_depth),
-        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share),
+        mixed_batches(train_tokens, pool_train, spec.batch, rng, args.pool_share, starts, args.file_start_share),
         [target.state],
         "mtp" in compiled,
         log,
