@@ -7,6 +7,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,33 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"curve_secret": args.curve_secret, "server_key": args.server_key}
+
+
+def no_reply(command: str, address: str, wait: float | None) -> str:
+    within = f" within {wait:g}s" if wait else ""
+    return f"mlx-batchd {command}: no reply from {address}{within} (is the daemon running?)"
+
+
+def daemon_command(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Wrap a subcommand that talks to a running daemon: an unreachable daemon or a client-side error
+    becomes one line on stderr and exit 1 instead of a traceback, and Ctrl-C exits quietly."""
+    from clients import ClientError
+    from clients.address import default_address
+
+    def run(args: argparse.Namespace) -> int:
+        address = getattr(args, "addr", None) or default_address()
+        try:
+            return func(args)
+        except KeyboardInterrupt:
+            return 130
+        except TimeoutError:
+            print(no_reply(name, address, getattr(args, "timeout", None)), file=sys.stderr)
+            return 1
+        except ClientError as exc:
+            print(f"mlx-batchd {name}: {address}: {exc}", file=sys.stderr)
+            return 1
+
+    return run
 
 
 def _add_client_auth(p: argparse.ArgumentParser) -> None:
@@ -201,6 +229,11 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     with Client(args.addr, **_client_kwargs(args)) as client:
+        try:  # a missing daemon fails here, not after an endless wait for the first token
+            client.health(timeout=args.connect_timeout)
+        except TimeoutError:
+            print(no_reply("generate", client.address, args.connect_timeout), file=sys.stderr)
+            return 1
         for event in client.stream(prompt, **kwargs):
             if isinstance(event, TokenEvent):
                 sys.stdout.write(event.text)
@@ -466,9 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--addr", default=None, help="daemon address (default: the local ipc socket)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    p.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds the daemon has to answer a health check first"
+    )
     _add_sampling(p)
     _add_client_auth(p)
-    p.set_defaults(func=_generate)
+    p.set_defaults(func=daemon_command("generate", _generate))
 
     p = sub.add_parser("stats", help="print a running daemon's health and counters")
     p.add_argument("--addr", default=None)
@@ -477,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-tax", action="store_true", help="time a batched step pinned vs wide first")
     p.add_argument("--tax-wait", type=float, default=2.0, help="seconds to let that measurement run")
     _add_client_auth(p)
-    p.set_defaults(func=_stats)
+    p.set_defaults(func=daemon_command("stats", _stats))
 
     p = sub.add_parser("keys", help="CURVE keys for tenants and the daemon")
     keys = p.add_subparsers(dest="keys_command", required=True)

@@ -32,7 +32,7 @@ MISSING = "-"
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``top`` on ``mlx-batchd``'s subparsers, with the same address, timeout and CURVE
     options as ``stats`` so the two commands are interchangeable on the command line."""
-    from scheduler.cli import _add_client_auth  # lazy: cli imports this module from build_parser
+    from scheduler.cli import _add_client_auth, daemon_command  # lazy: cli imports this module from build_parser
 
     p = sub.add_parser("top", help="a live view of a running daemon's counters (polls `stats`)")
     p.add_argument("--addr", default=None, help="daemon address (default: the local ipc socket)")
@@ -41,21 +41,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--once", action="store_true", help="print one frame to stdout and exit (for scripts)")
     p.add_argument("--iterations", type=int, default=0, help="stop after N frames (0 = until Ctrl-C)")
     _add_client_auth(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=daemon_command("top", run))
 
 
 def run(args: argparse.Namespace) -> int:
     """Poll and draw until ``--iterations`` frames are shown or Ctrl-C (exit 0). A daemon that does
     not answer within ``--timeout`` is an error (exit 1) with a message, not a traceback: ``top``
     is often the first thing run to see whether the daemon is up at all."""
-    from clients import Client, ClientError
-    from clients.address import default_address
+    from clients import Client
     from scheduler.cli import _client_kwargs
 
     if args.interval <= 0:
         print("mlx-batchd top: --interval must be positive", file=sys.stderr)
         return 2
-    address = args.addr or default_address()
     console = Console()
     try:
         with Client(args.addr, timeout=args.timeout, **_client_kwargs(args)) as client:
@@ -64,16 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             return _live(client, console, args.interval, max(0, args.iterations))
     except KeyboardInterrupt:
-        return 0
-    except TimeoutError:
-        print(
-            f"mlx-batchd top: no stats reply from {address} within {args.timeout}s (is the daemon running?)",
-            file=sys.stderr,
-        )
-        return 1
-    except ClientError as exc:
-        print(f"mlx-batchd top: {address}: {exc}", file=sys.stderr)
-        return 1
+        return 0  # the usual way to leave a live view
 
 
 def _live(client: Any, console: Console, interval: float, iterations: int) -> int:
