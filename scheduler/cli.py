@@ -84,7 +84,6 @@ def daemon_command(name: str, func: Callable[[argparse.Namespace], int]) -> Call
     """Wrap a subcommand that talks to a running daemon: an unreachable daemon or a client-side error
     becomes one line on stderr and exit 1 instead of a traceback, and Ctrl-C exits quietly."""
     from clients import ClientError
-    from clients.address import default_address
 
     def run(args: argparse.Namespace) -> int:
         address = getattr(args, "addr", None) or default_address()

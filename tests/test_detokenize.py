@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from clients import Client
+from clients import Client, TokenEvent
 from tests.conftest import start_daemon
 from workers.models import keep_leading_space
 
@@ -78,7 +78,7 @@ def test_daemon_text_equals_the_decoded_tokens_when_the_output_starts_with_a_spa
         with Client(daemon.address, timeout=120) as c:
             r = c.generate("def f(x):\n", max_tokens=24)
             assert r.text.startswith(" ") and r.text == tokenizer.decode(r.tokens)
-            streamed = "".join(ev.text for ev in c.stream("def f(x):\n", max_tokens=24) if hasattr(ev, "text"))
+            streamed = "".join(ev.text for ev in c.stream("def f(x):\n", max_tokens=24) if isinstance(ev, TokenEvent))
             assert streamed == r.text
     finally:
         assert daemon.stop() == 0, daemon.log()

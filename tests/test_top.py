@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import re
 from pathlib import Path
@@ -15,11 +14,6 @@ from clients import Client
 from scheduler import top
 from scheduler.cli import build_parser
 from tests.conftest import start_daemon, wait_for_verdict
-
-
-def _parser() -> argparse.ArgumentParser:
-    """``mlx-batchd``'s own parser, ``top`` included."""
-    return build_parser()
 
 
 def _text(renderable: Any) -> str:
@@ -48,7 +42,7 @@ def test_top_once_against_a_daemon(tiny_model: Path, tmp_path: Path, capsys: pyt
             assert result.finish_reason in ("length", "stop")
             [pairing] = c.stats()["engine"]["verdicts"]
         capsys.readouterr()
-        args = _parser().parse_args(["top", "--addr", daemon.address, "--once", "--timeout", "60"])
+        args = build_parser().parse_args(["top", "--addr", daemon.address, "--once", "--timeout", "60"])
         assert args.func(args) == 0
         frame = capsys.readouterr().out
     finally:
@@ -75,7 +69,7 @@ def test_unreachable_daemon_is_one_line_and_exit_1(
 ) -> None:
     """No traceback and no endless wait: every command that needs a daemon says it is not there."""
     address = f"ipc://{tmp_path / 'nobody.sock'}"
-    args = _parser().parse_args([*command, "0.5", "--addr", address])
+    args = build_parser().parse_args([*command, "0.5", "--addr", address])
     assert args.func(args) == 1
     err = capsys.readouterr().err
     assert err == f"mlx-batchd {command[0]}: no reply from {address} within 0.5s (is the daemon running?)\n"

@@ -313,9 +313,8 @@ def window_starts(
     has never seen position 0 be the top of a file, and a bare prompt like ``def f(n):`` leaves it
     guessing the indentation. Some windows aligned to file starts teach it what a beginning looks like.
     """
-    k = round(n * share) if starts_at is not None else 0
-    usable = starts_at[starts_at < hi] if k else None
-    k = k if usable is not None and len(usable) else 0
+    usable = starts_at[starts_at < hi] if starts_at is not None and share > 0 else np.empty(0, np.int64)
+    k = round(n * share) if len(usable) else 0
     uniform = rng.integers(0, hi, size=n - k)
     return np.concatenate([uniform, rng.choice(usable, size=k)]) if k else uniform
 
