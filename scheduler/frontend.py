@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, cast
 import anyio
 import zmq
 import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from clients.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -161,10 +163,12 @@ class FrontEnd:
         auth = self._secure(ctx, sock)
         self._bind(sock)
         loop = asyncio.get_running_loop()
+        # Engine events reach the loop through a stream read by a task: anyio's task APIs (which
+        # ``_dispatch`` uses) need a task's context, never a bare ``call_soon_threadsafe`` callback.
+        events_in, events_out = anyio.create_memory_object_stream[list[Signal]](math.inf)
 
         def emit(signals: list[Signal]) -> None:  # runs on the engine thread
-            # Straight onto the loop, no task hop: this is the per-step hot path.
-            loop.call_soon_threadsafe(self._dispatch, signals)
+            loop.call_soon_threadsafe(events_in.send_nowait, signals)
 
         self._engine_done = anyio.Event()
         self._stop_requested = anyio.Event()
@@ -173,6 +177,7 @@ class FrontEnd:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                tg.start_soon(self._consume_engine_events, events_out)
                 self._engine.start()
                 if self.settings.handle_signals:
                     tg.start_soon(self._watch_signals)
@@ -304,6 +309,11 @@ class FrontEnd:
         self._engine.shutdown()
 
     # ------------------------------------------------------------------ engine -> clients
+
+    async def _consume_engine_events(self, stream: MemoryObjectReceiveStream[list[Signal]]) -> None:
+        async with stream:
+            async for signals in stream:
+                self._dispatch(signals)
 
     def _dispatch(self, signals: list[Signal]) -> None:
         """Engine events, on the event loop. After ``Stopped`` or ``Dead`` nothing more comes."""
