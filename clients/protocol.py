@@ -71,6 +71,17 @@ class ErrorCode(StrEnum):
     BUSY = "busy"
     KV_BUDGET = "kv_budget"
     UNAUTHORIZED = "unauthorized"
+    #: The caller is known but may not do this (an operator-only request from a plain tenant).
+    FORBIDDEN = "forbidden"
+    #: The daemon dropped this connection (silent past the heartbeat timeout): its requests end so.
+    DISCONNECTED = "disconnected"
+    # Raised by the client library itself, never sent by the daemon:
+    #: The ipc socket's folder (or the socket) is not owned by you or is writable by others.
+    UNSAFE_ADDRESS = "unsafe_address"
+    #: The daemon went away (died, or the connection broke) while a call was in flight.
+    DAEMON_GONE = "daemon_gone"
+    #: ``close()`` was called while this call was in flight.
+    CLOSED = "closed"
 
 
 class ProtocolError(Exception):
