@@ -33,18 +33,47 @@ def _prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-    """Generated tokens and seconds for one workload on a fresh ``BatchGenerator``."""
+    """Generated tokens and seconds for one workload on a fresh ``BatchGenerator``, on stock MLX and
+    mlx-lm (the project's kernel patches are lifted for the run): the peer, as mlx_lm.server runs it."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos], completion_batch_size=32, prefill_batch_size=8)
-    tic = time.perf_counter()
-    gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    produced = 0
-    while responses := gen.next_generated():
-        produced += sum(1 for r in responses if r.finish_reason != "stop")
-    wall = time.perf_counter() - tic
-    gen.close()
+    from workers.kernels import stock
+
+    with stock():
+        gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in eos],
+            completion_batch_size=max(32, len(prompts)),
+            prefill_batch_size=8,
+        )
+        tic = time.perf_counter()
+        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        produced = 0
+        while responses := gen.next_generated():
+            produced += sum(1 for r in responses if r.finish_reason != "stop")
+        wall = time.perf_counter() - tic
+        gen.close()
     return produced, wall
+
+
+def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    """The project's engine in this process, no front end and no sockets: the daemon's ceiling."""
+    from workers.engine import Job, Tokens
+
+    tic = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(Job(seq=i, prompt=p, max_tokens=max_tokens))
+    produced = 0
+    while engine.has_work:
+        produced += sum(len(e.tokens) for e in engine.step() if isinstance(e, Tokens))
+    return produced, time.perf_counter() - tic
+
+
+def reference_tok_s(weight_bytes: int, kv_bytes_per_token: int, context: int, batch: int, gb_per_s: float) -> float:
+    """The physical limit of a decode step: every weight byte and each sequence's KV read once per
+    step at the memory bandwidth; ``batch`` tokens come out of each step."""
+    step_bytes = weight_bytes + batch * kv_bytes_per_token * context
+    return batch * gb_per_s * 1e9 / step_bytes
 
 
 def run_daemon(client: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -155,16 +184,29 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / "daemon_vs_raw.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     pinned = "daemon_process_pin_tok_s" in rows[0]
-    head = "| B | raw BatchGenerator tok/s | daemon tok/s | daemon / raw |"
-    rule = "|---|---|---|---|"
+    roof = rows[0].get("reference_tok_s") is not None
+    head = (
+        "| B | raw BatchGenerator tok/s | engine alone tok/s | daemon tok/s | daemon / raw | daemon / engine "
+        "| spread (daemon, min-max) |"
+    )
+    rule = "|---|---|---|---|---|---|---|"
     if pinned:
         head += " daemon, process pin tok/s | process pin / scoped |"
         rule += "---|---|"
+    if roof:
+        head += " physical limit tok/s | daemon / limit |"
+        rule += "---|---|"
 
     def row(r: dict[str, Any]) -> str:
-        line = f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['daemon_tok_s']:.1f} | {r['ratio']:.3f} |"
+        lo, hi = r["daemon_spread"]
+        line = (
+            f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['engine_tok_s']:.1f} | {r['daemon_tok_s']:.1f} "
+            f"| {r['ratio']:.3f} | {r['daemon_tok_s'] / r['engine_tok_s']:.3f} | {lo:.1f}-{hi:.1f} |"
+        )
         if pinned:
             line += f" {r['daemon_process_pin_tok_s']:.1f} | {r['daemon_process_pin_tok_s'] / r['daemon_tok_s']:.3f} |"
+        if roof:
+            line += f" {r['reference_tok_s']:.0f} | {r['daemon_tok_s'] / r['reference_tok_s']:.3f} |"
         return line
 
     lines = [head, rule, *(row(r) for r in rows)]
@@ -178,6 +220,7 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
     fig, ax = plt.subplots(figsize=(6, 4))
     bs = [r["batch"] for r in rows]
     ax.plot(bs, [r["raw_tok_s"] for r in rows], "o-", label="raw BatchGenerator")
+    ax.plot(bs, [r["engine_tok_s"] for r in rows], "x--", label="engine alone (in process)")
     ax.plot(bs, [r["daemon_tok_s"] for r in rows], "s-", label="daemon, scoped pins (client over ipc)")
     if pinned:
         ax.plot(bs, [r["daemon_process_pin_tok_s"] for r in rows], "^-", label="daemon, process-wide pin")
@@ -270,25 +313,34 @@ def write_b1(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str
 
 def main(args: argparse.Namespace) -> int:
     import mlx.core as mx
-    from mlx_lm.utils import load as mlx_load
+    from mlx.utils import tree_flatten
     from tqdm import tqdm
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
-    from workers.models import resolve_model_path
+    from workers import fastpath
+    from workers.engine import Engine
+    from workers.models import load
 
-    # The raw arm is plain mlx-lm, loaded without the daemon's kernel-level patches, so the
-    # ratio includes everything the daemon adds.
-    path = resolve_model_path(args.model)
-    model, tokenizer = mlx_load(str(path))[:2]
-    eos = sorted(tokenizer.eos_token_ids)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    # One model for the in-process arms: the raw arm runs it with the project's patches lifted.
+    loaded = load(args.model)
+    path = Path(loaded.info.path)
+    model = loaded.model
+    eos = list(loaded.info.eos_token_ids)
+    engine = Engine(
+        model,
+        eos_token_ids=loaded.info.eos_token_ids,
+        vocab_size=loaded.info.vocab_size,
+        max_batch=max(32, *batches),
+    )
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     drafters = [d for d in (args.drafters or "").split(",") if d]
     samples: dict[tuple[str, int], list[float]] = {}
     poisson: dict[str, Any] | None = None
-    cap = ["--max-tokens-cap", str(args.tokens)]
+    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max(32, *batches))]
     # Every daemon starts at once so their start-up probes overlap; each runs alone while measured.
     daemons: dict[str, list[str]] = {"daemon": cap}
     if args.process_pin:
@@ -315,10 +367,11 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
         warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
         run_raw(model, eos, warm, 8)
+        run_engine(engine, warm, 8)
         for name, c in clients.items():
             run_daemon(c, warm[:1] if name in b1_arms else warm, 8)
         before = {name: _burst_counts(clients[name]) for name in b1_arms}
-        arms = ["raw", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
+        arms = ["raw", "engine", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
         steps = [
             (b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms + (b1_arms if b == 1 else [])
         ]
@@ -326,6 +379,8 @@ def main(args: argparse.Namespace) -> int:
             prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
             if arm == "raw":
                 n, wall = run_raw(model, eos, prompts, args.tokens)
+            elif arm == "engine":
+                n, wall = run_engine(engine, prompts, args.tokens)
             else:
                 n, wall = run_daemon(clients[arm], prompts, args.tokens)
             samples.setdefault((arm, b), []).append(n / wall)
@@ -348,10 +403,22 @@ def main(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
     rows = []
+    gb_per_s = getattr(args, "bandwidth_gbs", None)
+    context = args.prompt_tokens + args.tokens // 2  # the mean context over a sequence's decode
     for b in batches:
         raw = statistics.median(samples[("raw", b)])
         dmn = statistics.median(samples[("daemon", b)])
-        row: dict[str, Any] = {"batch": b, "raw_tok_s": raw, "daemon_tok_s": dmn, "ratio": dmn / raw}
+        row: dict[str, Any] = {
+            "batch": b,
+            "raw_tok_s": raw,
+            "engine_tok_s": statistics.median(samples[("engine", b)]),
+            "daemon_tok_s": dmn,
+            "ratio": dmn / raw,
+            "daemon_spread": [min(samples[("daemon", b)]), max(samples[("daemon", b)])],
+            "reference_tok_s": None
+            if not gb_per_s
+            else reference_tok_s(weight_bytes, loaded.info.kv_bytes_per_token, context, b, gb_per_s),
+        }
         if args.process_pin:
             row["daemon_process_pin_tok_s"] = statistics.median(samples[("daemon_process_pin", b)])
         rows.append(row)
@@ -366,6 +433,10 @@ def main(args: argparse.Namespace) -> int:
         "drafters": drafters,
         "process_pin": args.process_pin,
         "probe_seconds": probe_seconds,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
+        "bandwidth_gb_s": gb_per_s,
+        "fastpath": fastpath.active().name,
         "daemon_exit_codes": exit_codes,
     }
     out = Path(args.out)

@@ -39,6 +39,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from workers import fastpath
+
 
 class Level(StrEnum):
     WIDE = "wide"
@@ -146,7 +148,10 @@ def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def call(self: Any, x: mx.array, *extra: Any, **kwargs: Any) -> mx.array:
         rows = _rows(x)
         if current_level() is Level.WIDE:
-            return _seam("projection", original(self, x, *extra, **kwargs), rows)
+            if extra or kwargs:  # MoE experts route their rows themselves
+                return _seam("projection", original(self, x, *extra, **kwargs), rows)
+            out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows)
+            return _seam("projection", out, kernel_rows)
         width = _widths.get(id(self), 1)
         if rows <= width:
             return _seam("projection", original(self, x, *extra, **kwargs), rows)
@@ -223,12 +228,19 @@ def _per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array
     ) -> mx.array:
         views = cache.views if isinstance(cache, PerQueryCache) else None
         if views is None:
+            keys, values = fastpath.attention_inputs(keys, values)
             return _seam(
                 "attention", original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs), queries.shape[2]
             )
         real = cache._cache
         outs = [
-            _seam("attention", original(queries[:, :, i : i + 1], k, v, real, scale=scale, mask=None, **kwargs), 1)
+            _seam(
+                "attention",
+                original(
+                    queries[:, :, i : i + 1], *fastpath.attention_inputs(k, v), real, scale=scale, mask=None, **kwargs
+                ),
+                1,
+            )
             for i, (k, v) in enumerate(views)
         ]
         return mx.concatenate(outs, axis=2)
@@ -261,6 +273,32 @@ def install() -> None:
             fn = getattr(module, "scaled_dot_product_attention", None)
             if callable(fn) and not hasattr(fn, "__wrapped__"):
                 module.scaled_dot_product_attention = _per_query_sdpa(fn)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def stock() -> Iterator[None]:
+    """Run the block on unpatched MLX and mlx-lm (the raw peer in benchmarks), then patch again."""
+    global _installed
+    with _install_lock:
+        was = _installed
+        if was:
+            for cls, method in _projection_classes():
+                setattr(cls, method, getattr(cls, method).__wrapped__)
+            _installed = False
+        patched = {}
+        for name, module in list(sys.modules.items()):
+            fn = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+            if fn is not None and hasattr(fn, "__wrapped__"):
+                patched[name] = fn
+                module.scaled_dot_product_attention = fn.__wrapped__  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        with _install_lock:
+            for name, fn in patched.items():
+                sys.modules[name].scaled_dot_product_attention = fn  # type: ignore[attr-defined]
+        if was:
+            install()
 
 
 # --------------------------------------------------------------------------- measuring widths

@@ -1,0 +1,103 @@
+"""The batched kernel path: how the engine's forwards reach MLX's fast batched kernels.
+
+mlx-lm calls every projection on ``(B, T, D)`` activations. On MLX CUDA a ``(B, 1, D)`` quantized
+projection runs as B matrix-vector products, while the same rows as one ``(B, D)`` matrix reach the
+batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
+backend's quantized matmul costs more at 8 rows than at 16 (0.377 vs 0.112 ms for 14336 x 4096), so
+row counts in a measured band are padded up; and its fused attention is faster and run-to-run
+reproducible on contiguous K/V, where over the cache's strided views it is neither.
+
+This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
+it makes no byte-identity promise beyond what the backend gives (MLX's CPU backend stays row-exact,
+so CPU results are unchanged). The exact levels (``narrow``, ``per-query``) chunk rows themselves and
+are untouched by it, except for contiguous K/V, which every attention call gets on backends that need
+it (classic decode must be reproducible for exactness to mean anything).
+
+One switch per backend, chosen at first use; ``MLX_BATCHD_FASTPATH=off`` turns it off (the stock
+mlx-lm behaviour, for comparison), ``=cuda`` forces the CUDA policy anywhere (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class FastPath:
+    name: str
+    #: Call projections on ``(rows, D)`` instead of ``(B, T, D)``.
+    flatten: bool = False
+    #: ``(lo, hi, to)``: a projection on ``lo <= rows <= hi`` rows runs on ``to`` rows (zero padding).
+    pad_bands: tuple[tuple[int, int, int], ...] = ()
+    #: Copy K/V to contiguous arrays before the fused attention.
+    contiguous_kv: bool = False
+
+    def padded_rows(self, rows: int) -> int:
+        for lo, hi, to in self.pad_bands:
+            if lo <= rows <= hi:
+                return to
+        return rows
+
+
+OFF = FastPath("off")
+#: MLX's CPU and Metal backends: flattening costs nothing and lets every batch take one matmul.
+GENERIC = FastPath("generic", flatten=True)
+#: MLX CUDA (measured on an H200, docs/benchmarks.md): 7-15 rows cost more than 16.
+CUDA = FastPath("cuda", flatten=True, pad_bands=((7, 15, 16),), contiguous_kv=True)
+
+_POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
+_active: FastPath | None = None
+
+
+def detect() -> FastPath:
+    """The policy for this process: ``MLX_BATCHD_FASTPATH`` if set, else by the default device."""
+    forced = os.environ.get("MLX_BATCHD_FASTPATH")
+    if forced:
+        if forced not in _POLICIES:
+            raise ValueError(f"MLX_BATCHD_FASTPATH={forced!r}: expected one of {', '.join(_POLICIES)}")
+        return _POLICIES[forced]
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        return CUDA
+    return GENERIC
+
+
+def active() -> FastPath:
+    global _active
+    if _active is None:
+        _active = detect()
+    return _active
+
+
+def set_active(policy: FastPath | None) -> None:
+    """Pick a policy (``None``: detect again at next use). For tests and benchmarks."""
+    global _active
+    _active = policy
+
+
+def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> tuple[mx.array, int]:
+    """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
+
+    A single row (classic B = 1 decode) is left exactly as mlx-lm calls it.
+    """
+    policy = active()
+    if rows == 1 or not policy.flatten or x.ndim < 2:
+        return call(x), rows
+    flat = x.reshape(rows, x.shape[-1])
+    to = policy.padded_rows(rows)
+    if to != rows:
+        flat = mx.concatenate([flat, mx.zeros((to - rows, flat.shape[1]), dtype=flat.dtype)], axis=0)
+    out = call(flat)
+    if to != rows:
+        out = out[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1]), to
+
+
+def attention_inputs(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """K/V as the fused attention should see them (contiguous where the backend needs it)."""
+    if active().contiguous_kv and isinstance(keys, mx.array):
+        return mx.contiguous(keys), mx.contiguous(values)
+    return keys, values
