@@ -37,13 +37,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
+    """Every test leaves the kernel module as it found it: no seam, wide, the measured widths."""
+    widths = dict(kernels._widths)
     yield
     kernels.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
+    kernels._widths.clear()
+    kernels._widths.update(widths)
 
 
 def _load(path: Path) -> Any:
-    model, _ = load(str(path))
+    model = load(str(path))[0]
     measure_widths(model)
     return model
 

@@ -119,6 +119,24 @@ class _Sequence:
     emitted: int = 0
     #: Set when this sequence must not burst again (a non-trimmable cache, a failed drafter).
     no_burst: str | None = None
+    #: The caller asked for no tokens until ``resume``; it takes effect once the sequence decodes.
+    paused: bool = False
+    #: Its state while it is paused and out of the decode batch.
+    parked: _Parked | None = None
+
+
+@dataclass
+class _Parked:
+    """A sequence out of the decode batch with what it needs to go back in exactly where it left.
+
+    ``BatchGenerator`` samples one step ahead, so the batch holds a ``pending`` token that is
+    neither emitted nor fed to the model yet; ``history`` is the tokens in ``cache``, then ``pending``.
+    """
+
+    cache: list[Any]
+    history: list[int]
+    pending: int
+    pending_logprob: float | None
 
 
 @dataclass
@@ -188,12 +206,22 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._seqs)
+        """Whether a step has anything to do: a sequence that is not parked (paused out of the batch)."""
+        return any(s.parked is None for s in self._seqs.values())
 
     @property
     def active(self) -> int:
-        """Sequences admitted and not finished (queued for prefill, prefilling or decoding)."""
+        """Sequences admitted and not finished (queued for prefill, prefilling, decoding or paused)."""
         return len(self._seqs)
+
+    @property
+    def paused(self) -> int:
+        """Sequences paused by the caller (parked, or still prefilling and parked once they decode)."""
+        return sum(1 for s in self._seqs.values() if s.paused)
+
+    def _live(self) -> list[_Sequence]:
+        """The sequences that want tokens: every one not paused."""
+        return [s for s in self._seqs.values() if not s.paused]
 
     def batch_size(self) -> int:
         """Sequences in the decode batch right now."""
@@ -234,12 +262,72 @@ class Engine:
             return []
         if self._burst is not None and self._burst.seq is s:
             self._end_burst()
-        else:
+        elif s.parked is None:
             self._gen.remove([s.uid])
         return [self._finish(s, reason, code, message)]
 
     def cancel_all(self, reason: str, code: str | None = None, message: str | None = None) -> list[Event]:
         return [e for seq in list(self._seqs) for e in self.cancel(seq, reason, code, message)]
+
+    def pause(self, seq: int) -> list[Event]:
+        """Stop producing tokens for ``seq`` until ``resume``, keeping its KV cache and pending token.
+
+        A decoding sequence leaves the batch at once (a bursting one ends its burst first); one still
+        queued or prefilling finishes its prefill and leaves as soon as it reaches the decode batch.
+        A paused sequence costs no decode work. Unknown sequences are ignored. Never emits tokens.
+        """
+        s = self._seqs.get(seq)
+        if s is None or s.paused:
+            return []
+        s.paused = True
+        self._park_paused()
+        return []
+
+    def resume(self, seq: int) -> list[Event]:
+        """Undo ``pause``: the pending token is emitted now and the sequence rejoins the batch with its
+        cache, so its output is the same as if it had never paused. Unknown sequences are ignored."""
+        s = self._seqs.get(seq)
+        if s is None or not s.paused:
+            return []
+        s.paused = False
+        parked, s.parked = s.parked, None
+        return [] if parked is None else self._put_back(s, parked)
+
+    def _park_paused(self) -> None:
+        """Take every paused sequence that has reached decoding out of the batch (or out of its burst)."""
+        for s in self._seqs.values():
+            if not s.paused or s.parked is not None:
+                continue
+            b = self._burst
+            if b is not None and b.seq is s:
+                self._end_burst()
+                s.parked = _Parked(b.cache, b.history, b.pending, b.pending_logprob)
+            elif s.uid in self._gen._generation_batch.uids:
+                s.parked = self._take_out(s)
+
+    def _take_out(self, s: _Sequence) -> _Parked:
+        """Remove a decoding sequence from ``BatchGenerator`` with its cache and pending token."""
+        gb = self._gen._generation_batch
+        idx = gb.uids.index(s.uid)
+        cache = gb.extract_cache(idx)
+        pending_arr, lp_arr = gb._next_tokens[idx], gb._next_logprobs[idx]
+        mx.eval(pending_arr, lp_arr)
+        pending = as_int(pending_arr)
+        history = list(gb.tokens[idx]) + [pending]
+        self._gen.remove([s.uid])
+        self._by_uid.pop(s.uid, None)
+        lp = as_float(lp_arr[pending]) if s.job.logprobs else None
+        return _Parked(cache, history, pending, lp)
+
+    def _put_back(self, s: _Sequence, parked: _Parked) -> list[Event]:
+        """Emit the pending token and put the sequence back into the batch with its cache (the
+        inverse of ``_take_out``; the batch then feeds the pending token as a one-token prompt)."""
+        events = self._emit(s, [parked.pending], [parked.pending_logprob or 0.0])
+        if s.job.seq not in self._seqs:
+            return events  # the pending token ended it
+        remaining = s.job.max_tokens - s.emitted
+        s.uid = self._insert(s, [[parked.pending]], remaining, parked.cache, parked.history[:-1])
+        return events
 
     # ------------------------------------------------------------------ stepping
 
@@ -250,11 +338,15 @@ class Engine:
         it ends with ``engine_error`` and a fresh generator takes over; the engine lives on.
         """
         try:
-            return self._burst_or_step()
+            events = self._burst_or_step()
+            self._park_paused()
+            return events
         except Exception as exc:  # one broken step must not take the daemon down
             self.counters.step_errors += 1
             log.exception("engine step failed")
-            events = self.cancel_all("error", "engine_error", f"the engine failed this step: {exc!r}")
+            message = f"the engine failed this step: {exc!r}"
+            in_step = [seq for seq, s in self._seqs.items() if s.parked is None]  # parked ones keep their caches
+            events = [e for seq in in_step for e in self.cancel(seq, "error", "engine_error", message)]
             self._end_burst()
             self._gen = self._new_generator()
             return events
@@ -407,9 +499,10 @@ class Engine:
         return Level(verdict.level), None
 
     def _burst_refusal(self) -> tuple[_Sequence | None, str | None]:
-        if len(self._seqs) != 1:
-            return None, "contention" if len(self._seqs) > 1 else None
-        (s,) = self._seqs.values()
+        live = self._live()  # paused sequences do not contend
+        if len(live) != 1:
+            return None, "contention" if len(live) > 1 else None
+        (s,) = live
         if s.uid not in self._gen._generation_batch.uids or self._prefill_pending():
             return None, None  # still prefilling: nothing to decide yet
         if s.no_burst:
@@ -429,7 +522,7 @@ class Engine:
     def _burst_or_step(self) -> list[Event]:
         events: list[Event] = []
         if self._burst is not None:
-            if len(self._seqs) == 1:
+            if len(self._live()) == 1:
                 return self._round()
             self.bursts.interrupted += 1
             self._note_decline(self._burst.seq, "contention")
@@ -445,23 +538,15 @@ class Engine:
 
     def _start_burst(self, s: _Sequence) -> bool:
         gb = self._gen._generation_batch
-        idx = gb.uids.index(s.uid)
-        cache = gb.extract_cache(idx)
-        if not can_trim_prompt_cache(cache):
+        if not can_trim_prompt_cache(gb.extract_cache(gb.uids.index(s.uid))):
             s.no_burst = "not_trimmable"
             self._note_decline(s, s.no_burst)
             return False
-        pending_arr, lp_arr = gb._next_tokens[idx], gb._next_logprobs[idx]
-        mx.eval(pending_arr, lp_arr)
-        pending = as_int(pending_arr)
-        history = list(gb.tokens[idx]) + [pending]
-        self._gen.remove([s.uid])
-        self._by_uid.pop(s.uid, None)
-        lp = as_float(lp_arr[pending]) if s.job.logprobs else None
-        self._burst = BurstSeq(s, cache, history, pending, lp, s.sampler, s.stops)
+        p = self._take_out(s)
+        self._burst = BurstSeq(s, p.cache, p.history, p.pending, p.pending_logprob, s.sampler, s.stops)
         assert self.drafter is not None
         try:
-            self.drafter.start(history)
+            self.drafter.start(p.history)
         except Exception:
             log.exception("drafter failed to start; sequence %d decodes classic", s.job.seq)
             s.no_burst = "drafter_error"
@@ -476,16 +561,11 @@ class Engine:
         self._burst = None
 
     def _rejoin(self) -> list[Event]:
-        """Emit the pending token and put the sequence back into the batch with its cache."""
+        """End the burst: emit the pending token and put the sequence back into the batch with its cache."""
         b = self._burst
         assert b is not None
         self._end_burst()
-        s = b.seq
-        events = self._emit(s, [b.pending], [b.pending_logprob or 0.0])
-        if s.job.seq not in self._seqs:
-            return events  # the pending token ended it
-        s.uid = self._insert(s, [[b.pending]], s.job.max_tokens - s.emitted, b.cache, b.history[:-1])
-        return events
+        return self._put_back(b.seq, _Parked(b.cache, b.history, b.pending, b.pending_logprob))
 
     def _emit(self, s: _Sequence, candidates: list[int], logprobs: list[float]) -> list[Event]:
         tokens, lps, finish = emit_in_order(candidates, logprobs, s.emitted, s.job.max_tokens, s.stops)

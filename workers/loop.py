@@ -67,6 +67,16 @@ class _Cancel:
 
 
 @dataclass
+class _Pause:
+    seq: int
+
+
+@dataclass
+class _Resume:
+    seq: int
+
+
+@dataclass
 class _Shutdown:
     reason: str
     code: str
@@ -78,7 +88,7 @@ class _MeasureTax:
     pass
 
 
-_Command = _Submit | _Cancel | _Shutdown | _MeasureTax
+_Command = _Submit | _Cancel | _Pause | _Resume | _Shutdown | _MeasureTax
 
 
 @dataclass
@@ -97,6 +107,9 @@ class EngineSettings:
     bursts: BurstSettings = field(default_factory=BurstSettings)
     #: Seconds between measurements of the pin's tax on batched decode (0 = only on demand).
     tax_interval_s: float = 300.0
+    #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
+    #: each one stalls serving for a few forwards, so clients must not be able to queue them.
+    tax_min_interval_s: float = 30.0
 
 
 def warm_up(engine: Engine) -> None:
@@ -131,6 +144,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
         self._engine: Engine | None = None
         self._tax_at = time.monotonic()
+        self._tax_measured_at: float | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -148,8 +162,19 @@ class EngineThread:
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
         self._inbox.put(_Cancel(seq, reason, code, message))
 
+    def pause(self, seq: int) -> None:
+        """Stop producing tokens for ``seq`` (it keeps its cache) until ``resume``; see ``Engine.pause``."""
+        self._inbox.put(_Pause(seq))
+
+    def resume(self, seq: int) -> None:
+        """Let a paused ``seq`` produce tokens again; unknown or finished sequences are ignored."""
+        self._inbox.put(_Resume(seq))
+
     def measure_tax(self) -> None:
-        """Time a batched step pinned vs wide at the current batch size, at the next step."""
+        """Time a batched step pinned vs wide at the current batch size, at the next step.
+
+        Requests in one inbox drain run one measurement, and one within ``tax_min_interval_s`` of
+        the last measurement is ignored (the snapshot keeps the last figure)."""
         self._inbox.put(_MeasureTax())
 
     def shutdown(
@@ -213,32 +238,49 @@ class EngineThread:
         for iteration in itertools.count():
             faults.check_loop(iteration)
             events: list[Signal] = []
+            tax_asked = False
             for cmd in self._commands(block=not engine.has_work and not engine.probing):
                 if isinstance(cmd, _Submit):
                     engine.submit(cmd.job)
                 elif isinstance(cmd, _Cancel):
                     events += engine.cancel(cmd.seq, cmd.reason, cmd.code, cmd.message)
+                elif isinstance(cmd, _Pause):
+                    events += engine.pause(cmd.seq)
+                elif isinstance(cmd, _Resume):
+                    events += engine.resume(cmd.seq)
                 elif isinstance(cmd, _MeasureTax):
-                    self._measure_tax(engine)
+                    tax_asked = True
                 else:
                     events += engine.cancel_all(cmd.reason, cmd.code, cmd.message)
                     if events:
                         self._emit(events)
                     return
+            if tax_asked:
+                self._measure_tax_on_demand(engine)
             if engine.has_work:
                 events += engine.step()
             if events:
                 self._emit(events)
             # The probe runs a draw at a time, only while the engine is idle, so serving never
             # waits for it (a request arriving mid-draw waits for that one draw at most).
-            if engine.probing and engine.active == 0:
+            if engine.probing and not engine.has_work:
                 engine.probe_step()
             if self._settings.tax_interval_s and time.monotonic() - self._tax_at > self._settings.tax_interval_s:
                 self._measure_tax(engine)
 
+    def _measure_tax_on_demand(self, engine: Engine) -> None:
+        """Measure unless the last measurement is more recent than ``tax_min_interval_s``."""
+        last = self._tax_measured_at
+        if last is not None and time.monotonic() - last < self._settings.tax_min_interval_s:
+            log.debug(
+                "pin tax measurement skipped: the last one is under %.0f s old", self._settings.tax_min_interval_s
+            )
+            return
+        self._measure_tax(engine)
+
     def _measure_tax(self, engine: Engine) -> None:
         """At the verdict's level when it pins, else at narrow (what a pin would cost)."""
-        self._tax_at = time.monotonic()
+        self._tax_at = self._tax_measured_at = time.monotonic()
         level = Level.NARROW
         for v in engine.verdicts.values():
             if v.level not in (None, Level.WIDE.value):
@@ -260,6 +302,7 @@ class EngineThread:
         return {
             **asdict(engine.counters),
             "active_sequences": engine.active,
+            "paused": engine.paused,
             "batch_size": engine.batch_size(),
             "pin_scope": engine.pin_scope,
             "pins": engine.ledger.snapshot(),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -33,6 +35,8 @@ import mlx.nn as nn
 
 from workers.arrays import as_int
 from workers.kernels import LADDER, Level, bytes_equal, install, scoped, wrap_caches
+
+log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
 PROBE_VERSION = 1
@@ -90,12 +94,93 @@ class Verdict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Verdict:
-        ladder = [
-            LevelResult(lr["level"], lr["exact"], [DrawResult(**d) for d in lr["draws"]], lr["seconds"])
-            for lr in data["ladder"]
-        ]
+    def from_json(cls, data: Any) -> Verdict:
+        """A verdict from ``to_json``'s output; ``ValueError`` unless every field has its exact
+        shape (a stored verdict decides which kernels serve, so nothing in it is taken on trust)."""
+        _check(data, _VERDICT_FIELDS, "verdict")
+        ladder = []
+        for i, lr in enumerate(data["ladder"]):
+            _check(lr, _LEVEL_FIELDS, f"verdict.ladder[{i}]")
+            for j, d in enumerate(lr["draws"]):
+                _check(d, _DRAW_FIELDS, f"verdict.ladder[{i}].draws[{j}]")
+            ladder.append(LevelResult(lr["level"], lr["exact"], [DrawResult(**d) for d in lr["draws"]], lr["seconds"]))
         return cls(**{**data, "ladder": ladder})
+
+
+# What a stored verdict may hold, field by field: the persisted form is checked, never trusted.
+_LEVELS = frozenset(level.value for level in Level)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _is_level(v: Any) -> bool:
+    return isinstance(v, str) and v in _LEVELS
+
+
+def _is_list(v: Any) -> bool:
+    return isinstance(v, list)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+_DRAW_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "draw": _is_str,
+    "context": _is_count,
+    "exact": _is_bool,
+    "nondeterministic": _is_bool,
+    "first_position": _optional(_is_count),
+    "differing_bytes": _is_count,
+    "total_bytes": _is_count,
+    "chain_vs_chain_bytes": _is_count,
+    "accepted_as_classic_variation": _is_bool,
+    "seconds": _is_seconds,
+    "first_divergence": _optional(_is_str),
+}
+_LEVEL_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "level": _is_level,
+    "exact": _is_bool,
+    "draws": _is_list,
+    "seconds": _is_seconds,
+}
+_VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "fingerprint": _is_str,
+    "pairing": lambda v: isinstance(v, dict),
+    "level": _optional(_is_level),
+    "exact": _is_bool,
+    "reason": _is_str,
+    "ladder": _is_list,
+    "probe_seconds": _is_seconds,
+    "created": _is_seconds,
+    "from_cache": _is_bool,
+}
+
+
+def _check(data: Any, fields: dict[str, Callable[[Any], bool]], what: str) -> None:
+    """``data`` is an object with exactly ``fields``, each passing its check; else ``ValueError``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} is not an object")
+    if set(data) != set(fields):
+        missing, extra = sorted(set(fields) - set(data)), sorted(map(str, set(data) - set(fields)))
+        raise ValueError(f"{what} has missing fields {missing} or unknown fields {extra}")
+    for name, ok in fields.items():
+        if not ok(data[name]):
+            raise ValueError(f"{what}.{name} is not valid: {data[name]!r:.60}")
 
 
 @dataclass(frozen=True)
@@ -435,13 +520,19 @@ class VerdictStore:
         return self.root / f"{fingerprint}.json"
 
     def get(self, fingerprint: str) -> Verdict | None:
+        """The stored verdict for ``fingerprint``, or ``None`` (probe again) when there is none or
+        the file does not hold a valid verdict for exactly this pairing: a damaged or forged
+        file is never trusted, and says so in the log."""
         path = self.path(fingerprint)
         if not path.exists():
             return None
         try:
             verdict = Verdict.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
-            return None  # a damaged file is re-probed, never trusted
+            if verdict.fingerprint != fingerprint or pairing_fingerprint(verdict.pairing) != fingerprint:
+                raise ValueError("it is the verdict of another pairing")
+        except Exception as exc:  # anything in the file, however odd, means "probe again"
+            log.warning("ignoring the stored verdict %s (%s); the pairing is probed again", path, exc)
+            return None
         verdict.from_cache = True
         return verdict
 
