@@ -24,7 +24,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 def _prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -334,7 +334,7 @@ def main(args: argparse.Namespace) -> int:
         vocab_size=loaded.info.vocab_size,
         max_batch=max(32, *batches),
     )
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weight_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     drafters = [d for d in (args.drafters or "").split(",") if d]
@@ -384,6 +384,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 n, wall = run_daemon(clients[arm], prompts, args.tokens)
             samples.setdefault((arm, b), []).append(n / wall)
+            mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
         counts = {name: {k: v - before[name][k] for k, v in _burst_counts(clients[name]).items()} for name in b1_arms}
         probe_seconds: dict[str, float] = {}
         verdicts: dict[str, dict[str, Any]] = {}

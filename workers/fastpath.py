@@ -3,9 +3,9 @@
 mlx-lm calls every projection on ``(B, T, D)`` activations. On MLX CUDA a ``(B, 1, D)`` quantized
 projection runs as B matrix-vector products, while the same rows as one ``(B, D)`` matrix reach the
 batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
-backend's quantized matmul costs more at 8 rows than at 16 (0.377 vs 0.112 ms for 14336 x 4096), so
-row counts in a measured band are padded up; and its fused attention is faster and run-to-run
-reproducible on contiguous K/V, where over the cache's strided views it is neither.
+backend's fused attention is run-to-run reproducible for a single sequence only on contiguous K/V
+(over the cache's strided views it is not), which exactness needs. Padding row counts is supported
+(``pad_bands``) for backends where one row count is uniformly cheaper; none is configured.
 
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
 it makes no byte-identity promise beyond what the backend gives (MLX's CPU backend stays row-exact,
@@ -33,7 +33,11 @@ class FastPath:
     flatten: bool = False
     #: ``(lo, hi, to)``: a projection on ``lo <= rows <= hi`` rows runs on ``to`` rows (zero padding).
     pad_bands: tuple[tuple[int, int, int], ...] = ()
-    #: Copy K/V to contiguous arrays before the fused attention.
+    #: Copy a single sequence's K/V to contiguous arrays before the fused attention. On MLX CUDA the
+    #: fused kernel over the cache's strided views is not run-to-run reproducible inside a model
+    #: forward (343 of 600 classic decode positions differed between two identical runs; 0 with the
+    #: copy, at no measurable cost). Batched forwards skip it: there the copy costs up to 2.7x the
+    #: attention itself at long contexts and buys nothing (no byte-identity promise).
     contiguous_kv: bool = False
 
     def padded_rows(self, rows: int) -> int:
@@ -46,8 +50,10 @@ class FastPath:
 OFF = FastPath("off")
 #: MLX's CPU and Metal backends: flattening costs nothing and lets every batch take one matmul.
 GENERIC = FastPath("generic", flatten=True)
-#: MLX CUDA (measured on an H200, docs/benchmarks.md): 7-15 rows cost more than 16.
-CUDA = FastPath("cuda", flatten=True, pad_bands=((7, 15, 16),), contiguous_kv=True)
+#: MLX CUDA (measured on an H200, docs/benchmarks.md). No padding band: which row count is cheapest
+#: depends on the projection's shape (a 14336 x 4096 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8,
+#: a 4096 x 14336 one 0.19 and 0.26), and a whole-model step measured no better with a uniform band.
+CUDA = FastPath("cuda", flatten=True, contiguous_kv=True)
 
 _POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
 _active: FastPath | None = None
@@ -97,7 +103,7 @@ def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> tup
 
 
 def attention_inputs(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-    """K/V as the fused attention should see them (contiguous where the backend needs it)."""
-    if active().contiguous_kv and isinstance(keys, mx.array):
+    """K/V as the fused attention should see them (a single sequence's contiguous where the backend needs it)."""
+    if active().contiguous_kv and isinstance(keys, mx.array) and keys.shape[0] == 1:
         return mx.contiguous(keys), mx.contiguous(values)
     return keys, values

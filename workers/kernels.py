@@ -290,7 +290,7 @@ def stock() -> Iterator[None]:
             fn = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
             if fn is not None and hasattr(fn, "__wrapped__"):
                 patched[name] = fn
-                module.scaled_dot_product_attention = fn.__wrapped__  # type: ignore[union-attr]
+                module.scaled_dot_product_attention = fn.__wrapped__  # type: ignore[attr-defined]
     try:
         yield
     finally:

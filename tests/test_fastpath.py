@@ -1,0 +1,102 @@
+"""The batched kernel path: projections on flattened rows, padding bands, single-sequence contiguous K/V,
+and ``stock()`` lifting every patch for the raw peer in benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from workers import fastpath, kernels
+from workers.engine import Engine, Job, Tokens
+
+
+@pytest.fixture()
+def policy() -> Iterator[None]:
+    yield
+    fastpath.set_active(None)
+
+
+def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) -> None:
+    fastpath.set_active(fastpath.GENERIC)
+    seen: list[tuple[int, ...]] = []
+    lin = nn.Linear(8, 3)
+
+    def call(x: mx.array) -> mx.array:
+        seen.append(tuple(x.shape))
+        return lin(x)
+
+    x = mx.random.normal((4, 1, 8))
+    out, rows = fastpath.project(call, x, 4)
+    assert seen == [(4, 8)] and rows == 4 and out.shape == (4, 1, 3)
+    assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())
+    seen.clear()
+    fastpath.project(call, mx.random.normal((1, 1, 8)), 1)
+    assert seen == [(1, 1, 8)]  # classic B = 1 decode: exactly as mlx-lm calls it
+
+
+def test_padding_band_pads_rows_and_returns_only_the_real_ones(policy: None) -> None:
+    fastpath.set_active(fastpath.FastPath("padded", flatten=True, pad_bands=((3, 7, 8),)))
+    seen: list[tuple[int, ...]] = []
+    lin = nn.Linear(8, 5)
+
+    def call(x: mx.array) -> mx.array:
+        seen.append(tuple(x.shape))
+        return lin(x)
+
+    x = mx.random.normal((5, 1, 8))
+    out, rows = fastpath.project(call, x, 5)
+    assert seen == [(8, 8)] and rows == 8 and out.shape == (5, 1, 5)
+    assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())  # rows exact on CPU
+
+
+def test_contiguous_kv_only_for_a_single_sequence(policy: None) -> None:
+    fastpath.set_active(fastpath.CUDA)
+    buf = mx.random.normal((2, 2, 16, 4))
+    k, v = buf[:, :, :5], buf[:, :, :5]
+    assert fastpath.attention_inputs(k, v)[0] is k  # batched: the cache's own views
+    one = buf[:1, :, :5]
+    ck, _ = fastpath.attention_inputs(one, one)
+    assert ck is not one and bool(mx.all(ck == one).item())
+    fastpath.set_active(fastpath.GENERIC)
+    assert fastpath.attention_inputs(one, one)[0] is one
+
+
+def test_stock_lifts_the_patches_and_puts_them_back() -> None:
+    kernels.install()
+    patched = nn.Linear.__call__
+    assert hasattr(patched, "__wrapped__")
+    with kernels.stock():
+        assert not hasattr(nn.Linear.__call__, "__wrapped__")
+    assert nn.Linear.__call__ is not patched or hasattr(nn.Linear.__call__, "__wrapped__")
+    assert hasattr(nn.Linear.__call__, "__wrapped__")
+
+
+@pytest.mark.parametrize("name", ["off", "generic", "cuda"])
+def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path, name: str, policy: None) -> None:
+    """On the CPU every kernel is row-exact, so the policy may change speed but never a token: this pins
+    the reshape/slice plumbing (a wrong row order or a pad row leaking into the output changes tokens)."""
+    from workers.models import load
+
+    loaded = load(str(tiny_model))
+    prompts = [[(7 * i + j) % 200 + 4 for j in range(6 + i)] for i in range(9)]
+
+    def run() -> dict[int, list[int]]:
+        engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=16)
+        for i, p in enumerate(prompts):
+            engine.submit(Job(seq=i, prompt=p, max_tokens=12))
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while engine.has_work:
+            for e in engine.step():
+                if isinstance(e, Tokens):
+                    out[e.seq] += e.tokens
+        return out
+
+    fastpath.set_active(fastpath.OFF)
+    with kernels.stock():
+        reference = run()
+    fastpath.set_active({"off": fastpath.OFF, "generic": fastpath.GENERIC, "cuda": fastpath.CUDA}[name])
+    assert run() == reference
