@@ -449,4 +449,5 @@ def main(args: argparse.Namespace) -> int:
         print(write_poisson(poisson, meta, out))
     if probe_seconds:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
+    print(f"results in {out.resolve()}")
     return 0

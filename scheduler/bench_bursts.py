@@ -288,4 +288,5 @@ def main(args: argparse.Namespace) -> int:
     (out / "bursts.md").write_text(md)
     _plot(report, out / "bursts.png")
     print(md)
+    print(f"results in {out.resolve()}")
     return 0

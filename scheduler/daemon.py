@@ -6,11 +6,11 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import anyio
 
-from scheduler.frontend import ConfigError, FrontEnd, FrontEndSettings
-from scheduler.tenants import TenantsError
+from scheduler.frontend import FrontEnd, FrontEndSettings
 from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
 
 SWITCH_INTERVAL_S = 0.0005
@@ -26,9 +26,28 @@ class DaemonSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
 
 
+def check_models(settings: DaemonSettings) -> None:
+    """Refuse a model or drafter directory that cannot load (``ModelError``), before the socket is
+    bound: the engine thread loads them later, and a failure there would come after the daemon
+    took its address, as a traceback in the log."""
+    from workers.models import ModelError, check_model
+
+    check_model(settings.model)
+    draft, mtp = settings.engine.draft, settings.engine.mtp
+    if draft is not None and draft not in ("prompt-lookup", "demo"):
+        check_model(draft, "--draft")
+    if mtp is not None and mtp != "demo" and not (Path(mtp).expanduser() / "config.json").is_file():
+        raise ModelError(f"--mtp {mtp!r} is not an MTP head directory (no config.json in it); pass one, or 'demo'")
+
+
 def serve(settings: DaemonSettings) -> int:
-    """Run the daemon in this (main) thread until SIGINT/SIGTERM; return the exit code."""
+    """Run the daemon in this (main) thread until SIGINT/SIGTERM; return the exit code.
+
+    A configuration that must not start raises (``ModelError``, ``ConfigError``, ``TenantsError``)
+    before anything is bound; the command line turns those into one line."""
     from workers.models import load
+
+    check_models(settings)
 
     def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread:
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
@@ -41,8 +60,5 @@ def serve(settings: DaemonSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return anyio.run(front.run, backend="asyncio")
-    except (ConfigError, TenantsError) as exc:
-        print(f"mlx-batchd: {exc}", file=sys.stderr)
-        return 2
     finally:
         release_thread_streams()  # MLX asks every thread that used it, the main one too

@@ -17,6 +17,10 @@ from typing import IO, Any
 from clients.sync import Client
 
 
+class DaemonExited(RuntimeError):
+    """The child exited before it was ready. Its own stderr (inherited, or the log) says why."""
+
+
 class DaemonProcess:
     """A ``mlx-batchd serve`` child process. ``stop()`` sends SIGTERM and returns the exit code."""
 
@@ -43,7 +47,7 @@ class DaemonProcess:
         with Client(self.address, **self.client_kwargs) as client:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {self.proc.returncode} before it was ready")
+                    raise DaemonExited(f"the daemon exited with {self.proc.returncode} before it was ready")
                 try:
                     return client.wait_ready(timeout=1.0)
                 except TimeoutError:

@@ -13,7 +13,6 @@ without a drafter, or an older daemon missing a counter shows ``-`` there instea
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,14 +31,15 @@ MISSING = "-"
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``top`` on ``mlx-batchd``'s subparsers, with the same address, timeout and CURVE
     options as ``stats`` so the two commands are interchangeable on the command line."""
-    from scheduler.cli import _add_client_auth, daemon_command  # lazy: cli imports this module from build_parser
+    # lazy: cli imports this module from build_parser
+    from scheduler.cli import _add_client_auth, daemon_command, non_negative_int, positive_float
 
     p = sub.add_parser("top", help="a live view of a running daemon's counters (polls `stats`)")
     p.add_argument("--addr", default=None, help="daemon address (default: the local ipc socket)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each stats reply")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1.0)")
+    p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for each stats reply")
+    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds between polls (default 1.0)")
     p.add_argument("--once", action="store_true", help="print one frame to stdout and exit (for scripts)")
-    p.add_argument("--iterations", type=int, default=0, help="stop after N frames (0 = until Ctrl-C)")
+    p.add_argument("--iterations", type=non_negative_int, default=0, help="stop after N frames (0 = until Ctrl-C)")
     _add_client_auth(p)
     p.set_defaults(func=daemon_command("top", run))
 
@@ -51,9 +51,6 @@ def run(args: argparse.Namespace) -> int:
     from clients import Client
     from scheduler.cli import _client_kwargs
 
-    if args.interval <= 0:
-        print("mlx-batchd top: --interval must be positive", file=sys.stderr)
-        return 2
     console = Console()
     try:
         with Client(args.addr, timeout=args.timeout, **_client_kwargs(args)) as client:

@@ -172,14 +172,18 @@ def test_frame_beyond_hard_cap_drops_only_that_connection(daemon: Daemon, good_r
 
 
 def test_requests_are_scoped_per_connection(daemon: Daemon) -> None:
-    """One client cannot cancel another's request even with its id."""
+    """One client cannot cancel another's request even with its id, while that request runs."""
     a, b = Raw(daemon.address), Raw(daemon.address)
     try:
-        a.send(pack(submit(rid="mine", tokens=[5, 6], max_tokens=30)))
+        b.send(pack({"v": 1, "type": "health", "id": "h"}))
+        assert b.recv()["type"] == "health"  # b is connected: its cancel reaches the daemon at once
+        a.send(pack(submit(rid="mine", tokens=[5, 6], max_tokens=200)))
+        first = a.recv()
+        assert (first["type"], first["id"]) == ("token", "mine")  # running: its id is in the table
         b.send(pack({"v": 1, "type": "cancel", "id": "mine"}))
-        assert b.recv()["code"] == "unknown_request_id"
         _, end = a.until_end("mine")
-        assert end["finish_reason"] in ("length", "stop")
+        assert end["finish_reason"] in ("length", "stop")  # not "cancelled"
+        assert b.recv()["code"] == "unknown_request_id"
     finally:
         a.close()
         b.close()

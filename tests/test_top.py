@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,12 @@ def test_top_once_against_a_daemon(tiny_model: Path, tmp_path: Path, capsys: pyt
 def test_unreachable_daemon_is_one_line_and_exit_1(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No traceback and no endless wait: every command that needs a daemon says it is not there."""
-    address = f"ipc://{tmp_path / 'nobody.sock'}"
+    """No traceback and no endless wait: every command that needs a daemon says it is not there (a
+    socket file nobody listens on; a missing file is refused before any wait, see test_cli_errors)."""
+    sock = tmp_path / "nobody.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))
+    address = f"ipc://{sock}"
     args = build_parser().parse_args([*command, "0.5", "--addr", address])
     assert args.func(args) == 1
     err = capsys.readouterr().err

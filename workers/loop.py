@@ -28,7 +28,7 @@ from workers import faults
 from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
 from workers.kernels import Level
-from workers.models import LoadedModel, ModelInfo
+from workers.models import LoadedModel, ModelError, ModelInfo
 from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -214,6 +214,8 @@ class EngineThread:
             elif s.probe_k is not None:
                 start_probe(engine, loaded, s, s.drafter, s.probe_k)
             engine.counters = type(engine.counters)()
+        except ModelError as exc:  # a model the user pointed at that cannot load: one line, no traceback
+            return Dead(str(exc))
         except Exception:
             return Dead(traceback.format_exc())
         self._engine = engine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -40,19 +41,68 @@ class LoadedModel:
     widths: WidthReport
 
 
-def resolve_model_path(spec: str) -> Path:
+class ModelError(ValueError):
+    """A model spec that cannot be loaded. The message names the problem and what to pass instead,
+    so the command line can print it as one line instead of a traceback from deep inside mlx-lm."""
+
+
+#: What every "not a model" message ends with: the fix.
+_MODEL_HINT = (
+    "pass a local mlx-lm model directory (e.g. `huggingface-cli download mlx-community/Qwen3-0.6B-bf16 "
+    "--local-dir DIR`) or 'demo'"
+)
+
+
+def resolve_model_path(spec: str, flag: str = "--model") -> Path:
     """``demo`` names the embedded default; anything else must be a local model directory
-    (nothing is downloaded at run time)."""
+    (nothing is downloaded at run time). ``flag`` is the option the spec came from, for messages."""
     if spec == "demo":
         from workers.demo import demo_path
 
         return demo_path("target")
     path = Path(spec).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{spec!r} is not a model directory (no config.json). Pass a local mlx-lm model "
-            "directory, e.g. one fetched with `huggingface-cli download mlx-community/...`, or 'demo'."
-        )
+    if not path.exists():
+        why = "it does not exist"
+    elif not path.is_dir():
+        why = "it is a file"
+    elif not (path / "config.json").is_file():
+        why = "no config.json in it"
+    else:
+        return path
+    raise ModelError(f"{flag} {spec!r} is not a model directory ({why}); {_MODEL_HINT}")
+
+
+def read_config(path: Path, spec: str, flag: str = "--model") -> dict[str, Any]:
+    """``config.json`` as a dict, or a ``ModelError`` saying why it is not one."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{flag} {spec!r} is not a model directory (unreadable config.json: {exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelError(f"{flag} {spec!r} is not a model directory (config.json has no model_type); {_MODEL_HINT}")
+    return config
+
+
+def check_model(spec: str, flag: str = "--model") -> Path:
+    """What ``load`` would trip over, found without reading weights: a missing or non-model
+    directory, an architecture this mlx-lm does not know, no weight files. Cheap enough to run
+    before a daemon binds its socket, so a bad ``--model`` is refused before anything says ready."""
+    from mlx_lm.utils import _get_classes
+
+    path = resolve_model_path(spec, flag)
+    config = read_config(path, spec, flag)
+    if "model_file" not in config:  # custom code: mlx-lm refuses it at load, with its own message
+        try:
+            _get_classes(config)
+        except ValueError:
+            import mlx_lm
+
+            raise ModelError(
+                f"{flag} {spec!r}: model_type {config['model_type']!r} is not an architecture mlx-lm "
+                f"{mlx_lm.__version__} knows; upgrade it (`pip install -U mlx-lm`) or pick a supported model"
+            ) from None
+    if not any(path.glob("model*.safetensors")):
+        raise ModelError(f"{flag} {spec!r} has no weights (no model*.safetensors); download the whole model directory")
     return path
 
 
@@ -128,8 +178,12 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
     """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
     from mlx_lm.utils import load as mlx_load
 
-    path = resolve_model_path(spec)
-    model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], mlx_load(str(path), return_config=True))
+    path = check_model(spec)
+    try:
+        loaded = mlx_load(str(path), return_config=True)
+    except (ValueError, OSError, RuntimeError) as exc:  # files that do not fit together, or a cut download
+        raise ModelError(f"--model {spec!r} cannot be loaded: {' '.join(str(exc).split())}") from exc
+    model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
     keep_leading_space(tokenizer)
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)

@@ -209,3 +209,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-moe-tiny": qwen3_config(experts=4, dtype="float32"),  # MLX CPU gather_mm is f32-only
     "mistral-tiny": {**llama_config(), "model_type": "mistral"},
 }
+
+
+class PresetError(ValueError):
+    """An unknown ``mlx-batchd synth --preset`` name; the message lists the known ones."""
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The config named ``name`` in ``PRESETS``, or a ``PresetError`` that says which names exist."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise PresetError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
