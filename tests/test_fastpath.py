@@ -38,8 +38,11 @@ def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) ->
     assert seen == [(1, 1, 8)]  # classic B = 1 decode: exactly as mlx-lm calls it
 
 
-def test_padding_band_pads_rows_and_returns_only_the_real_ones(policy: None) -> None:
-    fastpath.set_active(fastpath.FastPath("padded", flatten=True, pad_bands=((3, 7, 8),)))
+def test_a_plan_pads_rows_or_leaves_the_call_and_returns_only_the_real_rows(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fastpath.set_active(fastpath.FastPath("padded", flatten=True))
+    monkeypatch.setitem(fastpath._plans, 1234, {5: 8, 6: 0})
     seen: list[tuple[int, ...]] = []
     lin = nn.Linear(8, 5)
 
@@ -48,9 +51,27 @@ def test_padding_band_pads_rows_and_returns_only_the_real_ones(policy: None) -> 
         return lin(x)
 
     x = mx.random.normal((5, 1, 8))
-    out, rows = fastpath.project(call, x, 5)
+    out, rows = fastpath.project(call, x, 5, key=1234)
     assert seen == [(8, 8)] and rows == 8 and out.shape == (5, 1, 5)
     assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())  # rows exact on CPU
+    seen.clear()
+    fastpath.project(call, mx.random.normal((6, 1, 8)), 6, key=1234)
+    assert seen == [(6, 1, 8)]  # planned "as called"
+    seen.clear()
+    fastpath.project(call, mx.random.normal((7, 1, 8)), 7, key=1234)
+    assert seen == [(7, 8)]  # not planned: flattened
+
+
+def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) -> None:
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.QuantizedLinear(32, 64, bits=4, group_size=32))
+    plans = fastpath.calibrate(model)
+    assert len(plans) == 2
+    for plan in plans.values():
+        assert set(plan) == {2, 3, 4}
+        assert all(to == 0 or to >= rows for rows, to in plan.items())
+        assert all(to in (0, rows, 8, 16) for rows, to in plan.items())
+    assert fastpath._plans[id(model.layers[0])] is plans["Linear(32, 16)/None"]
 
 
 def test_contiguous_kv_only_for_a_single_sequence(policy: None) -> None:
@@ -99,4 +120,11 @@ def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path,
     with kernels.stock():
         reference = run()
     fastpath.set_active({"off": fastpath.OFF, "generic": fastpath.GENERIC, "cuda": fastpath.CUDA}[name])
-    assert run() == reference
+    if name == "cuda":  # a plan that pads some row counts and leaves others as called
+        for _, m in loaded.model.named_modules():
+            if isinstance(m, nn.Linear | nn.QuantizedLinear):
+                fastpath._plans[id(m)] = {2: 0, 3: 8, 5: 16, 9: 16}
+    try:
+        assert run() == reference
+    finally:
+        fastpath._plans.clear()

@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from clients.protocol import SamplingOptions
-from workers import faults
+from workers import fastpath, faults
 from workers.arrays import as_float, as_int
 from workers.burst import (
     Adaptive,
@@ -193,6 +193,7 @@ class Engine:
         self._seqs: dict[int, _Sequence] = {}  # by caller seq
         self._by_uid: dict[int, _Sequence] = {}
         self._gen = self._new_generator()
+        fastpath.calibrate(model)  # where the backend's policy asks for it (MLX CUDA): about a second
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(

@@ -4,8 +4,8 @@ mlx-lm calls every projection on ``(B, T, D)`` activations. On MLX CUDA a ``(B, 
 projection runs as B matrix-vector products, while the same rows as one ``(B, D)`` matrix reach the
 batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
 backend's fused attention is run-to-run reproducible for a single sequence only on contiguous K/V
-(over the cache's strided views it is not), which exactness needs. Padding row counts is supported
-(``pad_bands``) for backends where one row count is uniformly cheaper; none is configured.
+(over the cache's strided views it is not), which exactness needs. Small row counts are planned per
+projection shape by timing at load (``calibrate``): as mlx-lm calls them, flattened, or padded.
 
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
 it makes no byte-identity promise beyond what the backend gives (MLX's CPU backend stays row-exact,
@@ -20,10 +20,12 @@ mlx-lm behaviour, for comparison), ``=cuda`` forces the CUDA policy anywhere (te
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,9 @@ class FastPath:
     name: str
     #: Call projections on ``(rows, D)`` instead of ``(B, T, D)``.
     flatten: bool = False
-    #: ``(lo, hi, to)``: a projection on ``lo <= rows <= hi`` rows runs on ``to`` rows (zero padding).
-    pad_bands: tuple[tuple[int, int, int], ...] = ()
+    #: Time each projection shape at load for 2..N rows and keep the cheapest way to run each row
+    #: count: as mlx-lm calls it, flattened, or flattened and padded to 8 or 16 rows (0 = off).
+    calibrate_rows: int = 0
     #: Copy a single sequence's K/V to contiguous arrays before the fused attention. On MLX CUDA the
     #: fused kernel over the cache's strided views is not run-to-run reproducible inside a model
     #: forward (343 of 600 classic decode positions differed between two identical runs; 0 with the
@@ -40,20 +43,14 @@ class FastPath:
     #: attention itself at long contexts and buys nothing (no byte-identity promise).
     contiguous_kv: bool = False
 
-    def padded_rows(self, rows: int) -> int:
-        for lo, hi, to in self.pad_bands:
-            if lo <= rows <= hi:
-                return to
-        return rows
-
 
 OFF = FastPath("off")
 #: MLX's CPU and Metal backends: flattening costs nothing and lets every batch take one matmul.
 GENERIC = FastPath("generic", flatten=True)
-#: MLX CUDA (measured on an H200, docs/benchmarks.md). No padding band: which row count is cheapest
-#: depends on the projection's shape (a 14336 x 4096 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8,
-#: a 4096 x 14336 one 0.19 and 0.26), and a whole-model step measured no better with a uniform band.
-CUDA = FastPath("cuda", flatten=True, contiguous_kv=True)
+#: MLX CUDA (measured on an H200, docs/benchmarks.md). Below 8 rows its batched quantized kernel costs
+#: about M matrix-vector products, and which row count is cheapest depends on the shape (a 14336 x 4096
+#: 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8, a 4096 x 14336 one 0.19 and 0.26): calibrated.
+CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True)
 
 _POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
 _active: FastPath | None = None
@@ -84,22 +81,73 @@ def set_active(policy: FastPath | None) -> None:
     _active = policy
 
 
-def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int) -> tuple[mx.array, int]:
+#: Per projection module (by id): row count -> rows of the kernel call (0: leave the call as mlx-lm
+#: makes it). Filled by ``calibrate``; row counts not in a plan are flattened, unpadded.
+_plans: dict[int, dict[int, int]] = {}
+
+
+def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int, key: int = 0) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
     A single row (classic B = 1 decode) is left exactly as mlx-lm calls it.
     """
-    policy = active()
-    if rows == 1 or not policy.flatten or x.ndim < 2:
+    if rows == 1 or x.ndim < 2 or not active().flatten:
+        return call(x), rows
+    plan = _plans.get(key)
+    to = rows if plan is None else plan.get(rows, rows)
+    if to == 0:
         return call(x), rows
     flat = x.reshape(rows, x.shape[-1])
-    to = policy.padded_rows(rows)
     if to != rows:
         flat = mx.concatenate([flat, mx.zeros((to - rows, flat.shape[1]), dtype=flat.dtype)], axis=0)
     out = call(flat)
     if to != rows:
         out = out[:rows]
     return out.reshape(*x.shape[:-1], out.shape[-1]), to
+
+
+def _ms(f: Callable[[], mx.array], reps: int = 8) -> float:
+    for _ in range(2):
+        mx.eval(f())
+    mx.synchronize()
+    tic = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(f())
+    mx.synchronize()
+    return (time.perf_counter() - tic) / reps
+
+
+def _bound(f: Callable[..., mx.array], m: nn.Module, x: mx.array) -> Callable[[], mx.array]:
+    return lambda: f(m, x)
+
+
+def calibrate(model: nn.Module) -> dict[str, dict[int, int]]:
+    """Time every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows, each way
+    (as called, flattened, padded to 8 or 16 rows), and plan the cheapest; returns the plans by
+    shape. A no-op unless the active policy calibrates. Costs about a second on a GPU."""
+    n = active().calibrate_rows
+    if not n:
+        return {}
+    by_shape: dict[str, dict[int, int]] = {}
+    for _, m in model.named_modules():
+        if not isinstance(m, nn.Linear | nn.QuantizedLinear):
+            continue
+        original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
+        bits = getattr(m, "bits", None)
+        shape = f"{type(m).__name__}{tuple(m.weight.shape)}/{bits}"
+        if shape not in by_shape:
+            d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
+            dtype = m.scales.dtype if bits else m.weight.dtype
+            plan: dict[int, int] = {}
+            for rows in range(2, n + 1):
+                costs = {0: _ms(_bound(original, m, mx.zeros((rows, 1, d_in), dtype=dtype)))}
+                for to in sorted({rows, 8, 16}):
+                    if to >= rows:
+                        costs[to] = _ms(_bound(original, m, mx.zeros((to, d_in), dtype=dtype)))
+                plan[rows] = min(costs, key=lambda k: costs[k])
+            by_shape[shape] = plan
+        _plans[id(m)] = by_shape[shape]
+    return by_shape
 
 
 def attention_inputs(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

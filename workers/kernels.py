@@ -150,7 +150,7 @@ def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if current_level() is Level.WIDE:
             if extra or kwargs:  # MoE experts route their rows themselves
                 return _seam("projection", original(self, x, *extra, **kwargs), rows)
-            out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows)
+            out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
             return _seam("projection", out, kernel_rows)
         width = _widths.get(id(self), 1)
         if rows <= width:
