@@ -27,6 +27,7 @@ The projection and attention entry points of MLX and mlx-lm are patched once (``
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -136,10 +137,7 @@ def _rows_chunked(call: Callable[..., mx.array], width: int, x: mx.array, *extra
 
 
 def _rows(x: mx.array) -> int:
-    n = 1
-    for d in x.shape[:-1]:
-        n *= d
-    return n
+    return math.prod(x.shape[:-1])
 
 
 def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -148,8 +146,11 @@ def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def call(self: Any, x: mx.array, *extra: Any, **kwargs: Any) -> mx.array:
         rows = _rows(x)
         if current_level() is Level.WIDE:
-            if extra or kwargs:  # MoE experts route their rows themselves
-                return _seam("projection", original(self, x, *extra, **kwargs), rows)
+            # One row (classic B = 1 decode) or MoE experts (they route their rows themselves): as
+            # mlx-lm calls it, with as little Python as possible on the per-token path.
+            if rows == 1 or extra or kwargs:
+                out = original(self, x, *extra, **kwargs)
+                return out if divergence_seam is None else divergence_seam("projection", out, rows)
             out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
             return _seam("projection", out, kernel_rows)
         width = _widths.get(id(self), 1)
