@@ -11,7 +11,9 @@ class ClientError(Exception):
 
 
 class RequestError(ClientError):
-    """The daemon ended a request with an error. ``code`` is a stable ``ErrorCode`` value."""
+    """A call ended with an error. ``code`` is a stable ``ErrorCode`` value: one the daemon sent,
+    or one the client raises itself when it cannot carry the call (``unsafe_address``,
+    ``daemon_gone``, ``closed``)."""
 
     def __init__(
         self, code: str, message: str, request_id: str | None = None, retry_after_s: float | None = None
