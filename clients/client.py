@@ -38,6 +38,7 @@ from clients.protocol import (
     pack,
     simple_message,
     submit_message,
+    unbatch,
     unpack,
 )
 
@@ -237,12 +238,13 @@ class AsyncClient:
                 msg = unpack(frames[-1], max_bytes=1 << 30)
             except Exception:
                 continue  # nothing a well-behaved daemon sends; drop rather than die
-            route = self._routes.get(str(msg.get("id")))
-            if route is not None:
-                try:
-                    route.send_nowait(msg)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    self._routes.pop(str(msg.get("id")), None)
+            for one in unbatch(msg):
+                route = self._routes.get(str(one.get("id")))
+                if route is not None:
+                    try:
+                        route.send_nowait(one)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        self._routes.pop(str(one.get("id")), None)
 
     def _on_event(self, raw: list[bytes], replies: zmq.Socket[bytes]) -> None:
         from zmq.utils.monitor import parse_monitor_message

@@ -39,6 +39,8 @@ class MsgType(StrEnum):
     TOKEN = "token"
     END = "end"
     ERROR = "error"
+    #: Several daemon -> client events for one connection, in order (one step's tokens for its requests).
+    BATCH = "batch"
 
 
 class FinishReason(StrEnum):
@@ -423,3 +425,16 @@ def empty_usage(prompt_tokens: int = 0) -> dict[str, int]:
 
 def empty_timings() -> dict[str, float | None]:
     return {"queue_s": None, "ttft_s": None, "decode_s": None, "total_s": None}
+
+
+def batch_message(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One frame for several events to one connection: a step's events cost one send, not one each."""
+    return {"v": PROTOCOL_VERSION, "type": MsgType.BATCH.value, "events": events}
+
+
+def unbatch(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events a daemon message carries, in order (a ``batch`` holds several, any other one)."""
+    if msg.get("type") != MsgType.BATCH.value:
+        return [msg]
+    events = msg.get("events")
+    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []

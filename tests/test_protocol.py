@@ -193,3 +193,15 @@ def test_decoder_survives_arbitrary_bytes(frame: bytes) -> None:
 @given(msgpack_values | near_valid)
 def test_decoder_survives_arbitrary_msgpack(value: Any) -> None:
     _decode(msgpack.packb(value, use_bin_type=True))
+
+
+def test_a_batch_carries_events_in_order_and_anything_else_is_one_event() -> None:
+    from clients.protocol import FinishReason, batch_message, end_message, pack, token_message, unbatch
+
+    first = token_message("a", [1], "x", None)
+    second = end_message("a", FinishReason.LENGTH, {"prompt_tokens": 1, "completion_tokens": 1}, {}, None)
+    msg = unpack(pack(batch_message([first, second])))
+    assert unbatch(msg) == [first, second]
+    assert unbatch(first) == [first]
+    assert unbatch({"type": "batch", "events": "nope"}) == []
+    assert unbatch({"type": "batch", "events": [1, first]}) == [first]
