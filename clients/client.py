@@ -452,6 +452,7 @@ class AsyncClient:
             stop_token_ids=list(stop_token_ids or []),
             logprobs=logprobs,
             priority=priority,
+            batch=True,  # ``_reader`` unbatches
         )
         recv = self._open_route(req.id)
         ended = False

@@ -165,6 +165,10 @@ class Submit:
     logprobs: bool = False
     #: Order among the same tenant's waiting requests (higher first), capped by the tenant's ceiling.
     priority: int = 0
+    #: The sender reads ``batch`` messages: from then on the daemon may carry several events for
+    #: this connection in one frame (one per engine step). Clients that never say so get one event
+    #: per frame, as protocol 1 always did.
+    batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,7 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         stop_token_ids=stop_token_ids,
         logprobs=bool(_get(msg, "logprobs", bool, rid, False)),
         priority=priority,
+        batch=bool(_get(msg, "batch", bool, rid, False)),
     )
 
 
@@ -373,6 +378,8 @@ def submit_message(req: Submit) -> dict[str, Any]:
         msg["logprobs"] = True
     if req.priority:
         msg["priority"] = req.priority
+    if req.batch:
+        msg["batch"] = True
     return msg
 
 

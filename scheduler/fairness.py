@@ -88,6 +88,19 @@ class FairQueue(Generic[T]):
         self._refill(s, tenant, now)
         return s.active < tenant.max_concurrent and (s.bucket is None or s.bucket > 0)
 
+    def next_refill(self, tenants: dict[str, Tenant], now: float) -> float | None:
+        """Seconds until a waiting tenant that only its token bucket holds back may start again
+        (``None`` when no such tenant waits): a refill is an event nothing else announces."""
+        waits: list[float] = []
+        for name, s in self.state.items():
+            tenant = tenants.get(name)
+            if not s.queue or tenant is None or tenant.token_rate <= 0 or s.active >= tenant.max_concurrent:
+                continue
+            self._refill(s, tenant, now)
+            if s.bucket is not None and s.bucket <= 0:
+                waits.append(-s.bucket / tenant.token_rate)
+        return min(waits) if waits else None
+
     def pop(
         self, tenants: dict[str, Tenant], now: float, fits: Callable[[T], bool] | None = None
     ) -> tuple[str, T] | None:

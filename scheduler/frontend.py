@@ -5,16 +5,28 @@ engine thread, and turns the engine's events into wire messages (detokenized tex
 usage, timings). It never waits on the engine: commands go into the engine's inbox, events come
 back through ``loop.call_soon_threadsafe``.
 
+Every connection is tracked by its routing id and the file descriptor its messages arrive on
+(``ZMQ_SRCFD``); a socket monitor reports disconnects by descriptor, so a connection's requests end
+the moment it is gone and a later connection that reuses its routing id finds nothing to read or
+cancel. A connection that does not read fast enough gets back-pressure, not a cut: its ZeroMQ queue
+is bounded (``max_unsent_per_client``), what does not fit waits in an outbox, in order, and its
+sequences are paused in the engine until the outbox drains.
+
 ZeroMQ's asyncio integration needs anyio's asyncio backend; the daemon always runs on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
+import os
 import signal
+import socket
+import stat
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -25,7 +37,9 @@ import anyio
 import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream
+from zmq.utils.monitor import parse_monitor_message
 
+from clients.address import ipc_path, unsafe_reason
 from clients.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -37,6 +51,7 @@ from clients.protocol import (
     ProtocolError,
     Stats,
     Submit,
+    batch_message,
     empty_timings,
     empty_usage,
     end_message,
@@ -60,6 +75,21 @@ log = logging.getLogger("mlx_batchd")
 #: Frames up to this multiple of the limit are read and refused with an error; larger ones
 #: are cut off by ZeroMQ itself (ZMQ_MAXMSGSIZE), which drops that client's connection.
 HARD_FRAME_FACTOR = 4
+#: ZMTP heartbeats: a PING every 2 s, and a peer from which nothing at all arrived for 6 s is
+#: dropped. Any traffic resets that timeout (libzmq), so a client sending its own heartbeats is never
+#: silent, however far behind it reads.
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+#: How often disconnects are looked for while nothing is sent or received, and how often a full
+#: outbox is retried.
+CONNECTION_POLL_S = 0.1
+#: How often the daemon looks for a tenant that only its token bucket holds back, and the slack
+#: added to a refill's due time (a bucket must be above zero, not at it, to start a request).
+REFILL_POLL_S = 0.05
+REFILL_SLACK_S = 0.001
+OUTBOX_RETRY_S = 0.005
+#: How long an existing socket file may take to accept a connection before it counts as dead.
+LIVE_SOCKET_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,7 +98,14 @@ class FrontEndSettings:
     limits: Limits = field(default_factory=Limits)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout: float = 0.0
-    send_hwm: int = 100_000
+    #: Messages one connection may have in ZeroMQ's queue (its SNDHWM). When that is full the daemon
+    #: pauses the connection's sequences and keeps what they had produced in an outbox until it drains;
+    #: with that many messages waiting in the outbox, the connection's new messages (except cancels)
+    #: go unanswered. docs/reliability.md gives the whole bound.
+    max_unsent_per_client: int = 1000
+    #: Seconds between two pin-tax measurements asked for with ``stats.measure_tax``; one asked for
+    #: sooner gets the last figure.
+    tax_min_interval_s: float = 30.0
     handle_signals: bool = True
     #: Sequences handed to the engine at once (its batch size); the rest wait in the fair queue.
     capacity: int = 32
@@ -89,6 +126,11 @@ class ConfigError(Exception):
     """A daemon configuration that must not start (with what to change)."""
 
 
+class BindError(ConfigError):
+    """An address the daemon cannot take (in use, in a folder others control, unparsable). Raised
+    before the engine starts, so nothing is left running; the command line exits 1 for it."""
+
+
 @dataclass
 class _Tracked:
     """One request the daemon owes a terminal event to."""
@@ -101,6 +143,10 @@ class _Tracked:
     req: Submit
     job: Job | None = None
     last_token_at: float | None = None
+    #: Its connection is gone: nothing more is sent for it (a new connection may reuse the id).
+    detached: bool = False
+    #: Its end is on its way (the engine was told to end it): no more tokens are sent.
+    muted: bool = False
 
     @property
     def key(self) -> tuple[str, bytes, str]:
@@ -139,29 +185,64 @@ class FrontEnd:
         self._closing = False
         self._exit_code = 0
         self._tokenize_limiter = anyio.CapacityLimiter(1)
-        self._counts = {"received": 0, "refused": 0, "completed": 0}
+        self._counts = {"received": 0, "refused": 0, "completed": 0, "clients_dropped": 0, "messages_dropped": 0}
         self._outcomes: dict[str, dict[str, int]] = {}
         #: The latest ``stats()``, replaced (never mutated) by the loop; metrics scrapes read it.
         self.published: dict[str, Any] = {}
         self._started = time.monotonic()
+        #: The descriptor each client's connection was last seen on, and back: a disconnect names the
+        #: descriptor only. A client that is not here has no live connection as far as we know.
+        self._fd_of: dict[bytes, int] = {}
+        self._client_on: dict[int, bytes] = {}
+        #: Messages that did not fit a client's ZeroMQ queue, oldest first; their clients are paused.
+        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._paused: set[bytes] = set()
+        #: Connections that said they read ``batch`` messages (``Submit.batch``).
+        self._batching: set[bytes] = set()
+        #: While one step's engine events are handled: what each batching connection is owed, in
+        #: order, sent as one frame when the step is done (``_dispatch``).
+        self._step_out: dict[bytes, list[dict[str, Any]]] | None = None
+        self._tax_asked_at: float | None = None
+        #: The ipc socket file this daemon bound, so exit removes only that file: device, inode and
+        #: change time (an inode number alone is reused as soon as a file is deleted).
+        self._bound_socket: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
-        """Serve until a signal or ``stop()``; return the process exit code."""
+        """Serve until a signal or ``stop()``; return the process exit code.
+
+        Everything that can refuse the configuration (the tenants file, keys, the socket address, the
+        metrics address) is checked before the engine thread starts, so a refusal is one exception
+        and never an engine thread left running."""
         ctx = zmq.asyncio.Context()
         self._sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes * HARD_FRAME_FACTOR)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, self.settings.send_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.settings.max_unsent_per_client)
         sock.setsockopt(zmq.LINGER, 2000)
-        # ZMTP heartbeats: a peer that vanished without closing (a dead host, a cut cable) is
-        # dropped after 6 s, and its requests are then cancelled like any disconnected client's.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-        self._table = self._load_table()
-        auth = self._secure(ctx, sock)
-        self._bind(sock)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._monitor = self._open_monitor(ctx, sock)
+        auth = metrics_server = None
+        try:
+            self._table = self._load_table()
+            auth = self._secure(ctx, sock)
+            self._bind(sock)
+            metrics_server = self._serve_metrics()
+            return await self._serve()
+        finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            if auth is not None:
+                auth.stop()
+            sock.disable_monitor()
+            self._monitor.close(linger=0)
+            sock.close(linger=2000)
+            ctx.term()
+            self._unlink_ipc()
+
+    async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
         # Engine events reach the loop through a stream read by a task: anyio's task APIs (which
         # ``_dispatch`` uses) need a task's context, never a bare ``call_soon_threadsafe`` callback.
@@ -173,33 +254,34 @@ class FrontEnd:
         self._engine_done = anyio.Event()
         self._stop_requested = anyio.Event()
         self._engine = self._make_engine(emit)
-        metrics_server = None
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._consume_engine_events, events_out)
-                self._engine.start()
-                if self.settings.handle_signals:
-                    tg.start_soon(self._watch_signals)
-                if self.settings.metrics is not None:
-                    from scheduler.metrics import serve_metrics
-
-                    metrics_server = serve_metrics(self.settings.metrics, lambda: self.published, self._obs.registry)
-                    tg.start_soon(self._publish_stats)
-                tg.start_soon(self._shutdown_when_asked)
-                await self._engine_done.wait()  # set once the engine stopped or died
-                tg.cancel_scope.cancel()
-            # It has released its MLX state by now; let it finish before the interpreter may exit.
-            await anyio.to_thread.run_sync(self._engine.join, 10.0)
-        finally:
-            if metrics_server is not None:
-                metrics_server.shutdown()
-            if auth is not None:
-                auth.stop()
-            sock.close(linger=2000)
-            ctx.term()
-            self._unlink_ipc()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._consume_engine_events, events_out)
+            tg.start_soon(self._tend_connections)
+            tg.start_soon(self._pump_on_refill)
+            self._engine.start()
+            if self.settings.handle_signals:
+                tg.start_soon(self._watch_signals)
+            if self.settings.metrics is not None:
+                tg.start_soon(self._publish_stats)
+            tg.start_soon(self._shutdown_when_asked)
+            await self._engine_done.wait()  # set once the engine stopped or died
+            tg.cancel_scope.cancel()
+        # It has released its MLX state by now; let it finish before the interpreter may exit.
+        await anyio.to_thread.run_sync(self._engine.join, 10.0)
+        await self._flush_before_exit()
         return self._exit_code
+
+    def _serve_metrics(self) -> Any:
+        """Bind the Prometheus endpoint (before the engine starts: a bad address is a ``BindError``)."""
+        if self.settings.metrics is None:
+            return None
+        from scheduler.metrics import serve_metrics
+
+        try:
+            return serve_metrics(self.settings.metrics, lambda: self.published, self._obs.registry)
+        except (ValueError, OSError) as exc:
+            raise BindError(f"--metrics {self.settings.metrics}: {exc}") from None
 
     def _load_table(self) -> TenantTable:
         s = self.settings
@@ -245,21 +327,84 @@ class FrontEnd:
         return auth
 
     def _bind(self, sock: zmq.asyncio.Socket) -> None:
+        """Take the address, or raise ``BindError``. For ``ipc://`` the socket's folder must be ours
+        and closed to others (created 0700 if missing; an existing folder's mode is never changed),
+        and an existing socket file is removed only if nothing answers on it."""
         addr = self.settings.listen
-        if addr.startswith("ipc://"):
-            path = Path(addr[len("ipc://") :])
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path.parent.chmod(0o700)
-            if path.exists():
-                path.unlink()  # a stale socket from a daemon that did not exit cleanly
+        path = ipc_path(addr)
+        if path is None or str(path).startswith("@"):  # tcp, or a Linux abstract socket (no file)
+            self._bind_or_refuse(sock, addr)
+            return
+        self._own_folder(path.parent, addr)
+        self._clear_dead_socket(path, addr)
+        self._bind_or_refuse(sock, addr)
+        path.chmod(0o600)
+        st = os.stat(path)
+        self._bound_socket = (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    @staticmethod
+    def _own_folder(folder: Path, addr: str) -> None:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700)
+            folder.chmod(0o700)  # ours, just made: the mode must not depend on the umask
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise BindError(f"cannot listen on {addr}: cannot create {folder}: {exc.strerror}") from None
+        reason = unsafe_reason(folder)
+        if reason is not None:
+            raise BindError(
+                f"refusing to listen on {addr}: {reason}; use a folder only you can write "
+                "(leave --listen out for the private default)"
+            )
+
+    @staticmethod
+    def _clear_dead_socket(path: Path, addr: str) -> None:
+        """Remove a socket file left by a daemon that did not exit cleanly; refuse a live one."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise BindError(
+                f"cannot listen on {addr}: {path} exists and is not a socket; remove it or pick another path"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(LIVE_SOCKET_TIMEOUT_S)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # nobody listens: a stale file
+            return
+        except TimeoutError:
+            pass  # a listener too busy to accept is still a listener
+        except OSError as exc:
+            raise BindError(f"cannot listen on {addr}: cannot check the existing {path}: {exc.strerror}") from None
+        finally:
+            probe.close()
+        raise BindError(f"address in use: a daemon is already listening on {addr}; stop it or pick another --listen")
+
+    @staticmethod
+    def _bind_or_refuse(sock: zmq.asyncio.Socket, addr: str) -> None:
+        try:
             sock.bind(addr)
-            path.chmod(0o600)
-        else:
-            sock.bind(addr)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise BindError(f"address in use: {addr}; stop what listens there or pick another --listen") from None
+            raise BindError(f"cannot listen on {addr}: {exc}") from None
 
     def _unlink_ipc(self) -> None:
-        if self.settings.listen.startswith("ipc://"):
-            Path(self.settings.listen[len("ipc://") :]).unlink(missing_ok=True)
+        """Remove the socket file this daemon bound, and only if it is still that file."""
+        path = ipc_path(self.settings.listen)
+        if path is None or self._bound_socket is None:
+            return
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._bound_socket:
+            path.unlink(missing_ok=True)
 
     def stop(self) -> None:
         """Begin a clean shutdown (what SIGINT and SIGTERM do)."""
@@ -281,8 +426,9 @@ class FrontEnd:
             await anyio.sleep(period)
 
     def reload_tenants(self) -> None:
-        """SIGHUP: re-read the tenants file. New keys and limits apply to new requests; requests of
-        tenants that are gone are refused from now on (their queued ones end ``unauthorized``)."""
+        """SIGHUP: re-read the tenants file. New keys and limits apply to new requests; a tenant that
+        is gone loses its requests at once (waiting and running ones end ``unauthorized``, one end
+        each) and its key is refused from now on. A file that does not load leaves the old table."""
         if self.settings.tenants is None:
             return
         try:
@@ -292,10 +438,15 @@ class FrontEnd:
             return
         self._table = table
         log.info("tenants reloaded: %s", ", ".join(sorted(table.tenants)))
+        removed = (ErrorCode.UNAUTHORIZED, "the tenant was removed")
         for name in list(self._fair.state):
             if name not in table.tenants:
                 for t in self._fair.drop_tenant_queue(name):
-                    self._finish_here(t, FinishReason.ERROR, (ErrorCode.UNAUTHORIZED, "the tenant was removed"))
+                    self._finish_here(t, FinishReason.ERROR, removed)
+        for t in list(self._by_key.values()):
+            if t.tenant not in table.tenants and t.in_engine and not t.muted:
+                t.muted = True
+                self._engine.cancel(t.seq, FinishReason.ERROR.value, removed[0].value, removed[1])
         self._pump()
 
     async def _shutdown_when_asked(self) -> None:
@@ -308,17 +459,206 @@ class FrontEnd:
                     await anyio.sleep(0.05)
         self._engine.shutdown()
 
+    # ------------------------------------------------------------------ connections
+
+    def _open_monitor(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+        """A plain (never awaited) PAIR that receives the ROUTER's disconnect events.
+
+        It is read without waiting, before every send and every message handled, so a disconnect
+        that happened before a send is always seen before it."""
+        endpoint = f"inproc://mlx-batchd-connections-{id(self)}"
+        sock.monitor(endpoint, zmq.EVENT_DISCONNECTED)
+        monitor: zmq.Socket[bytes] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        monitor.connect(endpoint)
+        return monitor
+
+    def _poll_connections(self) -> None:
+        """Apply the disconnects reported so far."""
+        while cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                client = self._client_on.get(int(event["value"]))
+                if client is not None:
+                    self._drop_client(client, "its connection closed")
+
+    def _note_connection(self, client: bytes, frame: zmq.Frame) -> None:
+        """Record which connection (descriptor) a client id speaks on. An id seen on a new
+        descriptor, or a descriptor now used by another id, means the old connection is gone (a
+        disconnect we have not been told of): what it left is ended before anything else."""
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            fd = -1  # inproc: no descriptor; such a peer is only ever seen gone by a failed send
+        if self._fd_of.get(client, fd) != fd:
+            self._drop_client(client, "it reconnected")
+        self._fd_of[client] = fd
+        if fd < 0:
+            return
+        previous = self._client_on.get(fd)
+        if previous is not None and previous != client:
+            self._drop_client(previous, "its connection closed")
+        self._client_on[fd] = client
+
+    def _drop_client(self, client: bytes, why: str) -> None:
+        """A connection that is gone: its requests end ``disconnected`` (nobody is left to tell, so
+        nothing is sent for them), and nothing at all is sent to its id until a new connection
+        with that id sends something itself."""
+        fd = self._fd_of.pop(client, None)
+        if fd is not None and self._client_on.get(fd) == client:
+            del self._client_on[fd]
+        self._outbox.pop(client, None)
+        self._paused.discard(client)
+        self._batching.discard(client)
+        mine = [t for t in self._by_key.values() if t.client == client]
+        if not mine:
+            return
+        self._counts["clients_dropped"] += 1
+        log.warning("client %s is gone (%s): ending its %d requests", client.hex(), why, len(mine))
+        lost = (ErrorCode.DISCONNECTED, f"the client's connection was lost ({why})")
+        for t in mine:
+            t.detached = True
+            if t.in_engine:
+                del self._by_key[t.key]
+                self._engine.cancel(t.seq, FinishReason.ERROR.value, lost[0].value, lost[1])
+            else:
+                self._finish_here(t, FinishReason.ERROR, lost)
+
+    async def _pump_on_refill(self) -> None:
+        """Start waiting requests when a token bucket refills. Submits and finishes pump too, but a
+        rate-limited tenant with nothing running has neither: without this it would wait forever."""
+        while True:
+            delay = self._fair.next_refill(self._table.tenants, time.monotonic())
+            if delay is None:
+                await anyio.sleep(REFILL_POLL_S)
+                continue
+            await anyio.sleep(delay + REFILL_SLACK_S)
+            self._pump()
+
+    async def _tend_connections(self) -> None:
+        """Notice disconnects while nothing is sent or received, and drain outboxes."""
+        while True:
+            self._poll_connections()
+            self._flush_outboxes()
+            await anyio.sleep(OUTBOX_RETRY_S if self._outbox else CONNECTION_POLL_S)
+
+    def _send(self, client: bytes, msg: dict[str, Any]) -> None:
+        """Send ``msg`` now, or, while a step's events are handled and ``client`` reads batches,
+        add it to what that connection gets in one frame at the end of the step."""
+        if self._step_out is not None and client in self._batching:
+            self._step_out.setdefault(client, []).append(msg)
+        else:
+            self._send_frame(client, msg)
+
+    def _send_step(self, out: dict[bytes, list[dict[str, Any]]]) -> None:
+        """One frame per connection for a step's events (a lone event goes as itself)."""
+        for client, events in out.items():
+            self._send_frame(client, events[0] if len(events) == 1 else batch_message(events))
+
+    def _send_frame(self, client: bytes, msg: dict[str, Any]) -> None:
+        """Send one message without ever waiting, in order, never dropping it while its client lives.
+
+        A client that is gone is dropped (``_drop_client``). When the client's ZeroMQ queue is full
+        (it reads slower than its requests generate), the message goes to the client's outbox,
+        later messages queue behind it, and the client's sequences are paused until the outbox
+        drains (``_flush``).
+
+        The send goes through the asyncio socket (NOBLOCK, so its future is already resolved):
+        ZeroMQ's notification fd is edge-triggered, and pyzmq re-arms the pending receive after
+        its own sends; a send through a second (shadow) socket object would swallow that edge and
+        leave new requests unread while the daemon streams tokens.
+        """
+        self._poll_connections()
+        if client not in self._fd_of:
+            return  # gone: its requests were ended when that was noticed
+        frame = pack(msg)
+        box = self._outbox.get(client)
+        if box is not None:
+            box.append(frame)
+            return
+        result = self._try_send(client, frame)
+        if result == "full":
+            self._outbox[client] = deque([frame])
+            self._set_paused(client, True)
+        elif result == "gone":
+            self._drop_client(client, "a send found no connection")
+
+    def _try_send(self, client: bytes, frame: bytes) -> str:
+        """``sent``, ``full`` (its ZeroMQ queue is at the high-water mark) or ``gone``."""
+        sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, frame], flags=zmq.NOBLOCK))
+        exc = sent.exception() if sent.done() else None
+        if exc is None:
+            return "sent"
+        if isinstance(exc, zmq.Again):
+            return "full"
+        if not isinstance(exc, zmq.ZMQError):
+            raise exc
+        return "gone"  # EHOSTUNREACH: ROUTER_MANDATORY's word for a peer it does not have
+
+    def _flush_outboxes(self) -> None:
+        for client in list(self._outbox):
+            self._flush(client)
+
+    def _flush(self, client: bytes) -> None:
+        """Send what waits for ``client`` while its queue takes it; resume its sequences when done."""
+        box = self._outbox.get(client)
+        while box:
+            result = self._try_send(client, box[0])
+            if result == "full":
+                return
+            if result == "gone":
+                self._drop_client(client, "a send found no connection")
+                return
+            box.popleft()
+        self._outbox.pop(client, None)
+        self._set_paused(client, False)
+
+    def _set_paused(self, client: bytes, paused: bool) -> None:
+        """Pause or resume every sequence of ``client`` in the engine (its queued requests are
+        paused as they enter the engine, in ``_pump``)."""
+        if paused == (client in self._paused):
+            return
+        (self._paused.add if paused else self._paused.discard)(client)
+        for t in self._by_seq.values():
+            if t.client == client and not t.detached:
+                (self._engine.pause if paused else self._engine.resume)(t.seq)
+
+    def _outbox_full(self, client: bytes) -> bool:
+        return len(self._outbox.get(client, ())) >= self.settings.max_unsent_per_client
+
+    async def _flush_before_exit(self, within: float = 2.0) -> None:
+        """The last events (``shutdown`` ends) of clients that were behind get a bounded chance."""
+        with anyio.move_on_after(within):
+            while self._outbox:
+                self._poll_connections()
+                self._flush_outboxes()
+                await anyio.sleep(OUTBOX_RETRY_S)
+
     # ------------------------------------------------------------------ engine -> clients
 
     async def _consume_engine_events(self, stream: MemoryObjectReceiveStream[list[Signal]]) -> None:
         async with stream:
             async for signals in stream:
+                # Steps that arrived while the loop was busy are handled as one: their events
+                # for a connection then cost one frame, not one per step.
+                while True:
+                    try:
+                        signals = signals + stream.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
                 self._dispatch(signals)
 
     def _dispatch(self, signals: list[Signal]) -> None:
         """Engine events, on the event loop. After ``Stopped`` or ``Dead`` nothing more comes."""
         if self._engine_done.is_set():
             return
+        self._step_out = {}
+        try:
+            self._handle_signals(signals)
+        finally:
+            out, self._step_out = self._step_out, None
+            self._send_step(out)
+
+    def _handle_signals(self, signals: list[Signal]) -> None:
         for sig in signals:
             if isinstance(sig, Tokens):
                 self._on_tokens(sig)
@@ -345,7 +685,7 @@ class FrontEnd:
 
     def _on_tokens(self, ev: Tokens) -> None:
         t = self._by_seq.get(ev.seq)
-        if t is None or t.stopped:
+        if t is None or t.stopped or t.muted or t.detached:
             return
         out_tokens: list[int] = []
         out_lps: list[float] | None = [] if ev.logprobs is not None else None
@@ -389,7 +729,7 @@ class FrontEnd:
         if self._by_key.get(t.key) is t:
             del self._by_key[t.key]
         reason = FinishReason.STOP if t.stopped else FinishReason(ev.reason)
-        if not t.stopped:
+        if not (t.stopped or t.muted or t.detached):
             t.detok.finalize()
             tail = t.detok.last_segment
             if t.stops is not None:
@@ -411,7 +751,8 @@ class FrontEnd:
         ):
             if value is not None:
                 hist.observe(value)
-        self._send(t.client, end_message(t.rid, reason, usage, ev.timings.as_dict(), error))
+        if not t.detached:
+            self._send(t.client, end_message(t.rid, reason, usage, ev.timings.as_dict(), error))
 
     def _end_all_pending(self, code: ErrorCode, message: str) -> None:
         """Requests the engine never answered for (still tokenizing, or the engine is gone)."""
@@ -435,7 +776,8 @@ class FrontEnd:
         usage = empty_usage(t.prompt_tokens)
         usage["completion_tokens"] = t.completion_tokens
         self._count_outcome(t, reason, error)
-        self._send(t.client, end_message(t.rid, reason, usage, timings, error, retry_after_s))
+        if not t.detached:
+            self._send(t.client, end_message(t.rid, reason, usage, timings, error, retry_after_s))
 
     def _count_outcome(self, t: _Tracked, reason: FinishReason, error: tuple[ErrorCode, str] | None) -> None:
         """Per tenant: stop / length / cancelled, or the error code (a bounded set)."""
@@ -457,6 +799,8 @@ class FrontEnd:
             frames = await self._sock.recv_multipart(copy=False)
             self._counts["received"] += 1
             client = frames[0].bytes
+            self._poll_connections()
+            self._note_connection(client, frames[-1])
             if len(frames) != 2:
                 self._refuse(
                     client, ProtocolError(ErrorCode.BAD_FRAMES, f"send one frame per message, got {len(frames) - 1}")
@@ -467,7 +811,11 @@ class FrontEnd:
                 msg = unpack(frames[1].bytes, self.settings.max_frame_bytes)
                 req = parse_request(msg)
             except ProtocolError as exc:
-                self._refuse_message(client, exc, msg)
+                if not self._outbox_full(client):
+                    self._refuse_message(client, exc, msg)
+                continue
+            if self._outbox_full(client) and not isinstance(req, Cancel):
+                self._counts["messages_dropped"] += 1  # it is not reading: answers would only pile up
                 continue
             tenant = self._tenant_of(frames[1])
             if tenant is None:
@@ -476,17 +824,46 @@ class FrontEnd:
                 )
                 continue
             if isinstance(req, Submit):
+                if req.batch:
+                    self._batching.add(client)
                 self._on_submit(client, tenant, req)
             elif isinstance(req, Cancel):
                 self._on_cancel(tenant, client, req)
             elif isinstance(req, Health):
                 self._send(client, self._health(req.id))
             elif isinstance(req, Stats):
-                if req.measure_tax:
-                    self._engine.measure_tax()
-                self._send(
-                    client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": self.stats()}
-                )
+                self._on_stats(client, tenant, req)
+
+    def _on_stats(self, client: bytes, tenant: Tenant, req: Stats) -> None:
+        """The operator (or an admin tenant) sees every tenant and may ask for a pin-tax measurement;
+        any other tenant sees its own usage and the global aggregates, and ``measure_tax`` is
+        ``forbidden`` to it."""
+        operator = self._table.is_operator(tenant)
+        if req.measure_tax and not operator:
+            self._refuse(
+                client,
+                ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    "measure_tax is for the operator: the local user without a tenants file, or a tenant "
+                    "with admin = true",
+                    req.id,
+                ),
+            )
+            return
+        stats = self.stats(None if operator else tenant.name)
+        if req.measure_tax:
+            stats["measure_tax"] = self._ask_for_tax()
+        self._send(client, {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": req.id, "stats": stats})
+
+    def _ask_for_tax(self) -> str:
+        """``queued``, or ``skipped`` within ``tax_min_interval_s`` of the last one queued: each
+        measurement stalls decoding for a few forwards, so asking cannot queue more than one."""
+        now = time.monotonic()
+        if self._tax_asked_at is not None and now - self._tax_asked_at < self.settings.tax_min_interval_s:
+            return "skipped"
+        self._tax_asked_at = now
+        self._engine.measure_tax()
+        return "queued"
 
     def _refuse_message(self, client: bytes, exc: ProtocolError, msg: dict[str, Any] | None) -> None:
         """A submit with a readable, unused id ends as a request (one ``end`` with the error), so
@@ -651,9 +1028,14 @@ class FrontEnd:
             t.in_engine = True
             self._by_seq[t.seq] = t
             self._engine.submit(t.job)
+            if t.client in self._paused:
+                self._engine.pause(t.seq)
 
     def _on_cancel(self, tenant: Tenant, client: bytes, req: Cancel) -> None:
         t = self._by_key.get((tenant.name, client, req.id))
+        if t is None and self._outbox_full(client):
+            self._counts["messages_dropped"] += 1  # not reading: an answer would only grow its outbox
+            return
         if t is None:
             self._refuse(
                 client,
@@ -696,56 +1078,35 @@ class FrontEnd:
             },
         }
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, only: str | None = None) -> dict[str, Any]:
+        """Counters for the ``stats`` reply and the metrics. ``only`` limits the per-tenant tables
+        (``tenants``, ``outcomes``) to that tenant: what a tenant that is not an admin may see."""
+        tenants = {n: t for n, t in self._table.tenants.items() if only is None or n == only}
         return {
             "uptime_s": time.monotonic() - self._started,
             "requests_in_flight": len(self._by_key),
             "messages_received": self._counts["received"],
             "messages_refused": self._counts["refused"],
+            "messages_dropped": self._counts["messages_dropped"],
             "requests_completed": self._counts["completed"],
             "requests_waiting": len(self._fair),
             "kv_reserved_bytes": self._kv_reserved,
             "kv_budget_bytes": self.settings.kv_budget_bytes,
-            "outcomes": {tenant: dict(per) for tenant, per in self._outcomes.items()},
-            "tenants": {
-                name: {
-                    "weight": tenant.weight,
-                    "active": self._fair.state[name].active if name in self._fair.state else 0,
-                    "waiting": self._fair.queued(name),
-                    "virtual_counter": self._fair.state[name].counter if name in self._fair.state else 0.0,
-                    "served_prompt_tokens": self._fair.state[name].served_prompt_tokens
-                    if name in self._fair.state
-                    else 0,
-                    "served_generated_tokens": self._fair.state[name].served_generated_tokens
-                    if name in self._fair.state
-                    else 0,
-                }
-                for name, tenant in self._table.tenants.items()
-            },
+            "clients_paused": len(self._paused),
+            "unsent_messages": sum(len(box) for box in self._outbox.values()),
+            "clients_dropped": self._counts["clients_dropped"],
+            "outcomes": {t: dict(per) for t, per in self._outcomes.items() if only is None or t == only},
+            "tenants": {name: self._tenant_stats(name, tenant) for name, tenant in tenants.items()},
             "engine": self._engine.snapshot(),
         }
 
-    def _send(self, client: bytes, msg: dict[str, Any]) -> None:
-        """Send without ever waiting. A client that is gone or not reading loses its requests,
-        which are cancelled so their slots are freed for everyone else.
-
-        The send goes through the asyncio socket (NOBLOCK, so its future is already resolved):
-        ZeroMQ's notification fd is edge-triggered, and pyzmq re-arms the pending receive after
-        its own sends; a send through a second (shadow) socket object would swallow that edge and
-        leave new requests unread while the daemon streams tokens.
-        """
-        sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, pack(msg)], flags=zmq.NOBLOCK))
-        exc = sent.exception() if sent.done() else None
-        if exc is not None:
-            if not isinstance(exc, zmq.ZMQError):
-                raise exc
-            gone = [t for t in self._by_key.values() if t.client == client]
-            # Once per client: later sends to it (events already in flight) find nothing left to drop.
-            (log.warning if gone else log.debug)("dropping client %s: %s", client.hex(), exc)
-            for t in gone:
-                del self._by_key[t.key]
-                if t.in_engine:
-                    self._engine.cancel(t.seq, "cancelled")
-                else:
-                    self._fair.remove(t.tenant, t)
-                    t.cancel_requested = True
+    def _tenant_stats(self, name: str, tenant: Tenant) -> dict[str, Any]:
+        state = self._fair.state.get(name)
+        return {
+            "weight": tenant.weight,
+            "active": state.active if state else 0,
+            "waiting": self._fair.queued(name),
+            "virtual_counter": state.counter if state else 0.0,
+            "served_prompt_tokens": state.served_prompt_tokens if state else 0,
+            "served_generated_tokens": state.served_generated_tokens if state else 0,
+        }

@@ -57,6 +57,29 @@ class StatsCollector(Collector):
         yield from (tokens, waiting, active)
 
         yield GaugeMetricFamily(
+            f"{PREFIX}_clients_paused",
+            "Connections whose sequences are paused because their unsent messages reached the bound",
+            value=s.get("clients_paused", 0),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_unsent_messages",
+            "Messages waiting in the daemon's per-connection outboxes (beyond ZeroMQ's queue)",
+            value=s.get("unsent_messages", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_clients_dropped",
+            "Connections that went away (or fell silent past the heartbeat timeout) with requests in flight",
+            value=s.get("clients_dropped", 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_messages_dropped",
+            "Messages not answered because their connection's outbox was full (it was not reading)",
+            value=s.get("messages_dropped", 0),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_paused_sequences", "Sequences paused for a slow reader", value=engine.get("paused", 0)
+        )
+        yield GaugeMetricFamily(
             f"{PREFIX}_active_sequences", "Sequences in the engine", value=engine.get("active_sequences", 0)
         )
         yield GaugeMetricFamily(
@@ -131,11 +154,27 @@ class StatsCollector(Collector):
         yield probe_s
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too; an empty host is loopback), or ``ValueError`` saying why."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("expected HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:9464")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port)
+
+
 def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> Any:
-    """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server."""
-    host, _, port = address.rpartition(":")
+    """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server.
+
+    Raises ``ValueError`` for an address that does not parse and ``OSError`` for one that cannot be
+    bound (in use, not local), each with a message for a person; nothing is left running then."""
+    host, port = parse_address(address)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     registry.register(StatsCollector(snapshot))
-    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     return server
 
 

@@ -12,13 +12,17 @@ A tenants file is TOML, one table per tenant::
     max_new_tokens = 1024         # per request
     token_rate = 0.0              # prompt + generated tokens per second, 0 = unlimited
     token_burst = 0               # bucket size; 0 = 10 seconds' worth
+    admin = false                 # may see every tenant's usage and ask for operator-only work
 
-Without a file every request belongs to the single tenant ``local``. The file is re-read on SIGHUP:
-new keys and limits apply to new requests, and revoked keys are refused from then on.
+Without a file every request belongs to the single tenant ``local``, the local operator. The file
+is re-read on SIGHUP: new keys and limits apply to new requests, and revoked keys are refused from
+then on. Every number is range-checked (NaN and infinities included), so a typo cannot make every
+fair-share comparison false or a limit unbounded.
 """
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +41,19 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_new_tokens": int,
     "token_rate": (int, float),
     "token_burst": (int, float),
+    "admin": bool,
+}
+
+#: Inclusive bounds of each number, and whether its lower bound is excluded (weight must be > 0).
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "weight": (0.0, 1e6, True),
+    "priority_ceiling": (-1000, 1000, False),
+    "max_concurrent": (1, _UNLIMITED, False),
+    "max_queued": (1, _UNLIMITED, False),
+    "max_prompt_tokens": (1, _UNLIMITED, False),
+    "max_new_tokens": (1, _UNLIMITED, False),
+    "token_rate": (0.0, 1e12, False),
+    "token_burst": (0.0, 1e15, False),
 }
 
 
@@ -56,6 +73,8 @@ class Tenant:
     max_new_tokens: int = _UNLIMITED
     token_rate: float = 0.0
     token_burst: float = 0.0
+    #: Sees every tenant's usage in ``stats`` and may ask for operator-only work (``measure_tax``).
+    admin: bool = False
 
 
 @dataclass
@@ -68,6 +87,10 @@ class TenantTable:
         """Whether requests are tied to CURVE keys (a tenants file is in force)."""
         return self.source is not None
 
+    def is_operator(self, tenant: Tenant) -> bool:
+        """The local operator (no tenants file: whoever can reach the private socket) or an admin."""
+        return not self.authenticated or tenant.admin
+
     def by_key(self, z85_key: str) -> Tenant | None:
         for tenant in self.tenants.values():
             if z85_key in tenant.keys:
@@ -79,8 +102,10 @@ def local_table() -> TenantTable:
     return TenantTable({LOCAL: Tenant(LOCAL)})
 
 
-def _read_key(entry: str, base: Path) -> str:
+def _read_key(entry: object, base: Path, where: str) -> str:
     """A Z85 public key, given as such (40 characters) or as a certificate file."""
+    if not isinstance(entry, str):
+        raise TenantsError(f"{where}.keys holds {entry!r}; give key file paths or Z85 strings")
     if len(entry) == 40 and not (base / entry).exists():
         return entry
     import zmq.auth
@@ -89,29 +114,38 @@ def _read_key(entry: str, base: Path) -> str:
     try:
         public, _ = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise TenantsError(f"cannot read key {entry!r} ({path}): {exc}") from None
+        raise TenantsError(f"{where}: cannot read key {entry!r} ({path}): {exc}") from None
     return public.decode("ascii")
 
 
-def _tenant(name: str, spec: Any, base: Path) -> Tenant:
+def _check_number(where: str, key: str, value: int | float) -> None:
+    """Finite and inside the field's range, or a ``TenantsError`` naming file, tenant and field."""
+    low, high, open_low = _RANGES[key]
+    below = value <= low if open_low else value < low
+    if not math.isfinite(value) or below or value > high:
+        bracket = "(" if open_low else "["
+        raise TenantsError(f"{where}.{key} = {value!r} must be a finite number in {bracket}{low:g}, {high:g}]")
+
+
+def _tenant(name: str, spec: Any, path: Path) -> Tenant:
+    where = f"{path}: [tenants.{name}]"
     if not isinstance(spec, dict):
-        raise TenantsError(f"[tenants.{name}] must be a table")
+        raise TenantsError(f"{where} must be a table")
     unknown = set(spec) - set(_FIELDS)
     if unknown:
-        raise TenantsError(f"[tenants.{name}]: unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}")
+        raise TenantsError(f"{where}: unknown fields {sorted(unknown)}; known: {sorted(_FIELDS)}")
     for key, kind in _FIELDS.items():
-        if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
-            raise TenantsError(f"[tenants.{name}].{key} has the wrong type ({type(spec[key]).__name__})")
-    keys = frozenset(_read_key(k, base) for k in spec.get("keys", []))
+        if key not in spec:
+            continue
+        wrong_bool = isinstance(spec[key], bool) != (kind is bool)
+        if not isinstance(spec[key], kind) or wrong_bool:
+            raise TenantsError(f"{where}.{key} has the wrong type ({type(spec[key]).__name__})")
+        if key in _RANGES:
+            _check_number(where, key, spec[key])
+    keys = frozenset(_read_key(k, path.parent, where) for k in spec.get("keys", []))
     if not keys:
-        raise TenantsError(f"[tenants.{name}] needs at least one key in `keys`")
+        raise TenantsError(f"{where} needs at least one key in `keys`")
     values = {k: v for k, v in spec.items() if k != "keys"}
-    for key in ("weight",):
-        if key in values and values[key] <= 0:
-            raise TenantsError(f"[tenants.{name}].{key} must be > 0")
-    for key in ("max_concurrent", "max_queued", "max_prompt_tokens", "max_new_tokens"):
-        if key in values and values[key] < 1:
-            raise TenantsError(f"[tenants.{name}].{key} must be >= 1")
     return Tenant(name=name, keys=keys, **values)
 
 
@@ -124,11 +158,11 @@ def load_tenants(path: Path) -> TenantTable:
     section = data.get("tenants")
     if not isinstance(section, dict) or not section:
         raise TenantsError(f"{path}: expected one or more [tenants.NAME] tables")
-    tenants = {name: _tenant(name, spec, path.parent) for name, spec in section.items()}
+    tenants = {name: _tenant(name, spec, path) for name, spec in section.items()}
     owners: dict[str, str] = {}
     for t in tenants.values():
         for k in t.keys:
             if k in owners:
-                raise TenantsError(f"key {k[:8]}... belongs to both {owners[k]!r} and {t.name!r}")
+                raise TenantsError(f"{path}: key {k[:8]}... belongs to both {owners[k]!r} and {t.name!r}")
             owners[k] = t.name
     return TenantTable(tenants, source=path)

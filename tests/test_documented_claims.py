@@ -216,13 +216,6 @@ BURST = 50
 PER_REQUEST = 4 + 21  # prompt + max_tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=zmq.Again,
-    reason="a tenant out of token-rate budget with nothing running is never handed to the engine again: "
-    "FrontEnd._pump runs only on a submit or a finish, not when the bucket refills (3 of 12 requests end, "
-    "then nothing until another message arrives)",
-)
 def test_token_rate_slows_a_tenant_to_its_rate(tiny_model: Path, tmp_path: Path, keys: Path) -> None:
     """12 requests of 25 tokens from a tenant allowed 100 tokens/s (bucket 50, one at a time): past
     the bucket (and the one request that may overdraw it) the 300 tokens take at least 2.25 s at

@@ -33,6 +33,7 @@ def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
     d = start_daemon(tiny_model, tmp_path, "--metrics", f"127.0.0.1:{port}", "--draft", "prompt-lookup", "-k", "3")
     try:
         with Client(d.address, timeout=120) as c:
+            wait_for_verdict(c)  # bursts run only once the probe has said so
             before = _scrape(port)
             c.generate(tokens=[7, 7, 7, 7, 8, 8, 8, 8], max_tokens=30)
             c.generate(tokens=[5, 6], max_tokens=4)

@@ -209,9 +209,8 @@ def test_fair_share_under_a_flood(tiny_model: Path, tmp_path: Path, keys: Path, 
     """Alice floods (10x bob's requests, sent first); with one decode slot, VTC still gives bob his
     weighted share: from bob's arrival to his last request's end, served tokens (prompt +
     generated) divided by weight differ by at most two requests' worth."""
-    d = curve_daemon(
-        tiny_model, tmp_path, keys, {"alice": {"weight": 1}, "bob": {"weight": bob_weight}}, "--max-batch", "1"
-    )
+    tenants = {"alice": {"weight": 1}, "bob": {"weight": bob_weight, "admin": "true"}}  # bob may see alice's usage
+    d = curve_daemon(tiny_model, tmp_path, keys, tenants, "--max-batch", "1")
     per_request = 8 + 16  # prompt + generated tokens
     bob_n = 12
 
@@ -306,3 +305,126 @@ def test_default_ipc_socket_is_private(daemon: Daemon) -> None:
     path = Path(daemon.address[len("ipc://") :])
     assert oct(path.stat().st_mode)[-3:] == "600"
     assert oct(path.parent.stat().st_mode)[-3:] == "700"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("weight", "nan"),
+        ("weight", "inf"),
+        ("weight", "0"),
+        ("token_rate", "inf"),
+        ("token_rate", "-1.0"),
+        ("token_burst", "nan"),
+        ("priority_ceiling", "100000"),
+        ("max_queued", "0"),
+        ("admin", "1"),
+    ],
+)
+def test_every_number_in_the_tenants_file_is_finite_and_in_range(
+    tmp_path: Path, keys: Path, field: str, value: str
+) -> None:
+    bad = write_tenants(tmp_path / "t.toml", keys, {"alice": {}, "bob": {field: value}})
+    with pytest.raises(TenantsError) as info:
+        load_tenants(bad)
+    message = str(info.value)
+    assert str(bad) in message and "[tenants.bob]" in message and field in message and "\n" not in message
+
+
+def test_a_bad_number_refuses_the_start_and_a_reload_keeps_the_old_table(
+    tiny_model: Path, tmp_path: Path, keys: Path
+) -> None:
+    table = write_tenants(tmp_path / "bad.toml", keys, {"alice": {"weight": "nan"}})
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler", "serve", "--model", str(tiny_model), "--listen", _free_tcp()]
+        + ["--tenants", str(table), "--curve-secret", str(keys / "server.key_secret")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert str(table) in lines[0] and "[tenants.alice].weight" in lines[0]
+
+    d = curve_daemon(tiny_model, tmp_path / "d", keys, {"alice": {"weight": 2}})
+    try:
+        write_tenants(tmp_path / "d" / "tenants.toml", keys, {"alice": {"weight": "nan"}})
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while "tenants file not reloaded" not in d.log() and "tenants reloaded" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+        assert "tenants file not reloaded" in d.log()
+        with Client(d.address, timeout=60, **creds(keys, "alice")) as c:
+            assert c.stats()["tenants"]["alice"]["weight"] == 2
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_removed_tenants_running_request_ends_unauthorized_at_once(
+    tiny_model: Path, tmp_path: Path, keys: Path
+) -> None:
+    d = curve_daemon(tiny_model, tmp_path, keys, {"alice": {}, "bob": {}})
+    bob = RawCurve(d.address, keys, "bob")
+    try:
+        bob.send({"type": "submit", "id": "long", "tokens": [5, 6, 7], "max_tokens": 4000})
+        assert bob.recv()["type"] == "token"  # decoding
+        write_tenants(tmp_path / "tenants.toml", keys, {"alice": {}})
+        d.proc.send_signal(signal.SIGHUP)
+        events = [bob.recv()]
+        while events[-1]["type"] != "end":
+            events.append(bob.recv())
+        end = events[-1]
+        assert end["finish_reason"] == "error" and end["error"]["code"] == "unauthorized", end
+        assert end["usage"]["completion_tokens"] < 4000
+        bob.send({"type": "health", "id": "h"})  # refused now; anything still due for "long" would come first
+        after = bob.recv()
+        assert after["id"] == "h" and after["code"] == "unauthorized", after  # one terminal event, nothing after
+    finally:
+        bob.close()
+        assert d.stop() == 0
+
+
+def test_a_tenant_sees_only_its_own_usage_and_an_admin_sees_all(tiny_model: Path, tmp_path: Path, keys: Path) -> None:
+    d = curve_daemon(tiny_model, tmp_path, keys, {"alice": {"admin": "true"}, "bob": {}, "carol": {}})
+    try:
+        for name in ("bob", "carol"):
+            with Client(d.address, timeout=60, **creds(keys, name)) as c:
+                c.generate(tokens=[5, 6], max_tokens=3)
+        for name in ("bob", "carol"):
+            with Client(d.address, timeout=60, **creds(keys, name)) as c:
+                s = c.stats()
+            assert set(s["tenants"]) == {name} and set(s["outcomes"]) == {name}, s
+            assert s["requests_completed"] >= 2  # global aggregates stay visible
+        with Client(d.address, timeout=60, **creds(keys, "alice")) as c:
+            s = c.stats()
+        assert set(s["tenants"]) == {"alice", "bob", "carol"} and set(s["outcomes"]) == {"bob", "carol"}
+    finally:
+        assert d.stop() == 0
+
+
+def _tax_forwards(stats: dict[str, Any]) -> int:
+    return sum(row["forwards"] for row in stats["engine"]["pins"].get("pinned", []) if row["purpose"] == "tax")
+
+
+def test_measure_tax_is_for_admins_and_at_most_one_per_interval(tiny_model: Path, tmp_path: Path, keys: Path) -> None:
+    d = curve_daemon(tiny_model, tmp_path, keys, {"alice": {"admin": "true"}, "bob": {}})
+    bob = RawCurve(d.address, keys, "bob")
+    try:
+        bob.send({"type": "stats", "id": "s", "measure_tax": True})
+        refusal = bob.recv()
+        assert refusal["type"] == "error" and refusal["code"] == "forbidden" and refusal["id"] == "s", refusal
+        with Client(d.address, timeout=60, **creds(keys, "alice")) as c:
+            assert c.stats(measure_tax=True)["measure_tax"] == "queued"
+            deadline = time.monotonic() + 30
+            while not c.stats()["engine"]["pin_tax"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            once = _tax_forwards(c.stats())
+            assert once > 0
+            assert {c.stats(measure_tax=True)["measure_tax"] for _ in range(30)} == {"skipped"}
+            c.generate(tokens=[5, 6], max_tokens=8)  # engine iterations: a queued measurement would run now
+            assert _tax_forwards(c.stats()) == once
+    finally:
+        bob.close()
+        assert d.stop() == 0
