@@ -1,15 +1,27 @@
 """``mlx-batchd bench``: the workload matrix, one command.
 
 Batched decode throughput vs B through the daemon (scoped pins), through a daemon with a process-wide
-pin (``--process-pin``) and through raw ``BatchGenerator``; B = 1 classic vs bursts per drafter
-(``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token percentiles; the
-start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in ``--out``.
+pin (``--process-pin``), through the engine alone and through raw ``BatchGenerator``; B = 1 classic vs
+bursts per drafter (``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token
+percentiles; the start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in
+``--out``, rewritten after every batch size, so a run stopped by an outer timeout keeps what it finished.
 
-Both arms run the same workload in the same run: B greedy sequences with random prompts of the
-same length, every request submitted at once, timed from the first submit to the last token.
-The raw arm drives ``BatchGenerator`` in this process; the daemon arm drives a daemon child
-process through the client library, as a user would. Arms alternate per repeat so that drift
-in the machine's speed hits both; the median of the repeats is reported.
+Every arm runs the same workload: B greedy sequences with the same random prompts, every request
+submitted at once, timed from the first submit to the last token. The raw and engine arms run in
+this process; the daemon arms drive daemon child processes through the client library, as a user
+would. Arms are measured alike, so that an arm that does the same work as another reads 1.00 of it:
+
+- one arm works at a time, and before each timed run every daemon is idle (start-up probe done,
+  no sequence in its engine), checked by asking it rather than assumed;
+- every B = 1 arm first runs one untimed request of the measured shape (prompt and output length),
+  so kernel compilation, allocator growth and the KV cache's growth steps are paid before timing in
+  every daemon alike, not by whichever daemon had no start-up probe to pay them;
+- the arms' order rotates by one each repeat, so no arm always runs first or right after this
+  process's own GPU work, and drift in the machine's speed hits every arm alike.
+
+Each figure is the median of the repeats with its spread (min-max); a ratio's spread is the range
+its two arms' samples allow. A drafter arm whose bursts did not run (declined verdict, or no round)
+is reported as declined, with its ratio and spread, never as a speedup.
 """
 
 from __future__ import annotations
@@ -17,12 +29,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +46,30 @@ from typing import Any, cast
 def _prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, min(vocab, 256)) for _ in range(n)] for _ in range(b)]
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Whole or not at all: a run stopped mid-write keeps the previous version, never half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_png(fig: Any, path: Path) -> None:
+    """``write_whole`` for a figure; the figure is closed so that rewriting after every batch size
+    does not pile figures up."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def progress(line: str) -> None:
+    """One line per step, flushed at once: a long run's log shows where it is even when piped."""
+    print(line, flush=True)
 
 
 def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -150,12 +190,12 @@ def run_poisson(address: str, rate: float, n: int, vocab: int, max_tokens: int, 
 
 def write_poisson(result: dict[str, Any], meta: dict[str, Any], out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "poisson.json").write_text(json.dumps({"meta": meta, "result": result}, indent=2))
+    write_whole(out / "poisson.json", json.dumps({"meta": meta, "result": result}, indent=2))
     md = "| metric | p50 | p90 | p99 |\n|---|---|---|---|\n" + "".join(
         f"| {name} (ms) | {result[f'{name}_p50'] * 1e3:.1f} | {result[f'{name}_p90'] * 1e3:.1f} | {result[f'{name}_p99'] * 1e3:.1f} |\n"
         for name in ("ttft", "itl", "e2e")
     )
-    (out / "poisson.md").write_text(md)
+    write_whole(out / "poisson.md", md)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,44 +214,159 @@ def write_poisson(result: dict[str, Any], meta: dict[str, Any], out: Path) -> st
     )
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "poisson.png", dpi=120)
+    save_png(fig, out / "poisson.png")
     return md
 
 
-def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
-    """JSON, a Markdown table and a PNG plot; returns the Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "daemon_vs_raw.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+def spread(xs: list[float]) -> list[float]:
+    """The samples' range, ``[min, max]``."""
+    return [min(xs), max(xs)]
+
+
+def ratio_spread(arm: list[float], base: list[float]) -> list[float]:
+    """The range of ``arm / base`` that the two arms' samples allow: ``[min(arm) / max(base),
+    max(arm) / min(base)]``. It holds 1.0 whenever the two spreads overlap, so an arm doing the same
+    work as ``base`` reads 1.00 within it unless every one of its samples beat (or lost to) every
+    sample of ``base``, which is the mark of arms not measured alike."""
+    return [min(arm) / max(base), max(arm) / min(base)]
+
+
+def rotated(arms: list[str], repeat: int) -> list[str]:
+    """The arms' order in one repeat: shifted by one each repeat, so every arm takes every position
+    (first, right after this process's own GPU work, last) as often as the others."""
+    k = repeat % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def reference_line(weight_bytes: int, kv_bytes_per_token: int, context: int, batch: int, gb_per_s: float) -> str:
+    """The physical reference in words: what one decode step reads and the rate that allows."""
+    kv = batch * kv_bytes_per_token * context
+    each = "" if batch == 1 else f" for each of {batch} sequences"
+    return (
+        f"physical limit at B = {batch}: {weight_bytes / 1e9:.3f} GB of weights + {kv / 1e6:.3f} MB of KV "
+        f"({context} tokens of context{each}) read per step at {gb_per_s:g} GB/s = "
+        f"{reference_tok_s(weight_bytes, kv_bytes_per_token, context, batch, gb_per_s):.1f} tok/s"
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one run measures, and the figures its tables need besides the samples."""
+
+    batches: tuple[int, ...]
+    #: Measured at every B: raw, engine, daemon and, with ``--process-pin``, daemon_process_pin.
+    arms: tuple[str, ...]
+    #: ``bursts:<drafter>``, one daemon each, measured at B = 1 only.
+    b1_arms: tuple[str, ...] = ()
+    repeats: int = 1
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    #: The mean context over a sequence's decode (prompt + half the output), for the reference.
+    context: int = 0
+    #: Memory bandwidth for the physical reference; ``None`` omits it.
+    gb_per_s: float | None = None
+
+    def arms_at(self, batch: int) -> list[str]:
+        return [*self.arms, *(self.b1_arms if batch == 1 else ())]
+
+    def finished(self, samples: dict[tuple[str, int], list[float]]) -> list[int]:
+        """The batch sizes whose every arm has all its repeats."""
+        return [b for b in self.batches if all(len(samples.get((a, b), ())) >= self.repeats for a in self.arms_at(b))]
+
+    def reference(self, batch: int) -> float | None:
+        if not self.gb_per_s:
+            return None
+        return reference_tok_s(self.weight_bytes, self.kv_bytes_per_token, self.context, batch, self.gb_per_s)
+
+    def reference_line(self, batch: int) -> str | None:
+        if not self.gb_per_s:
+            return None
+        return reference_line(self.weight_bytes, self.kv_bytes_per_token, self.context, batch, self.gb_per_s)
+
+
+#: The batched table's ratios: (key, arm, base).
+RATIOS = (
+    ("ratio", "daemon", "raw"),
+    ("vs_engine", "daemon", "engine"),
+    ("process_pin_vs_scoped", "daemon_process_pin", "daemon"),
+)
+
+
+def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> list[dict[str, Any]]:
+    """One row per finished batch size: each arm's median tok/s and spread; daemon / raw, daemon /
+    engine (and process pin / scoped) as ratios of medians with their spreads (``ratio_spread``)."""
+    rows = []
+    for b in setup.finished(samples):
+        row: dict[str, Any] = {"batch": b}
+        for arm in setup.arms:
+            row[f"{arm}_tok_s"] = statistics.median(samples[(arm, b)])
+            row[f"{arm}_spread"] = spread(samples[(arm, b)])
+        for key, arm, base in RATIOS:
+            if arm in setup.arms and base in setup.arms:
+                row[key] = row[f"{arm}_tok_s"] / row[f"{base}_tok_s"]
+                row[f"{key}_spread"] = ratio_spread(samples[(arm, b)], samples[(base, b)])
+        row["reference_tok_s"] = setup.reference(b)
+        row["kv_bytes_per_step"] = b * setup.kv_bytes_per_token * setup.context
+        rows.append(row)
+    return rows
+
+
+def _with_spread(value: float, lohi: list[float], fmt: str) -> str:
+    lo, hi = lohi
+    return f"{value:{fmt}} ({lo:{fmt}}-{hi:{fmt}})"
+
+
+def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The batched table: every arm's median tok/s with its spread, the ratios with theirs and, with a
+    bandwidth, the physical limit, the KV bytes each step reads and each arm's fraction of the limit."""
     pinned = "daemon_process_pin_tok_s" in rows[0]
     roof = rows[0].get("reference_tok_s") is not None
-    head = (
-        "| B | raw BatchGenerator tok/s | engine alone tok/s | daemon tok/s | daemon / raw | daemon / engine "
-        "| spread (daemon, min-max) |"
-    )
-    rule = "|---|---|---|---|---|---|---|"
+    cols = ["B", "raw BatchGenerator tok/s", "engine alone tok/s", "daemon tok/s", "daemon / raw", "daemon / engine"]
     if pinned:
-        head += " daemon, process pin tok/s | process pin / scoped |"
-        rule += "---|---|"
+        cols += ["daemon, process pin tok/s", "process pin / scoped"]
     if roof:
-        head += " physical limit tok/s | daemon / limit |"
-        rule += "---|---|"
+        cols += ["physical limit tok/s", "KV read per step (MB)", "raw / engine / daemon of the limit"]
 
-    def row(r: dict[str, Any]) -> str:
-        lo, hi = r["daemon_spread"]
-        line = (
-            f"| {r['batch']} | {r['raw_tok_s']:.1f} | {r['engine_tok_s']:.1f} | {r['daemon_tok_s']:.1f} "
-            f"| {r['ratio']:.3f} | {r['daemon_tok_s'] / r['engine_tok_s']:.3f} | {lo:.1f}-{hi:.1f} |"
-        )
+    def line(r: dict[str, Any]) -> str:
+        cells = [str(r["batch"])]
+        cells += [_with_spread(r[f"{a}_tok_s"], r[f"{a}_spread"], ".1f") for a in ("raw", "engine", "daemon")]
+        cells += [_with_spread(r[k], r[f"{k}_spread"], ".3f") for k in ("ratio", "vs_engine")]
         if pinned:
-            line += f" {r['daemon_process_pin_tok_s']:.1f} | {r['daemon_process_pin_tok_s'] / r['daemon_tok_s']:.3f} |"
+            cells.append(_with_spread(r["daemon_process_pin_tok_s"], r["daemon_process_pin_spread"], ".1f"))
+            cells.append(_with_spread(r["process_pin_vs_scoped"], r["process_pin_vs_scoped_spread"], ".3f"))
         if roof:
-            line += f" {r['reference_tok_s']:.0f} | {r['daemon_tok_s'] / r['reference_tok_s']:.3f} |"
-        return line
+            limit = r["reference_tok_s"]
+            cells += [f"{limit:.0f}", f"{r['kv_bytes_per_step'] / 1e6:.3f}"]
+            cells.append(" / ".join(f"{r[f'{a}_tok_s'] / limit:.3f}" for a in ("raw", "engine", "daemon")))
+        return "| " + " | ".join(cells) + " |"
 
-    lines = [head, rule, *(row(r) for r in rows)]
-    md = "\n".join(lines) + "\n"
-    (out / "daemon_vs_raw.md").write_text(md)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *(line(r) for r in rows)]
+    notes = [
+        f"tok/s: median of {meta.get('repeats', '?')} repeats (min-max); a ratio: ratio of the medians "
+        "(the range its two arms' samples allow)."
+    ]
+    if roof:
+        weights = int(meta["weight_bytes"])
+        gb_s = float(meta["bandwidth_gb_s"])
+        notes.append(
+            f"physical limit: {weights / 1e9:.3f} GB of weights read once per decode step at {gb_s:g} GB/s "
+            f"({weights / (gb_s * 1e9) * 1e3:.3f} ms per step), plus each sequence's KV "
+            f"({meta['kv_bytes_per_token']} bytes per token of context, mean context {meta['context']} tokens); "
+            "B tokens per step."
+        )
+    if not meta.get("complete", True):
+        notes.append(f"incomplete run: batch sizes {meta.get('batches_done')} of {meta.get('batches')}.")
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
+def write_report(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, runs: list[dict[str, Any]] | None = None
+) -> str:
+    """JSON, a Markdown table and a PNG plot; returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_whole(out / "daemon_vs_raw.json", json.dumps({"meta": meta, "rows": rows, "runs": runs or []}, indent=2))
+    md = batched_markdown(rows, meta)
+    write_whole(out / "daemon_vs_raw.md", md)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,19 +374,31 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
 
     fig, ax = plt.subplots(figsize=(6, 4))
     bs = [r["batch"] for r in rows]
-    ax.plot(bs, [r["raw_tok_s"] for r in rows], "o-", label="raw BatchGenerator")
-    ax.plot(bs, [r["engine_tok_s"] for r in rows], "x--", label="engine alone (in process)")
-    ax.plot(bs, [r["daemon_tok_s"] for r in rows], "s-", label="daemon, scoped pins (client over ipc)")
-    if pinned:
-        ax.plot(bs, [r["daemon_process_pin_tok_s"] for r in rows], "^-", label="daemon, process-wide pin")
+    arms = [
+        ("raw", "o-", "raw BatchGenerator"),
+        ("engine", "x--", "engine alone (in process)"),
+        ("daemon", "s-", "daemon, scoped pins (client over ipc)"),
+        ("daemon_process_pin", "^-", "daemon, process-wide pin"),
+    ]
+    for arm, style, label in arms:
+        if f"{arm}_tok_s" not in rows[0]:
+            continue
+        mid = [r[f"{arm}_tok_s"] for r in rows]
+        err = [
+            [m - r[f"{arm}_spread"][0] for m, r in zip(mid, rows)],
+            [r[f"{arm}_spread"][1] - m for m, r in zip(mid, rows)],
+        ]
+        ax.errorbar(bs, mid, yerr=err, fmt=style, capsize=3, label=label)
+    if rows[0].get("reference_tok_s") is not None:
+        ax.plot(bs, [r["reference_tok_s"] for r in rows], ":", color="grey", label="physical limit")
+        ax.set_yscale("log")
     ax.set_xlabel("concurrent sequences (B)")
-    ax.set_ylabel("generated tokens / s")
+    ax.set_ylabel("generated tokens / s (median, whiskers min-max)")
     ax.set_xscale("log", base=2)
     ax.set_title(f"{meta['model']} on {meta['device']}")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "daemon_vs_raw.png", dpi=120)
+    save_png(fig, out / "daemon_vs_raw.png")
     return md
 
 
@@ -240,81 +407,226 @@ def drafter_args(spec: str) -> list[str]:
     return ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
 
 
+BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")
+
+
 def _burst_counts(client: Any) -> dict[str, int]:
     b = client.stats()["engine"].get("bursts", {})
-    return {k: int(b.get(k, 0)) for k in ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")}
+    return {k: int(b.get(k, 0)) for k in BURST_COUNTS}
+
+
+def b1_status(verdict: dict[str, Any], rounds: int) -> str:
+    """``bursts`` only when the verdict let bursts run and at least one round did; else why not."""
+    if verdict.get("level") is None:
+        return "declined: verdict"
+    if not rounds:
+        return "declined: no burst round ran"
+    return "bursts"
 
 
 def b1_rows(
     samples: dict[tuple[str, int], list[float]],
     counts: dict[str, dict[str, int]],
     verdicts: dict[str, dict[str, Any]],
+    reference: float | None = None,
 ) -> list[dict[str, Any]]:
-    """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats."""
-    classic = statistics.median(samples[("daemon", 1)])
+    """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats.
+
+    ``vs_classic`` is the ratio of medians and ``vs_classic_spread`` its range (``ratio_spread``).
+    ``speedup`` is that ratio only for an arm whose bursts ran; a declined arm (declined verdict,
+    or no round ran) has ``speedup`` None, and ``alike`` says whether 1.0 is within its spread
+    (an arm that decoded classically must read 1.00, else the arms were not measured alike)."""
+    base = samples[("daemon", 1)]
+    classic = statistics.median(base)
+
+    def of_limit(tok_s: float) -> float | None:
+        return None if not reference else tok_s / reference
+
     rows: list[dict[str, Any]] = [
         {
             "drafter": "classic (no drafter)",
             "tok_s": classic,
-            "speedup": 1.0,
+            "tok_s_spread": spread(base),
+            "vs_classic": 1.0,
+            "vs_classic_spread": ratio_spread(base, base),
+            "speedup": None,
+            "status": "classic",
+            "alike": None,
+            "rounds": None,
             "acceptance": None,
             "tokens_per_round": None,
             "verdict": "-",
+            "of_limit": of_limit(classic),
         }
     ]
     for arm, c in counts.items():
-        rate = statistics.median(samples[(arm, 1)])
+        xs = samples[(arm, 1)]
+        rate = statistics.median(xs)
         v = verdicts.get(arm, {})
+        status = b1_status(v, c["rounds"])
+        lo, hi = ratio_spread(xs, base)
         rows.append(
             {
                 "drafter": arm.removeprefix("bursts:"),
                 "tok_s": rate,
-                "speedup": rate / classic,
+                "tok_s_spread": spread(xs),
+                "vs_classic": rate / classic,
+                "vs_classic_spread": [lo, hi],
+                "speedup": rate / classic if status == "bursts" else None,
+                "status": status,
+                "alike": None if status == "bursts" else lo <= 1.0 <= hi,
+                "rounds": c["rounds"],
                 "acceptance": c["accepted_tokens"] / c["drafted_tokens"] if c["drafted_tokens"] else None,
                 "tokens_per_round": c["emitted_tokens"] / c["rounds"] if c["rounds"] else None,
                 "verdict": f"{v.get('level') or 'declined'}{'' if v.get('exact', False) else ' (inexact)'}",
+                "of_limit": of_limit(rate),
             }
         )
     return rows
 
 
-def write_b1(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
-    """B = 1 classic vs bursts: JSON, Markdown, PNG; returns the Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "b1_bursts.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+def _vs_classic_cell(r: dict[str, Any]) -> str:
+    """A speedup only where bursts ran; a declined arm's ratio is labelled as such."""
+    if r["status"] == "classic":
+        return "1.000 (reference)"
+    if r["status"] == "bursts":
+        return f"{r['speedup']:.3f}x"
+    return f"{r['status']} (ratio {r['vs_classic']:.3f})"
+
+
+def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -> str:
+    """The B = 1 table: every arm's median and spread, its ratio to classic and that ratio's spread."""
 
     def cell(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    md = (
-        "| drafter | tok/s | vs classic | acceptance | tokens/round | verdict |\n|---|---|---|---|---|---|\n"
-        + "".join(
-            f"| {r['drafter']} | {r['tok_s']:.1f} | {r['speedup']:.3f} | {cell(r['acceptance'], '.3f')} "
-            f"| {cell(r['tokens_per_round'], '.2f')} | {r['verdict']} |\n"
-            for r in rows
+    roof = any(r["of_limit"] is not None for r in rows)
+    head = "| drafter | tok/s | spread (min-max) | vs classic | spread of the ratio | rounds | acceptance | tokens/round | verdict |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
+    if roof:
+        head += " tok/s / physical limit |"
+        rule += "---|"
+    lines = [head, rule]
+    for r in rows:
+        lo, hi = r["tok_s_spread"]
+        rlo, rhi = r["vs_classic_spread"]
+        line = (
+            f"| {r['drafter']} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
+            f"| {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
+            f"| {r['verdict']} |"
         )
+        if roof:
+            line += f" {cell(r['of_limit'], '.3f')} |"
+        lines.append(line)
+    notes = [
+        f"warning: {r['drafter']} decoded classically ({r['status']}) yet reads {r['vs_classic']:.3f} "
+        f"({rlo:.3f}-{rhi:.3f}) of classic: these arms were not measured alike"
+        for r in rows
+        for rlo, rhi in [r["vs_classic_spread"]]
+        if r["alike"] is False
+    ]
+    if reference_line:
+        notes.append(f"{reference_line} (classic decode; a burst round reads the weights once for several tokens)")
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
+def write_b1(
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    out: Path,
+    reference_line: str | None = None,
+    runs: list[dict[str, Any]] | None = None,
+) -> str:
+    """B = 1 classic vs bursts: JSON, Markdown, PNG; returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_whole(
+        out / "b1_bursts.json",
+        json.dumps({"meta": meta, "reference": reference_line, "rows": rows, "runs": runs or []}, indent=2),
     )
-    (out / "b1_bursts.md").write_text(md)
+    md = b1_markdown(rows, reference_line)
+    write_whole(out / "b1_bursts.md", md)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 0.6 * len(rows) + 1.5))
-    ax.barh([r["drafter"] for r in rows], [r["tok_s"] for r in rows])
+    tok_s = [r["tok_s"] for r in rows]
+    errors = [
+        [t - r["tok_s_spread"][0] for t, r in zip(tok_s, rows)],
+        [r["tok_s_spread"][1] - t for t, r in zip(tok_s, rows)],
+    ]
+    ax.barh([r["drafter"] for r in rows], tok_s, xerr=errors, capsize=4)
     ax.set(
-        xlabel="generated tokens / s at B = 1 (daemon, client over ipc)", title=f"{meta['model']} on {meta['device']}"
+        xlabel="generated tokens / s at B = 1 (daemon, client over ipc; bars: median, whiskers: min-max)",
+        title=f"{meta['model']} on {meta['device']}",
     )
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(out / "b1_bursts.png", dpi=120)
+    save_png(fig, out / "b1_bursts.png")
     return md
 
 
+def write_tables(
+    samples: dict[tuple[str, int], list[float]],
+    setup: Setup,
+    meta: dict[str, Any],
+    out: Path,
+    counts: dict[str, dict[str, int]] | None = None,
+    verdicts: dict[str, dict[str, Any]] | None = None,
+    runs: list[dict[str, Any]] | None = None,
+) -> str:
+    """Write every table with the batch sizes finished so far and return their Markdown.
+
+    Called after each batch size, so a run that an outer timeout stops keeps the rows it finished
+    (``meta['complete']`` says whether every batch size is in). The B = 1 table needs the burst
+    ``counts`` of its arms, taken when B = 1 finished."""
+    done = setup.finished(samples)
+    meta = {**meta, "batches": list(setup.batches), "batches_done": done, "complete": done == list(setup.batches)}
+    rows = batched_rows(samples, setup)
+    if not rows:
+        return ""
+    md = write_report(rows, meta, out, runs)
+    if 1 in done and setup.b1_arms and counts is not None:
+        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1))
+        b1_runs = [r for r in runs or [] if r["batch"] == 1]
+        md += "\n" + write_b1(b1, meta, out, setup.reference_line(1), b1_runs)
+    return md
+
+
+def _idle(engine: dict[str, Any]) -> bool:
+    """Whether a daemon's engine is doing nothing: started, no probe queued or running, no sequence."""
+    verdicts = engine.get("verdicts", {})
+    return bool(engine) and not engine.get("active_sequences") and all("level" in v for v in verdicts.values())
+
+
+def wait_idle(clients: dict[str, Any], poll_s: float = 0.05) -> None:
+    """Until every daemon is idle (``_idle``), the ones that never probe included. A daemon's start-up
+    probe runs whenever it has nothing to serve, so a daemon still probing would share the GPU with the
+    arm being timed."""
+    for c in clients.values():
+        while not _idle(c.stats()["engine"]):
+            time.sleep(poll_s)  # polling a daemon that offers no completion event
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """An outer timeout's SIGTERM unwinds like Ctrl-C would: the daemons are stopped, and the tables
+    written after each finished batch size stay."""
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from tqdm import tqdm
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
@@ -323,25 +635,27 @@ def main(args: argparse.Namespace) -> int:
     from workers.models import load
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    progress(f"bench: loading {args.model}")
     # One model for the in-process arms: the raw arm runs it with the project's patches lifted.
     loaded = load(args.model)
     path = Path(loaded.info.path)
     model = loaded.model
     eos = list(loaded.info.eos_token_ids)
+    max_batch = max(32, *batches)  # the daemons' and the engine's, so that no B queues
     engine = Engine(
         model,
         eos_token_ids=loaded.info.eos_token_ids,
         vocab_size=loaded.info.vocab_size,
-        max_batch=max(32, *batches),
+        max_batch=max_batch,
     )
     weight_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     drafters = [d for d in (args.drafters or "").split(",") if d]
     samples: dict[tuple[str, int], list[float]] = {}
+    runs: list[dict[str, Any]] = []
     poisson: dict[str, Any] | None = None
-    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max(32, *batches))]
-    # Every daemon starts at once so their start-up probes overlap; each runs alone while measured.
+    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max_batch)]
     daemons: dict[str, list[str]] = {"daemon": cap}
     if args.process_pin:
         daemons["daemon_process_pin"] = [
@@ -356,74 +670,18 @@ def main(args: argparse.Namespace) -> int:
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
-    with contextlib.ExitStack() as stack:
-        procs = {
-            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
-            for i, (name, extra) in enumerate(daemons.items())
-        }
-        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
-        for c in clients.values():
-            while any("level" not in v for v in c.stats()["engine"]["verdicts"].values()):
-                time.sleep(0.1)  # the start-up probe runs while the daemon is idle: let it finish
-        warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
-        run_raw(model, eos, warm, 8)
-        run_engine(engine, warm, 8)
-        for name, c in clients.items():
-            run_daemon(c, warm[:1] if name in b1_arms else warm, 8)
-        before = {name: _burst_counts(clients[name]) for name in b1_arms}
-        arms = ["raw", "engine", "daemon"] + (["daemon_process_pin"] if args.process_pin else [])
-        steps = [
-            (b, rep, arm) for b in batches for rep in range(args.repeats) for arm in arms + (b1_arms if b == 1 else [])
-        ]
-        for b, rep, arm in tqdm(steps, desc="bench", unit="run"):
-            prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
-            if arm == "raw":
-                n, wall = run_raw(model, eos, prompts, args.tokens)
-            elif arm == "engine":
-                n, wall = run_engine(engine, prompts, args.tokens)
-            else:
-                n, wall = run_daemon(clients[arm], prompts, args.tokens)
-            samples.setdefault((arm, b), []).append(n / wall)
-            mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
-        counts = {name: {k: v - before[name][k] for k, v in _burst_counts(clients[name]).items()} for name in b1_arms}
-        probe_seconds: dict[str, float] = {}
-        verdicts: dict[str, dict[str, Any]] = {}
-        for name, c in clients.items():
-            for pairing, v in c.stats()["engine"]["verdicts"].items():
-                if "probe_seconds" in v:
-                    probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
-                verdicts[name] = v
-        if args.poisson_rate > 0:
-            # The production shape: the first drafter's daemon (bursts whenever one request is alone).
-            target = b1_arms[0] if b1_arms else "daemon"
-            poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
-            poisson["daemon"] = target
-    # Every daemon got SIGTERM when the stack closed; anything but 0 is a shutdown bug worth seeing.
-    exit_codes = {name: proc.proc.returncode for name, proc in procs.items()}
-    for name, code in exit_codes.items():
-        if code != 0:
-            print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
-    rows = []
-    gb_per_s = getattr(args, "bandwidth_gbs", None)
-    context = args.prompt_tokens + args.tokens // 2  # the mean context over a sequence's decode
-    for b in batches:
-        raw = statistics.median(samples[("raw", b)])
-        dmn = statistics.median(samples[("daemon", b)])
-        row: dict[str, Any] = {
-            "batch": b,
-            "raw_tok_s": raw,
-            "engine_tok_s": statistics.median(samples[("engine", b)]),
-            "daemon_tok_s": dmn,
-            "ratio": dmn / raw,
-            "daemon_spread": [min(samples[("daemon", b)]), max(samples[("daemon", b)])],
-            "reference_tok_s": None
-            if not gb_per_s
-            else reference_tok_s(weight_bytes, loaded.info.kv_bytes_per_token, context, b, gb_per_s),
-        }
-        if args.process_pin:
-            row["daemon_process_pin_tok_s"] = statistics.median(samples[("daemon_process_pin", b)])
-        rows.append(row)
-    meta = {
+    gb_per_s = getattr(args, "bandwidth_gbs", None) or None
+    setup = Setup(
+        batches=tuple(batches),
+        arms=("raw", "engine", "daemon", *(("daemon_process_pin",) if args.process_pin else ())),
+        b1_arms=tuple(b1_arms),
+        repeats=args.repeats,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=loaded.info.kv_bytes_per_token,
+        context=args.prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
+        gb_per_s=gb_per_s,
+    )
+    meta: dict[str, Any] = {
         "model": args.model,
         "model_path": str(path),
         "device": str(mx.default_device()),
@@ -431,23 +689,96 @@ def main(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
+        "context": setup.context,
         "drafters": drafters,
         "process_pin": args.process_pin,
-        "probe_seconds": probe_seconds,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
         "bandwidth_gb_s": gb_per_s,
         "fastpath": fastpath.active().name,
-        "daemon_exit_codes": exit_codes,
     }
     out = Path(args.out)
-    print(write_report(rows, meta, out))
-    if 1 in batches and b1_arms:
-        print(write_b1(b1_rows(samples, counts, verdicts), meta, out))
+    counts: dict[str, dict[str, int]] | None = None
+    verdicts: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
+        procs = {
+            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
+            for i, (name, extra) in enumerate(daemons.items())
+        }
+        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
+        progress("bench: waiting for the daemons' start-up probes")
+        wait_idle(clients)  # every start-up probe has finished before anything is timed
+        probe_seconds: dict[str, float] = {}
+        for name, c in clients.items():
+            for pairing, v in c.stats()["engine"]["verdicts"].items():
+                if "probe_seconds" in v:
+                    probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
+                verdicts[name] = v
+        meta["probe_seconds"] = probe_seconds
+
+        def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
+            if arm == "raw":
+                return run_raw(model, eos, prompts, tokens)
+            if arm == "engine":
+                return run_engine(engine, prompts, tokens)
+            return run_daemon(clients[arm], prompts, tokens)
+
+        progress("bench: warming every arm up (untimed)")
+        warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
+        for arm in setup.arms:
+            run(arm, warm, min(8, args.tokens))  # the daemons refuse more than --tokens
+        if 1 in batches:
+            # The measured shape, once, in every B = 1 arm (see the module's docstring).
+            shape = _prompts(1, args.prompt_tokens, vocab, seed=98)
+            for arm in setup.arms_at(1):
+                wait_idle(clients)
+                run(arm, shape, args.tokens)
+                mx.clear_cache()
+        before = {name: _burst_counts(clients[name]) for name in b1_arms}
+        total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
+        done = 0
+        for b in batches:
+            for rep in range(args.repeats):
+                prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
+                for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
+                    wait_idle(clients)
+                    n, wall = run(arm, prompts, args.tokens)
+                    samples.setdefault((arm, b), []).append(n / wall)
+                    runs.append(
+                        {"batch": b, "repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall}
+                    )
+                    mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
+                    done += 1
+                    progress(
+                        f"bench [{done}/{total}] B = {b}, repeat {rep + 1}/{args.repeats}, {arm}: "
+                        f"{n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s"
+                    )
+            if b == 1 and b1_arms:
+                counts = {
+                    name: {k: v - before[name][k] for k, v in _burst_counts(clients[name]).items()} for name in b1_arms
+                }
+            write_tables(samples, setup, meta, out, counts, verdicts, runs)
+            progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
+        if args.poisson_rate > 0:
+            # The production shape: the first drafter's daemon (bursts whenever one request is alone).
+            target = b1_arms[0] if b1_arms else "daemon"
+            progress(f"bench: {args.poisson_requests} Poisson arrivals at {args.poisson_rate:g}/s on '{target}'")
+            wait_idle(clients)
+            poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+            poisson["daemon"] = target
+            write_poisson(poisson, meta, out)
+    # Every daemon got SIGTERM when the stack closed; anything but 0 is a shutdown bug worth seeing.
+    exit_codes = {name: proc.proc.returncode for name, proc in procs.items()}
+    for name, code in exit_codes.items():
+        if code != 0:
+            print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
+    meta["daemon_exit_codes"] = exit_codes
+    print(write_tables(samples, setup, meta, out, counts, verdicts, runs))
     if poisson is not None:
         print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
         print(write_poisson(poisson, meta, out))
     if probe_seconds:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
-    print(f"results in {out.resolve()}")
+    print(f"results in {out.resolve()}", flush=True)
     return 0

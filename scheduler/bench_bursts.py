@@ -10,7 +10,11 @@ Three tables, measured in one run on one model:
    overhead, goal >= 99 %) and under the process-wide pin (the tax scoping avoids), vs plain.
 
 Everything runs in this process on the engine (no sockets), so the numbers isolate the engine;
-``mlx-batchd bench`` measures the daemon's own overhead.
+``mlx-batchd bench`` measures the daemon's own overhead. As there, every figure is the median of the
+repeats with its spread (min-max), a ratio comes with the range its two arms' samples allow, the
+arms' order rotates each repeat, and a drafter whose bursts did not run (declined verdict, or no
+round) is reported as declined, never as a speedup. Each table is written to ``--out`` as soon as it
+is finished, so a run stopped by an outer timeout keeps the tables it finished.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from scheduler.bench import b1_status, progress, ratio_spread, rotated, save_png, spread, write_whole
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, load_drafter, load_mtp_drafter
 from workers.engine import Engine, Finished, Job, Tokens
@@ -39,8 +44,10 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(4, min(vocab, 256)) for _ in range(n)]
 
 
-def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, level: str | None = None) -> Engine:
-    engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=64)
+def _engine(
+    loaded: LoadedModel, drafter: Drafter | None, k: int, level: str | None = None, max_batch: int = 64
+) -> Engine:
+    engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=max_batch)
     if drafter is not None:
         name = f"bench+{drafter.name}"
         policy = ProbePolicy(pinned_level=Level(level)) if level else ProbePolicy()
@@ -103,57 +110,84 @@ def verify_costs(loaded: LoadedModel, ks: list[int], context: int) -> list[dict[
                     mx.eval(loaded.model(block, cache=c))
                 times.append(time.perf_counter() - tic)
             row[level.value] = statistics.median(times[1:]) / step
+        progress(f"bench-bursts verify K = {k}: " + ", ".join(f"{lv.value} {row[lv.value]:.2f} steps" for lv in LADDER))
         rows.append(row)
     return rows
+
+
+def b1_row(
+    name: str,
+    rates: list[float],
+    base: list[float],
+    verdict: dict[str, Any],
+    counts: dict[str, int],
+    round_s: float | None,
+) -> dict[str, Any]:
+    """One drafter's B = 1 row against classic's samples ``base``. ``speedup`` is the ratio of medians
+    only where bursts ran (``b1_status``); a declined drafter shows its ratio as ``vs_classic`` with
+    ``speedup`` None."""
+    rate, classic = statistics.median(rates), statistics.median(base)
+    status = b1_status(verdict, counts["rounds"])
+    return {
+        "drafter": name,
+        "tok_s": rate,
+        "tok_s_spread": spread(rates),
+        "vs_classic": rate / classic,
+        "vs_classic_spread": ratio_spread(rates, base),
+        "speedup": rate / classic if status == "bursts" else None,
+        "status": status,
+        "acceptance": counts["accepted"] / counts["drafted"] if counts["drafted"] else None,
+        "tokens_per_round": counts["emitted"] / counts["rounds"] if counts["rounds"] else None,
+        # one classic B = 1 step takes 1 / classic seconds
+        "round_cost_steps": round_s * classic if round_s and status == "bursts" else None,
+        "level": f"{verdict.get('level') or 'declined'}{'' if verdict.get('exact', False) else ' (inexact)'}",
+    }
 
 
 def b1_rows(
     loaded: LoadedModel, drafters: dict[str, Drafter], k: int, tokens: int, prompt_len: int, repeats: int
 ) -> list[dict[str, Any]]:
+    """Classic and one engine per drafter, each repeat on the same prompt, in an order rotated each repeat."""
     vocab = loaded.info.vocab_size
     prompts = [_prompt(prompt_len, vocab, 100 + r) for r in range(repeats)]
-    rows = []
-    classic = _engine(loaded, None, k)
-    _drive(classic, [Job(seq=-1, prompt=prompts[0], max_tokens=8)])
-    base = statistics.median(
-        n / s for n, s in (_drive(classic, [Job(seq=i, prompt=p, max_tokens=tokens)]) for i, p in enumerate(prompts))
-    )
-    rows.append(
+    engines = {"classic (no drafter)": _engine(loaded, None, k)}
+    for name, drafter in drafters.items():
+        progress(f"bench-bursts: probing {name}")
+        engines[name] = _engine(loaded, drafter, k)
+    for engine in engines.values():
+        _drive(engine, [Job(seq=-1, prompt=prompts[0], max_tokens=8)])
+    before = {name: dict(vars(e.bursts)) for name, e in engines.items()}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for rep, prompt in enumerate(prompts):
+        for name in rotated(list(engines), rep):
+            n, s = _drive(engines[name], [Job(seq=rep, prompt=prompt, max_tokens=tokens)])
+            rates[name].append(n / s)
+            progress(
+                f"bench-bursts B = 1, repeat {rep + 1}/{repeats}, {name}: {n} tokens in {s:.3f} s = {n / s:.1f} tok/s"
+            )
+    base = rates["classic (no drafter)"]
+    rows: list[dict[str, Any]] = [
         {
             "drafter": "classic (no drafter)",
-            "tok_s": base,
+            "tok_s": statistics.median(base),
+            "tok_s_spread": spread(base),
+            "vs_classic": 1.0,
+            "vs_classic_spread": ratio_spread(base, base),
+            "speedup": None,
+            "status": "classic",
             "acceptance": None,
             "tokens_per_round": None,
             "round_cost_steps": None,
-            "speedup": 1.0,
             "level": "-",
         }
-    )
-    for name, drafter in drafters.items():
-        engine = _engine(loaded, drafter, k)
-        verdict = engine.verdicts[engine.pairing]  # type: ignore[index]
-        _drive(engine, [Job(seq=-1, prompt=prompts[0], max_tokens=8)])
-        before = dict(vars(engine.bursts))
-        rates = [
-            n / s for n, s in (_drive(engine, [Job(seq=i, prompt=p, max_tokens=tokens)]) for i, p in enumerate(prompts))
-        ]
+    ]
+    for name in drafters:
+        engine = engines[name]
+        v = engine.verdicts.get(engine.pairing) if engine.pairing is not None else None
+        verdict = {"level": v.level, "exact": v.exact} if v is not None else {}
         b = engine.bursts
-        rounds = b.rounds - before["rounds"]
-        drafted = b.drafted - before["drafted"]
-        accepted = b.accepted - before["accepted"]
-        a = engine.adaptive
-        rows.append(
-            {
-                "drafter": name,
-                "tok_s": statistics.median(rates),
-                "acceptance": accepted / drafted if drafted else None,
-                "tokens_per_round": (b.emitted - before["emitted"]) / rounds if rounds else None,
-                # one classic B = 1 step takes 1 / base seconds
-                "round_cost_steps": a.round_s * base if a.round_s else None,
-                "speedup": statistics.median(rates) / base,
-                "level": f"{verdict.level or 'declined'}{'' if verdict.exact else ' (inexact)'}",
-            }
-        )
+        counts = {key: getattr(b, key) - before[name][key] for key in ("rounds", "drafted", "accepted", "emitted")}
+        rows.append(b1_row(name, rates[name], base, verdict, counts, engine.adaptive.round_s))
     return rows
 
 
@@ -168,22 +202,25 @@ def batched_rows(
     repeats: int = 2,
 ) -> list[dict[str, Any]]:
     """Tokens/s per batch size: plain, with bursts configured (they only run at B = 1) and under a
-    process-wide pin. Arms alternate inside each batch size; the best of ``repeats`` runs is kept."""
+    process-wide pin; each arm's median and spread, and its ratio to plain with the ratio's spread.
+    The arms' order rotates each repeat."""
     vocab = loaded.info.vocab_size
     rows = []
-    plain = _engine(loaded, None, k)
-    with_bursts = _engine(loaded, drafter, k) if drafter is not None else None
+    plain = _engine(loaded, None, k, max_batch=max(64, *batches))
+    with_bursts = _engine(loaded, drafter, k, max_batch=max(64, *batches)) if drafter is not None else None
+    arms: list[tuple[str, Engine, Level]] = [("plain", plain, Level.WIDE)]
+    if with_bursts is not None:
+        arms.append(("bursts configured", with_bursts, Level.WIDE))
+    arms.append((f"process pin ({process_level.value})", plain, process_level))
+    by_label = {label: (engine, level) for label, engine, level in arms}
     for b in batches:
         jobs = [Job(seq=i, prompt=_prompt(prompt_len, vocab, 1000 * b + i), max_tokens=tokens) for i in range(b)]
-        _drive(plain, jobs[:2])
-        row: dict[str, Any] = {"batch": b}
-        arms: list[tuple[str, Engine, Level]] = [("plain", plain, Level.WIDE)]
-        if with_bursts is not None:
-            arms.append(("bursts configured", with_bursts, Level.WIDE))
-        arms.append((f"process pin ({process_level.value})", plain, process_level))
+        for engine in {id(e): e for _, e, _ in arms}.values():
+            _drive(engine, [Job(seq=j.seq, prompt=j.prompt, max_tokens=j.max_tokens) for j in jobs[:2]])
         rates: dict[str, list[float]] = {label: [] for label, _, _ in arms}
-        for _ in range(repeats):
-            for label, engine, level in arms:
+        for rep in range(repeats):
+            for label in rotated(list(by_label), rep):
+                engine, level = by_label[label]
                 set_process_level(level)
                 try:
                     fresh = [Job(seq=j.seq, prompt=j.prompt, max_tokens=j.max_tokens) for j in jobs]
@@ -191,54 +228,109 @@ def batched_rows(
                     rates[label].append(n / s)
                 finally:
                     set_process_level(Level.WIDE)
-        row.update({label: max(r) for label, r in rates.items()})
+                progress(
+                    f"bench-bursts B = {b}, repeat {rep + 1}/{repeats}, {label}: {n} tokens in {s:.3f} s = {n / s:.1f} tok/s"
+                )
+        row: dict[str, Any] = {"batch": b}
+        for label, xs in rates.items():
+            row[label] = statistics.median(xs)
+            row[f"{label} spread"] = spread(xs)
+        for label, xs in rates.items():
+            if label != "plain":
+                row[f"{label} / plain"] = row[label] / row["plain"]
+                row[f"{label} / plain spread"] = ratio_spread(xs, rates["plain"])
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]], fmt: dict[str, str]) -> str:
+    """Columns as the rows' keys; a ``[min, max]`` spread reads ``min-max``."""
     cols = list(rows[0].keys())
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def cell(c: str, v: Any) -> str:
+        f = fmt.get(c.removesuffix(" spread").removesuffix("_spread"), ".2f")
+        if v is None:
+            return "-"
+        if isinstance(v, list):
+            return "-".join(format(x, f) for x in v)
+        return format(v, f) if isinstance(v, float) else str(v)
+
     for r in rows:
-        cells = []
-        for c in cols:
-            v = r[c]
-            cells.append("-" if v is None else (format(v, fmt.get(c, ".2f")) if isinstance(v, float) else str(v)))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell(c, r[c]) for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
+    """The tables finished so far, one panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
-    ks = [r["block"] for r in report["verify_cost"]]
-    for level in [lv.value for lv in LADDER]:
-        left.plot(ks, [r[level] for r in report["verify_cost"]], "o-", label=level)
-    left.plot(ks, ks, ":", color="grey", label="block = that many steps")
+    if report.get("verify_cost"):
+        ks = [r["block"] for r in report["verify_cost"]]
+        for level in [lv.value for lv in LADDER]:
+            left.plot(ks, [r[level] for r in report["verify_cost"]], "o-", label=level)
+        left.plot(ks, ks, ":", color="grey", label="block = that many steps")
+        left.legend()
     left.set(xlabel="verify block (tokens)", ylabel="cost in classic B = 1 steps", title="verify cost per level")
-    left.legend()
-    names = [r["drafter"] for r in report["b1"]]
-    mid.barh(names, [r["tok_s"] for r in report["b1"]])
-    mid.set(xlabel="tokens / s at B = 1", title="bursts vs classic")
-    rows = report["batched"]
-    bs = [r["batch"] for r in rows]
-    for key in [k for k in rows[0] if k != "batch" and "/" not in k]:
-        right.plot(bs, [r[key] for r in rows], "o-", label=key)
-    right.set(xscale="log", xlabel="batch size", ylabel="tokens / s", title="batched decode")
-    right.set_xscale("log", base=2)
-    right.legend()
+    if report.get("b1"):
+        b1 = report["b1"]
+        tok_s = [r["tok_s"] for r in b1]
+        errors = [
+            [t - r["tok_s_spread"][0] for t, r in zip(tok_s, b1)],
+            [r["tok_s_spread"][1] - t for t, r in zip(tok_s, b1)],
+        ]
+        mid.barh([r["drafter"] for r in b1], tok_s, xerr=errors, capsize=4)
+        mid.invert_yaxis()
+    mid.set(xlabel="tokens / s at B = 1 (median, whiskers min-max)", title="bursts vs classic")
+    if report.get("batched"):
+        rows = report["batched"]
+        bs = [r["batch"] for r in rows]
+        for key in [k for k in rows[0] if k != "batch" and "/" not in k and not k.endswith(" spread")]:
+            mids = [r[key] for r in rows]
+            err = [
+                [m - r[f"{key} spread"][0] for m, r in zip(mids, rows)],
+                [r[f"{key} spread"][1] - m for m, r in zip(mids, rows)],
+            ]
+            right.errorbar(bs, mids, yerr=err, fmt="o-", capsize=3, label=key)
+        right.set_xscale("log", base=2)
+        right.legend()
+    right.set(xlabel="batch size", ylabel="tokens / s", title="batched decode")
     fig.suptitle(f"{report['model']} on {report['device']} {report['device_name']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
+
+
+def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
+    md = f"Model {args.model} on {report['device']} {report['device_name']}; K = {args.k}; context {args.context} for verify costs.\n"
+    if report.get("verify_cost"):
+        md += "\nVerify block cost in classic B = 1 steps, per level:\n\n" + _table(report["verify_cost"], {})
+    if report.get("b1"):
+        md += (
+            f"\nB = 1, classic vs bursts (median of {args.repeats} repeats, min-max; speedup only where bursts ran):\n\n"
+            + _table(report["b1"], {"tok_s": ".1f", "vs_classic": ".3f", "speedup": ".3f", "acceptance": ".2f"})
+        )
+    if report.get("batched"):
+        md += (
+            f"\nBatched decode tokens/s (bursts only run at B = 1; median of {args.batched_repeats} repeats, min-max):\n\n"
+            + _table(report["batched"], {})
+        )
+    return md
+
+
+def write(report: dict[str, Any], args: argparse.Namespace, out: Path) -> str:
+    """JSON, Markdown and PNG of the tables finished so far; returns the Markdown."""
+    md = _markdown(report, args)
+    write_whole(out / "bursts.json", json.dumps(report, indent=2))
+    write_whole(out / "bursts.md", md)
+    _plot(report, out / "bursts.png")
+    return md
 
 
 def main(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    progress(f"bench-bursts: loading {args.model}")
     loaded = load(args.model)
     drafters: dict[str, Drafter] = {}
     for spec in args.draft:
@@ -254,39 +346,22 @@ def main(args: argparse.Namespace) -> int:
         "device": str(mx.default_device()),
         "device_name": mx.device_info().get("device_name", "") if hasattr(mx, "device_info") else "",
     }
-    with tqdm(total=3, desc="bench-bursts", unit="table") as bar:
-        report["verify_cost"] = verify_costs(loaded, ks, args.context)
-        bar.update()
-        report["b1"] = b1_rows(loaded, drafters, args.k, args.tokens, args.prompt_tokens, args.repeats)
-        bar.update()
-        first = next(iter(drafters.values()), None)
-        report["batched"] = batched_rows(
-            loaded,
-            first,
-            args.k,
-            batches,
-            args.batched_tokens,
-            args.prompt_tokens,
-            Level(args.process_level),
-            args.batched_repeats,
-        )
-        bar.update()
-    for row in report["batched"]:
-        base = row["plain"]
-        for key in [c for c in row if c not in ("batch", "plain")]:
-            row[f"{key} / plain"] = row[key] / base
-    md = (
-        f"Model {args.model} on {report['device']} {report['device_name']}; K = {args.k}; context {args.context} for verify costs.\n\n"
-        "Verify block cost in classic B = 1 steps, per level:\n\n"
-        + _table(report["verify_cost"], {})
-        + "\nB = 1, classic vs bursts:\n\n"
-        + _table(report["b1"], {"tok_s": ".1f", "acceptance": ".2f"})
-        + "\nBatched decode tokens/s (bursts only run at B = 1):\n\n"
-        + _table(report["batched"], {})
+    progress(f"bench-bursts: verify cost per level, K = {args.ks}")
+    report["verify_cost"] = verify_costs(loaded, ks, args.context)
+    write(report, args, out)
+    report["b1"] = b1_rows(loaded, drafters, args.k, args.tokens, args.prompt_tokens, args.repeats)
+    write(report, args, out)
+    first = next(iter(drafters.values()), None)
+    report["batched"] = batched_rows(
+        loaded,
+        first,
+        args.k,
+        batches,
+        args.batched_tokens,
+        args.prompt_tokens,
+        Level(args.process_level),
+        args.batched_repeats,
     )
-    (out / "bursts.json").write_text(json.dumps(report, indent=2))
-    (out / "bursts.md").write_text(md)
-    _plot(report, out / "bursts.png")
-    print(md)
-    print(f"results in {out.resolve()}")
+    print(write(report, args, out))
+    print(f"results in {out.resolve()}", flush=True)
     return 0

@@ -938,9 +938,16 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.set_defaults(func=local_command("demo", _demo))
 
-    p = sub.add_parser("bench", help="workload matrix: batched daemon vs raw, B = 1 bursts per drafter, Poisson, probe")
+    p = sub.add_parser(
+        "bench", help="workload matrix: batched raw / engine / daemon, B = 1 bursts per drafter, Poisson, probe"
+    )
     p.add_argument("--model", default="demo")
-    p.add_argument("--batch-sizes", type=int_list(1), default="1,4,8,16")
+    p.add_argument(
+        "--batch-sizes",
+        type=int_list(1),
+        default="1,4,8,16,32,64,128",
+        help="comma list of B (default 1,4,8,16,32,64,128); the daemons and the engine get --max-batch of the largest (at least 32), so no B queues",
+    )
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--repeats", type=positive_int, default=3)
@@ -965,6 +972,12 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
         default=None,
         choices=["narrow", "per-query"],
         help="also measure a daemon with --pin-scope process at this level (the tax scoping avoids)",
+    )
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=non_negative_float,
+        default=0.0,
+        help="memory bandwidth in GB/s for the physical reference beside each row, e.g. 4800 for an H200; 0 = omit",
     )
     p.set_defaults(func=local_command("bench", lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a)))
 

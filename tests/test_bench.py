@@ -1,13 +1,25 @@
-"""``mlx-batchd bench`` end to end on a tiny real model: every arm runs and the tables agree with the JSON."""
+"""``mlx-batchd bench`` on a tiny real model: every arm runs, the tables agree with the JSON, a drafter
+whose bursts never run reads 1.00 of classic within its spread and is reported as declined, the
+physical reference is right, and the tables are written as each batch size finishes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
 
 from scheduler import bench
 from scheduler.cli import build_parser
+from workers import kernels
+
+CLASSIC = [100.0, 90.0, 110.0]
+COUNTS = {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30, "emitted_tokens": 40}
+NO_ROUNDS = dict.fromkeys(COUNTS, 0)
 
 
 def test_drafter_args_map_specs_to_daemon_flags() -> None:
@@ -17,73 +29,280 @@ def test_drafter_args_map_specs_to_daemon_flags() -> None:
     assert bench.drafter_args("/models/draft") == ["--draft", "/models/draft"]
 
 
-def test_b1_rows_compare_each_drafter_with_classic() -> None:
-    samples = {("daemon", 1): [100.0, 90.0, 110.0], ("bursts:pl", 1): [150.0, 160.0, 140.0]}
-    counts = {"bursts:pl": {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30, "emitted_tokens": 40}}
-    rows = bench.b1_rows(samples, counts, {"bursts:pl": {"level": "wide", "exact": True}})
-    assert rows[0]["drafter"] == "classic (no drafter)" and rows[0]["tok_s"] == 100.0
-    assert rows[1] == {
-        "drafter": "pl",
-        "tok_s": 150.0,
-        "speedup": 1.5,
-        "acceptance": 0.75,
-        "tokens_per_round": 4.0,
-        "verdict": "wide",
-    }
-    declined = bench.b1_rows(
-        samples,
-        {"bursts:pl": dict.fromkeys(counts["bursts:pl"], 0)},
-        {"bursts:pl": {"level": None, "exact": False}},
+def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
+    samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [150.0, 160.0, 140.0]}
+    rows = bench.b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}})
+    classic, pl = rows
+    assert classic["drafter"] == "classic (no drafter)" and classic["tok_s"] == 100.0
+    assert classic["tok_s_spread"] == [90.0, 110.0] and classic["status"] == "classic"
+    assert classic["speedup"] is None and classic["vs_classic"] == 1.0
+    assert classic["vs_classic_spread"] == pytest.approx([90 / 110, 110 / 90])
+    assert pl["drafter"] == "pl" and pl["tok_s"] == 150.0 and pl["tok_s_spread"] == [140.0, 160.0]
+    assert pl["status"] == "bursts" and pl["speedup"] == pl["vs_classic"] == 1.5 and pl["alike"] is None
+    assert pl["vs_classic_spread"] == pytest.approx([140 / 110, 160 / 90])
+    assert (pl["rounds"], pl["acceptance"], pl["tokens_per_round"], pl["verdict"]) == (10, 0.75, 4.0, "wide")
+    md = bench.b1_markdown(rows)
+    assert "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 10 | 0.750 | 4.00 | wide |" in md
+
+
+@pytest.mark.parametrize(
+    ("counts", "verdict", "status"),
+    [
+        (NO_ROUNDS, {"level": None, "exact": False}, "declined: verdict"),
+        (NO_ROUNDS, {"level": "wide", "exact": True}, "declined: no burst round ran"),
+        ({**COUNTS, "rounds": 3}, {}, "declined: verdict"),  # no verdict known: never a speedup
+    ],
+)
+def test_a_declined_arm_is_never_reported_as_a_speedup(
+    counts: dict[str, int], verdict: dict[str, object], status: str
+) -> None:
+    """An arm whose bursts did not run, measured faster than classic: its ratio and spread are shown,
+    labelled declined, and the mismatch is flagged as arms not measured alike."""
+    samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [140.0, 150.0, 160.0]}
+    declined = bench.b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
+    assert declined["status"] == status and declined["speedup"] is None
+    assert declined["vs_classic"] == 1.5 and declined["alike"] is False
+    md = bench.b1_markdown(bench.b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict}))
+    (line,) = [x for x in md.splitlines() if x.startswith("| pl |")]
+    assert f"| {status} (ratio 1.500) | 1.273-1.778 |" in line and "x |" not in line
+    assert "warning: pl decoded classically" in md and "not measured alike" in md
+    same = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [95.0, 105.0, 100.0]}
+    alike = bench.b1_rows(same, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
+    assert alike["alike"] is True and "warning" not in bench.b1_markdown([alike])
+
+
+def test_physical_reference_row_math() -> None:
+    """Weight bytes plus each sequence's KV (bytes per token x context) per step at the bandwidth."""
+    weights, kv, context = 4_500_000_000, 131_072, 96
+    step = weights + kv * context
+    assert bench.reference_tok_s(weights, kv, context, 1, 4800) == pytest.approx(4800e9 / step)
+    assert bench.reference_tok_s(weights, kv, context, 8, 4800) == pytest.approx(
+        8 * 4800e9 / (weights + 8 * kv * context)
     )
-    assert declined[1]["acceptance"] is None and declined[1]["verdict"] == "declined (inexact)"
+    line = bench.reference_line(weights, kv, context, 1, 4800)
+    assert line == (
+        "physical limit at B = 1: 4.500 GB of weights + 12.583 MB of KV (96 tokens of context) read per step "
+        f"at 4800 GB/s = {4800e9 / step:.1f} tok/s"
+    )
+    setup = bench.Setup((1,), ("raw", "engine", "daemon"), ("bursts:pl",), 3, weights, kv, context, 4800.0)
+    ref = setup.reference(1)
+    assert ref == pytest.approx(4800e9 / step) and setup.reference_line(1) == line
+    assert bench.Setup((1,), ("daemon",), weight_bytes=weights).reference(1) is None  # no bandwidth: omitted
+    samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [150.0, 160.0, 140.0]}
+    rows = bench.b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}}, ref)
+    assert ref is not None and [r["of_limit"] for r in rows] == pytest.approx([100 / ref, 150 / ref])
+    md = bench.b1_markdown(rows, setup.reference_line(1))
+    assert "tok/s / physical limit |" in md and line in md
 
 
-def test_bench_matrix_runs_every_arm(tiny_model: Path, tmp_path: Path) -> None:
+def _samples(batches: dict[int, list[str]], repeats: int) -> dict[tuple[str, int], list[float]]:
+    return {(arm, b): [100.0 * b + i for i in range(repeats)] for b, arms in batches.items() for arm in arms}
+
+
+def test_tables_are_written_with_the_batch_sizes_finished_so_far(tmp_path: Path) -> None:
+    """What a run killed by an outer timeout leaves: every finished B, and the B = 1 table."""
+    arms = ["raw", "engine", "daemon"]
+    setup = bench.Setup((1, 4, 8), tuple(arms), ("bursts:pl",), repeats=2)
+    samples = _samples({1: [*arms, "bursts:pl"]}, 2)
+    samples[("raw", 4)] = [400.0, 410.0]  # B = 4 under way: not a row yet
+    samples[("daemon", 4)] = [390.0]
+    meta = {"model": "m", "device": "cpu"}
+    counts = {"bursts:pl": NO_ROUNDS}
+    verdicts = {"bursts:pl": {"level": None, "exact": False}}
+    md = bench.write_tables(samples, setup, meta, tmp_path, counts, verdicts)
+    report = json.loads((tmp_path / "daemon_vs_raw.json").read_text())
+    assert [r["batch"] for r in report["rows"]] == [1]
+    assert report["meta"]["batches_done"] == [1] and report["meta"]["complete"] is False
+    assert report["rows"][0]["daemon_spread"] == [100.0, 101.0] and report["rows"][0]["raw_spread"] == [100.0, 101.0]
+    assert "| 1 |" in (tmp_path / "daemon_vs_raw.md").read_text() and "| 4 |" not in md
+    b1 = json.loads((tmp_path / "b1_bursts.json").read_text())["rows"]
+    assert [r["status"] for r in b1] == ["classic", "declined: verdict"]
+    samples.update(_samples({4: arms, 8: arms}, 2))
+    bench.write_tables(samples, setup, meta, tmp_path, counts, verdicts)
+    report = json.loads((tmp_path / "daemon_vs_raw.json").read_text())
+    assert [r["batch"] for r in report["rows"]] == [1, 4, 8] and report["meta"]["complete"] is True
+
+
+def test_batched_rows_give_every_ratio_its_spread(tmp_path: Path) -> None:
+    """daemon / raw, daemon / engine and process pin / scoped: ratios of medians, with the range the two
+    arms' samples allow, in the JSON and the Markdown; the physical limit and KV bytes per step."""
+    arms = ("raw", "engine", "daemon", "daemon_process_pin")
+    weights, kv, context = 1_000_000_000, 1000, 50
+    setup = bench.Setup(
+        (4,), arms, repeats=3, weight_bytes=weights, kv_bytes_per_token=kv, context=context, gb_per_s=100.0
+    )
+    samples = {
+        ("raw", 4): [100.0, 80.0, 120.0],
+        ("engine", 4): [200.0, 190.0, 210.0],
+        ("daemon", 4): [196.0, 180.0, 200.0],
+        ("daemon_process_pin", 4): [98.0, 90.0, 100.0],
+    }
+    (row,) = bench.batched_rows(samples, setup)
+    assert row["ratio"] == pytest.approx(196 / 100) and row["ratio_spread"] == pytest.approx([180 / 120, 200 / 80])
+    assert row["vs_engine"] == pytest.approx(196 / 200) and row["vs_engine_spread"] == pytest.approx(
+        [180 / 210, 200 / 190]
+    )
+    assert row["process_pin_vs_scoped"] == pytest.approx(98 / 196)
+    assert row["process_pin_vs_scoped_spread"] == pytest.approx([90 / 200, 100 / 180])
+    assert row["kv_bytes_per_step"] == 4 * kv * context
+    assert row["reference_tok_s"] == pytest.approx(bench.reference_tok_s(weights, kv, context, 4, 100.0))
+    meta = {"model": "m", "device": "cpu", "repeats": 3, "weight_bytes": weights, "bandwidth_gb_s": 100.0}
+    md = bench.write_tables(samples, setup, {**meta, "kv_bytes_per_token": kv, "context": context}, tmp_path)
+    (line,) = [x for x in md.splitlines() if x.startswith("| 4 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:6] == [
+        "100.0 (80.0-120.0)",
+        "200.0 (190.0-210.0)",
+        "196.0 (180.0-200.0)",
+        f"1.960 ({180 / 120:.3f}-{200 / 80:.3f})",
+        f"0.980 ({180 / 210:.3f}-{200 / 190:.3f})",
+    ]
+    assert cells[8:10] == [f"{row['reference_tok_s']:.0f}", "0.200"]
+    assert "1.000 GB of weights read once per decode step at 100 GB/s (10.000 ms per step)" in md
+    assert json.loads((tmp_path / "daemon_vs_raw.json").read_text())["rows"][0]["ratio_spread"] == row["ratio_spread"]
+
+
+def test_nothing_is_written_before_a_batch_size_finishes(tmp_path: Path) -> None:
+    setup = bench.Setup((1,), ("raw", "daemon"), repeats=3)
+    assert bench.write_tables(_samples({1: ["raw", "daemon"]}, 2), setup, {}, tmp_path) == ""
+    assert not tmp_path.joinpath("daemon_vs_raw.json").exists()
+
+
+def _perturb(out: mx.array) -> mx.array:
+    """Flip the lowest mantissa bit of every element: a divergence of one ulp."""
+    bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
+    return (out.view(bits) ^ 1).view(out.dtype)
+
+
+def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
+    """Probe, in this process, exactly the pairing that ``serve --draft DRAFTER`` probes, with a
+    divergence no kernel level avoids injected at the named test seam (the output head differs
+    whenever it runs pinned or on several rows, while classic decode runs it on one row, wide).
+    The declined verdict lands in the verdict store (``$MLX_BATCHD_CACHE``), where a daemon started
+    afterwards finds it: the bench's drafter daemon then decodes classically, by construction."""
+    from workers.engine import Engine
+    from workers.loop import EngineSettings, configure_bursts
+    from workers.models import load
+
+    loaded = load(str(model))
+    vocab = loaded.info.vocab_size
+    engine = Engine(loaded.model, eos_token_ids=loaded.info.eos_token_ids, vocab_size=vocab)
+
+    def no_level_is_exact(kind: str, out: mx.array, rows: int) -> mx.array:
+        head = kind == "projection" and out.shape[-1] == vocab
+        return _perturb(out) if head and (rows > 1 or kernels.current_level() is not kernels.Level.WIDE) else out
+
+    kernels.divergence_seam = no_level_is_exact
+    try:
+        configure_bursts(engine, loaded, EngineSettings(draft=drafter))
+        while engine.probing:
+            engine.probe_step()
+    finally:
+        kernels.divergence_seam = None
+    assert engine.pairing is not None and engine.verdicts[engine.pairing].level is None
+
+
+def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))  # this test's declined verdict stays here
+    store_declined_verdict(tiny_model)
     out = tmp_path / "bench"
     args = build_parser().parse_args(
         [
-            "bench",
-            "--model",
-            str(tiny_model),
-            "--batch-sizes",
-            "1,2",
-            "--tokens",
-            "8",
-            "--prompt-tokens",
-            "8",
-            "--repeats",
-            "1",
-            "--process-pin",
-            "narrow",
-            "--drafters",
-            "prompt-lookup",
-            "--poisson-rate",
-            "20",
-            "--poisson-requests",
-            "4",
-            "--out",
-            str(out),
+            *("bench", "--model", str(tiny_model), "--batch-sizes", "1,2", "--tokens", "8", "--prompt-tokens", "8"),
+            *("--repeats", "7", "--process-pin", "narrow", "--drafters", "prompt-lookup", "--bandwidth-gbs", "100"),
+            *("--poisson-rate", "20", "--poisson-requests", "4", "--out", str(out)),
         ]
     )
-    assert isinstance(args, argparse.Namespace)
+    assert isinstance(args, argparse.Namespace) and args.bandwidth_gbs == 100.0
     assert args.func(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    measured = [x for x in printed if x.startswith("bench [")]
+    assert len(measured) == 7 * (5 + 4) and measured[-1].startswith(f"bench [{7 * 9}/{7 * 9}] B = 2, repeat 7/7")
+    assert printed[-1] == f"results in {out.resolve()}"
     names = {p.name for p in out.iterdir()}
     for stem in ("daemon_vs_raw", "b1_bursts", "poisson"):
         assert {f"{stem}.json", f"{stem}.md", f"{stem}.png"} <= names
     batched = json.loads((out / "daemon_vs_raw.json").read_text())
-    assert [r["batch"] for r in batched["rows"]] == [1, 2]
+    assert [r["batch"] for r in batched["rows"]] == [1, 2] and batched["meta"]["complete"] is True
     for r in batched["rows"]:
         assert r["raw_tok_s"] > 0 and r["daemon_tok_s"] > 0 and r["daemon_process_pin_tok_s"] > 0
         assert abs(r["ratio"] - r["daemon_tok_s"] / r["raw_tok_s"]) < 1e-9
+        assert r["reference_tok_s"] > 0
+    # every arm ran every repeat, in an order rotated each repeat
+    runs = batched["runs"]
+    assert len(runs) == 7 * (5 + 4)
+    firsts = {r["arm"] for r in runs if r["batch"] == 1 and r["position"] == 0}
+    assert firsts == {"raw", "engine", "daemon", "daemon_process_pin", "bursts:prompt-lookup"}
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])
     assert any(k.startswith("daemon_process_pin") for k in batched["meta"]["probe_seconds"])
     codes = batched["meta"]["daemon_exit_codes"]  # every daemon shut down cleanly on SIGTERM
     assert set(codes) >= {"daemon", "daemon_process_pin", "bursts:prompt-lookup"} and set(codes.values()) == {0}
-    b1 = json.loads((out / "b1_bursts.json").read_text())["rows"]
-    assert [r["drafter"] for r in b1] == ["classic (no drafter)", "prompt-lookup"]
-    assert b1[0]["tok_s"] == batched["rows"][0]["daemon_tok_s"]
+    b1 = json.loads((out / "b1_bursts.json").read_text())
+    classic, declined = b1["rows"]
+    assert [classic["drafter"], declined["drafter"]] == ["classic (no drafter)", "prompt-lookup"]
+    assert classic["tok_s"] == batched["rows"][0]["daemon_tok_s"]
+    # declined by construction: no round ran, and it reads 1.00 of classic within its spread
+    assert declined["status"] == "declined: verdict" and declined["rounds"] == 0 and declined["speedup"] is None
+    lo, hi = declined["vs_classic_spread"]
+    assert lo <= 1.0 <= hi and declined["alike"] is True, b1["runs"]
+    md = (out / "b1_bursts.md").read_text()
+    assert "| prompt-lookup |" in md and "declined: verdict (ratio" in md and "physical limit at B = 1" in md
     poisson = json.loads((out / "poisson.json").read_text())["result"]
     assert poisson["requests"] == 4 and poisson["daemon"] == "bursts:prompt-lookup"
     assert 0 < poisson["ttft_p50"] <= poisson["ttft_p99"]
-    assert "| prompt-lookup |" in (out / "b1_bursts.md").read_text()
+
+
+def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (what an outer ``timeout`` sends) while B = 3 is under way, delivered from inside the
+    engine arm so that it lands at a known point: the bench exits 143 after stopping its daemon,
+    the B = 1 tables stay, and the SIGTERM handler it found is back. That handler fails the test if
+    the bench left SIGTERM to it."""
+    from scheduler import spawn
+
+    started: list[spawn.DaemonProcess] = []
+
+    class Recorded(spawn.DaemonProcess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    engine_arm = bench.run_engine
+
+    def interrupted(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        if len(prompts) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return engine_arm(engine, prompts, max_tokens)
+
+    monkeypatch.setattr(spawn, "DaemonProcess", Recorded)
+    monkeypatch.setattr(bench, "run_engine", interrupted)
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(
+        [
+            *("bench", "--model", str(tiny_model), "--batch-sizes", "1,3", "--tokens", "4", "--prompt-tokens", "4"),
+            *("--repeats", "2", "--out", str(out)),
+        ]
+    )
+
+    def unhandled(signum: int, frame: Any) -> None:
+        raise AssertionError("the bench left SIGTERM to the handler it found")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            args.func(args)
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert len(started) == 1 and started[0].proc.poll() is not None  # the daemon was stopped on the way out
+    report = json.loads((out / "daemon_vs_raw.json").read_text())
+    assert [r["batch"] for r in report["rows"]] == [1] and report["meta"]["complete"] is False
+    assert {r["batch"] for r in report["runs"]} == {1}  # written when B = 1 finished, not after
+    assert "incomplete run: batch sizes [1] of [1, 3]" in (out / "daemon_vs_raw.md").read_text()
+    assert (out / "daemon_vs_raw.png").stat().st_size > 0
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no half-written file left
