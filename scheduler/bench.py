@@ -265,9 +265,16 @@ class Setup:
     context: int = 0
     #: Memory bandwidth for the physical reference; ``None`` omits it.
     gb_per_s: float | None = None
+    #: The raw arm runs only up to this B (``None``: at every B). On MLX CUDA its stock path costs
+    #: 30 s per run at B = 128 and is flat past B = 32.
+    raw_max_batch: int | None = None
+
+    def batched_arms(self, batch: int) -> list[str]:
+        """The arms measured at ``batch`` among ``arms``."""
+        return [a for a in self.arms if a != "raw" or self.raw_max_batch is None or batch <= self.raw_max_batch]
 
     def arms_at(self, batch: int) -> list[str]:
-        return [*self.arms, *(self.b1_arms if batch == 1 else ())]
+        return [*self.batched_arms(batch), *(self.b1_arms if batch == 1 else ())]
 
     def finished(self, samples: dict[tuple[str, int], list[float]]) -> list[int]:
         """The batch sizes whose every arm has all its repeats."""
@@ -298,11 +305,12 @@ def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> l
     rows = []
     for b in setup.finished(samples):
         row: dict[str, Any] = {"batch": b}
-        for arm in setup.arms:
+        arms = setup.batched_arms(b)
+        for arm in arms:
             row[f"{arm}_tok_s"] = statistics.median(samples[(arm, b)])
             row[f"{arm}_spread"] = spread(samples[(arm, b)])
         for key, arm, base in RATIOS:
-            if arm in setup.arms and base in setup.arms:
+            if arm in arms and base in arms:
                 row[key] = row[f"{arm}_tok_s"] / row[f"{base}_tok_s"]
                 row[f"{key}_spread"] = ratio_spread(samples[(arm, b)], samples[(base, b)])
         row["reference_tok_s"] = setup.reference(b)
@@ -311,7 +319,10 @@ def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> l
     return rows
 
 
-def _with_spread(value: float, lohi: list[float], fmt: str) -> str:
+def _with_spread(value: float | None, lohi: list[float] | None, fmt: str) -> str:
+    """``median (min-max)``, or ``-`` for an arm not run at that B."""
+    if value is None or lohi is None:
+        return "-"
     lo, hi = lohi
     return f"{value:{fmt}} ({lo:{fmt}}-{hi:{fmt}})"
 
@@ -329,15 +340,19 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
     def line(r: dict[str, Any]) -> str:
         cells = [str(r["batch"])]
-        cells += [_with_spread(r[f"{a}_tok_s"], r[f"{a}_spread"], ".1f") for a in ("raw", "engine", "daemon")]
-        cells += [_with_spread(r[k], r[f"{k}_spread"], ".3f") for k in ("ratio", "vs_engine")]
+        cells += [_with_spread(r.get(f"{a}_tok_s"), r.get(f"{a}_spread"), ".1f") for a in ("raw", "engine", "daemon")]
+        cells += [_with_spread(r.get(k), r.get(f"{k}_spread"), ".3f") for k in ("ratio", "vs_engine")]
         if pinned:
             cells.append(_with_spread(r["daemon_process_pin_tok_s"], r["daemon_process_pin_spread"], ".1f"))
             cells.append(_with_spread(r["process_pin_vs_scoped"], r["process_pin_vs_scoped_spread"], ".3f"))
         if roof:
             limit = r["reference_tok_s"]
             cells += [f"{limit:.0f}", f"{r['kv_bytes_per_step'] / 1e6:.3f}"]
-            cells.append(" / ".join(f"{r[f'{a}_tok_s'] / limit:.3f}" for a in ("raw", "engine", "daemon")))
+            cells.append(
+                " / ".join(
+                    f"{r[f'{a}_tok_s'] / limit:.3f}" if f"{a}_tok_s" in r else "-" for a in ("raw", "engine", "daemon")
+                )
+            )
         return "| " + " | ".join(cells) + " |"
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *(line(r) for r in rows)]
@@ -354,6 +369,8 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"({meta['kv_bytes_per_token']} bytes per token of context, mean context {meta['context']} tokens); "
             "B tokens per step."
         )
+    if meta.get("raw_max_batch") is not None:
+        notes.append(f"raw BatchGenerator measured up to B = {meta['raw_max_batch']} only (`--raw-max-batch`).")
     if not meta.get("complete", True):
         notes.append(f"incomplete run: batch sizes {meta.get('batches_done')} of {meta.get('batches')}.")
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
@@ -381,14 +398,15 @@ def write_report(
         ("daemon_process_pin", "^-", "daemon, process-wide pin"),
     ]
     for arm, style, label in arms:
-        if f"{arm}_tok_s" not in rows[0]:
+        have = [r for r in rows if f"{arm}_tok_s" in r]
+        if not have:
             continue
-        mid = [r[f"{arm}_tok_s"] for r in rows]
+        mid = [r[f"{arm}_tok_s"] for r in have]
         err = [
-            [m - r[f"{arm}_spread"][0] for m, r in zip(mid, rows)],
-            [r[f"{arm}_spread"][1] - m for m, r in zip(mid, rows)],
+            [m - r[f"{arm}_spread"][0] for m, r in zip(mid, have)],
+            [r[f"{arm}_spread"][1] - m for m, r in zip(mid, have)],
         ]
-        ax.errorbar(bs, mid, yerr=err, fmt=style, capsize=3, label=label)
+        ax.errorbar([r["batch"] for r in have], mid, yerr=err, fmt=style, capsize=3, label=label)
     if rows[0].get("reference_tok_s") is not None:
         ax.plot(bs, [r["reference_tok_s"] for r in rows], ":", color="grey", label="physical limit")
         ax.set_yscale("log")
@@ -593,6 +611,18 @@ def write_tables(
     return md
 
 
+def _memory_gib() -> dict[str, float]:
+    """MLX's active, cached and peak memory in this process, GiB."""
+    import mlx.core as mx
+
+    gib = 2.0**30
+    return {
+        "active": mx.get_active_memory() / gib,
+        "cache": mx.get_cache_memory() / gib,
+        "peak": mx.get_peak_memory() / gib,
+    }
+
+
 def _idle(engine: dict[str, Any]) -> bool:
     """Whether a daemon's engine is doing nothing: started, no probe queued or running, no sequence."""
     verdicts = engine.get("verdicts", {})
@@ -680,8 +710,10 @@ def _main(args: argparse.Namespace) -> int:
         kv_bytes_per_token=loaded.info.kv_bytes_per_token,
         context=args.prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
         gb_per_s=gb_per_s,
+        raw_max_batch=getattr(args, "raw_max_batch", None),
     )
     meta: dict[str, Any] = {
+        "raw_max_batch": setup.raw_max_batch,
         "model": args.model,
         "model_path": str(path),
         "device": str(mx.default_device()),
@@ -746,7 +778,17 @@ def _main(args: argparse.Namespace) -> int:
                     n, wall = run(arm, prompts, args.tokens)
                     samples.setdefault((arm, b), []).append(n / wall)
                     runs.append(
-                        {"batch": b, "repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall}
+                        {
+                            "batch": b,
+                            "repeat": rep,
+                            "position": position,
+                            "arm": arm,
+                            "tokens": n,
+                            "seconds": wall,
+                            # This process's MLX memory (raw and engine arms run here), for a run
+                            # that ends out of memory on a shared GPU.
+                            "bench_process_gib": _memory_gib(),
+                        }
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
                     done += 1

@@ -979,6 +979,12 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
         default=0.0,
         help="memory bandwidth in GB/s for the physical reference beside each row, e.g. 4800 for an H200; 0 = omit",
     )
+    p.add_argument(
+        "--raw-max-batch",
+        type=positive_int,
+        default=None,
+        help="run the raw BatchGenerator arm only up to this B (it is the slowest arm at large B); default: every B",
+    )
     p.set_defaults(func=local_command("bench", lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a)))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 
+from scheduler.engine_process import EngineProcess
 from scheduler.frontend import FrontEnd, FrontEndSettings
 from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
 
@@ -24,6 +25,9 @@ class DaemonSettings:
     model: str = "demo"
     context_length: int | None = None
     engine: EngineSettings = field(default_factory=EngineSettings)
+    #: Run the engine in its own process (``scheduler.engine_process``), so the front end's work
+    #: never competes with decode steps for one GIL; ``False`` keeps it on a thread of the daemon.
+    engine_process: bool = True
 
 
 def check_models(settings: DaemonSettings) -> None:
@@ -49,7 +53,9 @@ def serve(settings: DaemonSettings) -> int:
 
     check_models(settings)
 
-    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread:
+    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread | EngineProcess:
+        if settings.engine_process:
+            return EngineProcess(settings.model, settings.context_length, emit, settings.engine)
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
 
     # The front end hands the engine at most one batch's worth of sequences at a time.

@@ -62,12 +62,13 @@ from clients.protocol import (
     unpack,
 )
 from scheduler.admission import Limits, admit, prompt_ids
+from scheduler.engine_process import EngineHandle
 from scheduler.fairness import FairQueue
 from scheduler.metrics import Observations
 from scheduler.stopping import StopStrings
 from scheduler.tenants import LOCAL, Tenant, TenantsError, TenantTable, load_tenants, local_table
 from workers.engine import Finished, Job, StepInfo, Tokens
-from workers.loop import Dead, EngineThread, Ready, Signal, Stopped
+from workers.loop import Dead, Ready, Signal, Stopped
 from workers.models import ModelInfo
 
 log = logging.getLogger("mlx_batchd")
@@ -165,7 +166,7 @@ class FrontEnd:
     """Owns the socket and the request table; the engine thread owns everything MLX."""
 
     def __init__(
-        self, settings: FrontEndSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineThread]
+        self, settings: FrontEndSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineHandle]
     ) -> None:
         self.settings = settings
         self._make_engine = make_engine

@@ -162,6 +162,24 @@ def test_batched_rows_give_every_ratio_its_spread(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "daemon_vs_raw.json").read_text())["rows"][0]["ratio_spread"] == row["ratio_spread"]
 
 
+def test_raw_runs_only_up_to_its_max_batch_and_its_cells_read_not_run(tmp_path: Path) -> None:
+    """``--raw-max-batch``: above it the raw arm is not scheduled, the row still finishes, and the
+    table shows ``-`` for raw and daemon / raw instead of a figure from nowhere."""
+    arms = ("raw", "engine", "daemon")
+    setup = bench.Setup((4, 8), arms, repeats=1, raw_max_batch=4)
+    assert setup.arms_at(4) == ["raw", "engine", "daemon"] and setup.arms_at(8) == ["engine", "daemon"]
+    samples = {("raw", 4): [100.0], ("engine", 4): [200.0], ("daemon", 4): [190.0]}
+    samples.update({("engine", 8): [300.0], ("daemon", 8): [290.0]})
+    rows = bench.batched_rows(samples, setup)
+    assert [r["batch"] for r in rows] == [4, 8]
+    assert "ratio" not in rows[1] and "raw_tok_s" not in rows[1] and rows[1]["vs_engine"] == pytest.approx(290 / 300)
+    md = bench.write_tables(samples, setup, {"model": "m", "device": "cpu", "raw_max_batch": 4}, tmp_path)
+    (line,) = [x for x in md.splitlines() if x.startswith("| 8 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == "-" and cells[4] == "-" and cells[5].startswith("0.967")
+    assert "measured up to B = 4 only" in md
+
+
 def test_nothing_is_written_before_a_batch_size_finishes(tmp_path: Path) -> None:
     setup = bench.Setup((1,), ("raw", "daemon"), repeats=3)
     assert bench.write_tables(_samples({1: ["raw", "daemon"]}, 2), setup, {}, tmp_path) == ""

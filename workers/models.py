@@ -174,6 +174,18 @@ def _continuation_bpe_class() -> type:
     return ContinuationBPEDetokenizer
 
 
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer ``load`` gives for ``spec``, without the weights: for a process that serves
+    the model's text but runs no MLX (the daemon's front end when the engine has its own process)."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    path = resolve_model_path(spec)
+    config = read_config(path, spec)
+    tokenizer = mlx_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    keep_leading_space(tokenizer)
+    return tokenizer
+
+
 def load(spec: str, context_length: int | None = None) -> LoadedModel:
     """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
     from mlx_lm.utils import load as mlx_load
