@@ -82,6 +82,14 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_active_sequences", "Sequences in the engine", value=engine.get("active_sequences", 0)
         )
+        memory = GaugeMetricFamily(
+            f"{PREFIX}_mlx_memory_bytes",
+            "The engine's MLX memory: active (in arrays), cache (freed buffers kept for reuse), peak",
+            labels=["kind"],
+        )
+        for kind in ("active", "cache", "peak"):
+            memory.add_metric([kind], engine.get("memory", {}).get(f"{kind}_bytes", 0))
+        yield memory
         yield GaugeMetricFamily(
             f"{PREFIX}_batch_size", "Sequences in the decode batch", value=engine.get("batch_size", 0)
         )

@@ -101,3 +101,24 @@ def test_collateral_under_a_process_wide_pin(tiny_model: Path, tmp_path: Path) -
         assert any(name == "mlx_batchd_verdict_probe_seconds" and v > 0 for (name, _), v in after.items())
     finally:
         assert d.stop() == 0
+
+
+def test_an_idle_engine_gives_its_mlx_cache_back(tiny_model: Path, tmp_path: Path) -> None:
+    """After work, once idle, MLX's cache of freed buffers is emptied (other processes on the same
+    GPU need that memory), and the engine's MLX memory is in stats and in the exposition."""
+    port = _free_port()
+    d = start_daemon(tiny_model, tmp_path, "--metrics", f"127.0.0.1:{port}")
+    try:
+        with Client(d.address, timeout=120) as c:
+            c.generate(tokens=[5, 6, 7], max_tokens=40)
+            deadline = time.monotonic() + 30
+            while (memory := c.stats()["engine"]["memory"])["cache_bytes"] != 0:
+                assert time.monotonic() < deadline, memory
+                time.sleep(0.05)
+            assert memory["peak_bytes"] > 0 and memory["active_bytes"] > 0  # the weights, at least
+            time.sleep(0.6)  # the loop publishes a snapshot four times a second
+            scraped = _scrape(port)
+        assert scraped[("mlx_batchd_mlx_memory_bytes", (("kind", "cache"),))] == 0
+        assert scraped[("mlx_batchd_mlx_memory_bytes", (("kind", "peak"),))] == memory["peak_bytes"]
+    finally:
+        assert d.stop() == 0, d.log()

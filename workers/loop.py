@@ -110,6 +110,9 @@ class EngineSettings:
     #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
     #: each one stalls serving for a few forwards, so clients must not be able to queue them.
     tax_min_interval_s: float = 30.0
+    #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None`` keeps MLX's
+    #: default. Whatever the limit, the cache is emptied whenever the engine goes idle.
+    mlx_cache_limit_bytes: int | None = None
 
 
 def warm_up(engine: Engine) -> None:
@@ -145,6 +148,8 @@ class EngineThread:
         self._engine: Engine | None = None
         self._tax_at = time.monotonic()
         self._tax_measured_at: float | None = None
+        #: MLX has cached buffers from work since the engine was last idle.
+        self._cache_dirty = False
 
     def start(self) -> None:
         self._thread.start()
@@ -197,8 +202,10 @@ class EngineThread:
     def _serve(self) -> Stopped | Dead:
         """Load, warm up, announce ``Ready`` and run the loop; the final signal is the caller's to send."""
         try:
-            loaded = self._load()
             s = self._settings
+            if s.mlx_cache_limit_bytes is not None:
+                mx.set_cache_limit(s.mlx_cache_limit_bytes)
+            loaded = self._load()
             engine = Engine(
                 loaded.model,
                 eos_token_ids=loaded.info.eos_token_ids,
@@ -241,7 +248,10 @@ class EngineThread:
             faults.check_loop(iteration)
             events: list[Signal] = []
             tax_asked = False
-            for cmd in self._commands(block=not engine.has_work and not engine.probing):
+            idle = not engine.has_work and not engine.probing
+            if idle and self._cache_dirty:
+                self._release_cache()
+            for cmd in self._commands(block=idle):
                 if isinstance(cmd, _Submit):
                     engine.submit(cmd.job)
                 elif isinstance(cmd, _Cancel):
@@ -260,15 +270,25 @@ class EngineThread:
             if tax_asked:
                 self._measure_tax_on_demand(engine)
             if engine.has_work:
+                self._cache_dirty = True
                 events += engine.step()
             if events:
                 self._emit(events)
             # The probe runs a draw at a time, only while the engine is idle, so serving never
             # waits for it (a request arriving mid-draw waits for that one draw at most).
             if engine.probing and not engine.has_work:
+                self._cache_dirty = True
                 engine.probe_step()
             if self._settings.tax_interval_s and time.monotonic() - self._tax_at > self._settings.tax_interval_s:
                 self._measure_tax(engine)
+
+    def _release_cache(self) -> None:
+        """Give MLX's cached buffers back while nothing runs. They are the engine's own peak, kept
+        for reuse; on a GPU shared with other processes (other daemons, a benchmark) they are
+        memory those processes cannot have, and a daemon that had served large batches once kept
+        them for good. Emptying costs nothing while idle and the next step re-allocates."""
+        mx.clear_cache()
+        self._cache_dirty = False
 
     def _measure_tax_on_demand(self, engine: Engine) -> None:
         """Measure unless the last measurement is more recent than ``tax_min_interval_s``."""
@@ -311,6 +331,11 @@ class EngineThread:
             "verdicts": engine.verdict_summary(),
             "bursts": engine.burst_summary(),
             "pin_tax": engine.tax_summary(),
+            "memory": {
+                "active_bytes": mx.get_active_memory(),
+                "cache_bytes": mx.get_cache_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+            },
         }
 
 
