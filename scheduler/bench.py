@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -94,6 +94,14 @@ def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: in
         wall = time.perf_counter() - tic
         gen.close()
     return produced, wall
+
+
+STEP_COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds")
+
+
+def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:
+    """The engine's step counters from its stats (``stats.engine`` or ``asdict(counters)``)."""
+    return {k: engine_stats.get(k, 0) for k in STEP_COUNTERS}
 
 
 def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -756,6 +764,14 @@ def _main(args: argparse.Namespace) -> int:
                 return run_engine(engine, prompts, tokens)
             return run_daemon(clients[arm], prompts, tokens)
 
+        def counters(arm: str) -> dict[str, float] | None:
+            """The arm's engine step counters (``None`` for raw: mlx-lm keeps its own)."""
+            if arm == "raw":
+                return None
+            if arm == "engine":
+                return step_counters(asdict(engine.counters))
+            return step_counters(clients[arm].stats()["engine"])
+
         progress("bench: warming every arm up (untimed)")
         warm = _prompts(2, args.prompt_tokens, vocab, seed=99)
         for arm in setup.arms:
@@ -775,7 +791,9 @@ def _main(args: argparse.Namespace) -> int:
                 prompts = _prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
                 for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
                     wait_idle(clients)
+                    before_steps = counters(arm)
                     n, wall = run(arm, prompts, args.tokens)
+                    after_steps = counters(arm)
                     samples.setdefault((arm, b), []).append(n / wall)
                     runs.append(
                         {
@@ -788,6 +806,11 @@ def _main(args: argparse.Namespace) -> int:
                             # This process's MLX memory (raw and engine arms run here), for a run
                             # that ends out of memory on a shared GPU.
                             "bench_process_gib": _memory_gib(),
+                            # How the engine spent the run (steps, decode steps, their seconds): a
+                            # daemon slower than the engine alone shows here as more or slower steps.
+                            "engine_steps": None
+                            if before_steps is None or after_steps is None
+                            else {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS},
                         }
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory

@@ -252,6 +252,14 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     runs = batched["runs"]
     assert len(runs) == 7 * (5 + 4)
     firsts = {r["arm"] for r in runs if r["batch"] == 1 and r["position"] == 0}
+    # each engine-driven run's step counters: at least one decode step per token after the first
+    for r in runs:
+        steps = r["engine_steps"]
+        if r["arm"] == "raw":
+            assert steps is None
+        else:
+            assert steps["steps"] >= steps["decode_steps"] >= r["tokens"] / r["batch"] - 1, r
+            assert steps["step_seconds"] >= steps["decode_seconds"] > 0, r
     assert firsts == {"raw", "engine", "daemon", "daemon_process_pin", "bursts:prompt-lookup"}
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])

@@ -149,6 +149,10 @@ class EngineCounters:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    #: Every ``BatchGenerator`` step, prefill-only ones included (a decode step may carry a prefill
+    #: chunk too): with ``decode_steps``, how a run's time splits.
+    steps: int = 0
+    step_seconds: float = 0.0
     step_errors: int = 0
     peak_batch_size: int = 0
 
@@ -363,6 +367,8 @@ class Engine:
         if level is not Level.WIDE:
             self.ledger.record_seconds(level, "serving", False, time.perf_counter() - tic)
         self.counters.peak_batch_size = max(self.counters.peak_batch_size, self.batch_size())
+        self.counters.steps += 1
+        self.counters.step_seconds += time.perf_counter() - tic
         if decoding:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic
