@@ -38,12 +38,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     """Every test leaves the kernel module as it found it: no seam, wide, the measured widths."""
-    widths = dict(kernels._widths)
+    widths, measured = dict(kernels._widths), dict(kernels._measured)
     yield
     kernels.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
     kernels._widths.clear()
     kernels._widths.update(widths)
+    kernels._measured.clear()
+    kernels._measured.update(measured)
 
 
 def _load(path: Path) -> Any:
@@ -118,7 +120,7 @@ def test_injected_divergence_no_level_fixes_is_declined(models: dict[str, Path])
     model = _load(models["qwen3-tiny"])
     verdict = _probe(model)
     assert verdict.level is None and not verdict.exact and verdict.reason.startswith("declined")
-    assert [lr.level for lr in verdict.ladder] == ["wide", "narrow", "per-query"]
+    assert [lr.level for lr in verdict.ladder] == ["wide", "narrow", "per-query", "per-query-1"]
     inexact = _probe(model, policy=ProbePolicy(allow_inexact=True))
     assert (inexact.level, inexact.exact) == ("wide", False)
     pinned = _probe(model, policy=ProbePolicy(pinned_level=Level.NARROW))

@@ -1,20 +1,26 @@
 """Kernel levels: buying back exactness for a verify block, scoped to that one forward.
 
 A speculative verify runs T > 1 tokens through the target in one forward. Whether its logits are
-byte-equal to T single-token decode steps depends on the backend's kernels (see FACTS.md): wide
+byte-equal to T single-token decode steps depends on the backend's kernels: wide
 matmuls may reduce in a different order than ``M = 1``, and multi-query masked attention differs
 from decode's single-query, mask-free call, and even from it over a differently laid-out cache.
 
-Levels, cheapest first:
+Levels (the ladder), cheapest first:
 
 - ``wide``: MLX's own dispatch.
-- ``narrow``: every projection on more rows than its measured width ``W`` runs in row chunks of at
-  most ``W`` (the widest chunk the backend computes row-exactly for that shape and dtype), so
-  every row takes the reduction order of decode.
+- ``narrow``: every projection on more rows than its width ``W`` runs in row chunks of at most
+  ``W``. ``W`` starts at the width measured at load on random inputs (``measure_widths``) and is
+  then calibrated on the probe's own activations (``capturing`` + ``calibrate``): a width that
+  does not hold on the rows a real block feeds that module is narrowed until it does.
 - ``per-query``: narrow, plus attention computed one query at a time *through the cache's own
   update path*: each of the block's tokens is written to the cache as decode would write it, and
   attends with decode's single-query, mask-free call over exactly the view decode would get. The
   cache's physical order and memory layout are decode's by construction, rotating caches included.
+- ``per-query-1``: per-query with every projection on one row per call, in decode's own call
+  shape. Every projection and attention call of the block is then the very call decode makes for
+  that row, so no width is involved, measured or calibrated; what still runs on the block's rows
+  together are the per-row operations between them (norms, RoPE, activations, residual adds). The
+  probe verifies this rung like the others.
 
 A level applies to the graph built while it is in force. MLX is lazy, so what matters is which
 level was current when a forward *built* its graph; the engine thread builds every graph, so a
@@ -27,6 +33,7 @@ The projection and attention entry points of MLX and mlx-lm are patched once (``
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -47,17 +54,38 @@ class Level(StrEnum):
     WIDE = "wide"
     NARROW = "narrow"
     PER_QUERY = "per-query"
+    PER_QUERY_1 = "per-query-1"
+
+    @property
+    def per_query(self) -> bool:
+        """Whether attention runs one query at a time through the cache's update path."""
+        return self in (Level.PER_QUERY, Level.PER_QUERY_1)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether projections run in chunks of a per-module width (calibrated by the probe)."""
+        return self in (Level.NARROW, Level.PER_QUERY)
 
 
-LADDER: tuple[Level, ...] = (Level.WIDE, Level.NARROW, Level.PER_QUERY)
+LADDER: tuple[Level, ...] = (Level.WIDE, Level.NARROW, Level.PER_QUERY, Level.PER_QUERY_1)
 
 #: Row counts tried when measuring a projection's row-exact width.
 MAX_MEASURED_WIDTH = 16
 
+#: KV capacity growth, in tokens, of the single-sequence caches the probe and bursts use (mlx-lm
+#: grows ``KVCache`` in steps of 256). Each growth re-allocates the buffer, so the views a chain and
+#: a block attend over change layout at different moments; with this step a sequence's views keep
+#: one layout until its context crosses a multiple of 4,096 tokens. The price is memory: every
+#: single-sequence cache holds at least 4,096 positions. Batched caches keep mlx-lm's step.
+LAYOUT_STEP = 4096
+
 _scoped: ContextVar[Level | None] = ContextVar("mlx_batchd_scoped_level", default=None)
 _process_level: Level = Level.WIDE
-#: Row-exact width per projection module (by id), filled by ``measure_widths``.
+#: Width per projection module (by id) that ``narrow`` and ``per-query`` chunk to: the load-time
+#: measurement, narrowed where the probe's calibration found it does not hold.
 _widths: dict[int, int] = {}
+#: The load-time measurement alone (``measure_widths``), which every probe starts from.
+_measured: dict[int, int] = {}
 
 
 def current_level() -> Level:
@@ -104,36 +132,95 @@ def set_process_level(level: Level) -> None:
 
 #: TEST SEAM. When set, called as ``seam(kind, out, rows)`` on every projection output
 #: (``kind="projection"``, rows = rows computed in one kernel call) and every attention output
-#: (``kind="attention"``, rows = queries in one call) and its return value is used instead. Tests
-#: use it to inject the divergences that MLX's CPU backend does not produce, e.g. "perturb any
-#: projection computed on more than 4 rows at once" (fixed by narrow) or "perturb multi-query
-#: attention" (fixed by per-query). Never set in production.
+#: (``kind="attention"``, rows = queries in one call) and its return value is used instead; while
+#: it runs, ``seam_call`` says which call it is looking at (the projection module and its input
+#: rows, or the attention's queries), so a test can make a divergence depend on the data, as
+#: real kernels' byte differences do. Tests use it to inject the divergences that MLX's CPU
+#: backend does not produce, e.g. "perturb any projection computed on more than 4 rows at once"
+#: (fixed by narrow) or "perturb multi-query attention" (fixed by per-query). Never set in production.
 divergence_seam: Callable[[str, mx.array, int], mx.array] | None = None
 
 
-def _seam(kind: str, out: mx.array, rows: int) -> mx.array:
+@dataclass(frozen=True)
+class SeamCall:
+    """The call ``divergence_seam`` is looking at: the projection module (``None`` for attention)
+    and the call's input as the kernel got it (projection rows, or attention queries)."""
+
+    module: Any
+    inputs: mx.array
+
+
+#: Set only while ``divergence_seam`` runs.
+seam_call: SeamCall | None = None
+
+
+def _seam(kind: str, out: mx.array, rows: int, module: Any = None, inputs: mx.array | None = None) -> mx.array:
+    global seam_call
     seam = divergence_seam
-    return out if seam is None else seam(kind, out, rows)
+    if seam is None:
+        return out
+    seam_call = SeamCall(module, out if inputs is None else inputs)
+    try:
+        return seam(kind, out, rows)
+    finally:
+        seam_call = None
 
 
 # --------------------------------------------------------------------------- narrow projections
 
 
-def _rows_chunked(call: Callable[..., mx.array], width: int, x: mx.array, *extra: mx.array) -> mx.array:
-    """``call(x, *extra)`` computed on at most ``width`` rows at a time.
+@dataclass
+class CapturedCall:
+    """One projection call of a pinned forward on several rows, kept for calibration: the rows
+    flattened (``rows``, with any per-row ``extra`` inputs such as MoE expert indices) and the rank
+    of the leading dimensions mlx-lm called it with (decode's call has ones there)."""
 
-    Rows are the flattened leading dimensions of ``x`` (and of each of ``extra``, e.g. MoE expert
-    indices, which share them); the last dimension is the feature dimension.
-    """
-    lead = x.shape[:-1]
-    n = 1
-    for d in lead:
-        n *= d
-    flat = x.reshape(n, x.shape[-1])
-    flat_extra = [e.reshape(n, *e.shape[len(lead) :]) for e in extra]
-    parts = [call(flat[i : i + width], *(e[i : i + width] for e in flat_extra)) for i in range(0, n, width)]
-    out = mx.concatenate(parts, axis=0)
-    return out.reshape(*lead, *out.shape[1:])
+    module: Any
+    original: Callable[..., mx.array]
+    rows: mx.array
+    extra: tuple[mx.array, ...]
+    kwargs: dict[str, Any]
+    lead_rank: int
+
+
+_capture: ContextVar[list[CapturedCall] | None] = ContextVar("mlx_batchd_capture", default=None)
+
+
+@contextmanager
+def capturing(calls: list[CapturedCall] | None = None) -> Iterator[list[CapturedCall]]:
+    """Record into ``calls`` (a new list when none is given) every projection call on several rows
+    built inside the block at a calibrated level, so ``calibrate`` can check its width on them."""
+    calls = [] if calls is None else calls
+    token = _capture.set(calls)
+    try:
+        yield calls
+    finally:
+        _capture.reset(token)
+
+
+def _chunked(
+    module: Any,
+    original: Callable[..., mx.array],
+    width: int,
+    rows: mx.array,
+    extra: tuple[mx.array, ...],
+    kwargs: dict[str, Any],
+    lead_rank: int,
+) -> mx.array:
+    """``original`` over ``rows`` (flattened) in calls of at most ``width`` rows; returns the
+    outputs stacked on one leading row axis. A one-row call is made in decode's own shape (ones
+    for every leading dimension), so it is the very call classic decode makes for that row."""
+    n = rows.shape[0]
+    parts = []
+    for i in range(0, n, width):
+        m = min(width, n - i)
+        xs, es = rows[i : i + m], [e[i : i + m] for e in extra]
+        if m == 1:
+            ones = (1,) * lead_rank
+            xs, es = xs.reshape(*ones, xs.shape[-1]), [e.reshape(*ones, *e.shape[1:]) for e in es]
+        out = _seam("projection", original(module, xs, *es, **kwargs), m, module, xs)
+        parts.append(out.reshape(1, *out.shape[lead_rank:]) if m == 1 else out)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
 def _rows(x: mx.array) -> int:
@@ -141,26 +228,31 @@ def _rows(x: mx.array) -> int:
 
 
 def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """Wrap a projection method: at narrow or above, chunk rows to the module's measured width."""
+    """Wrap a projection method: above wide, several rows run in chunks of the module's width
+    (one row at ``per-query-1``); one row is always decode's call, as mlx-lm makes it."""
 
     def call(self: Any, x: mx.array, *extra: Any, **kwargs: Any) -> mx.array:
         rows = _rows(x)
-        if current_level() is Level.WIDE:
+        level = current_level()
+        if level is Level.WIDE:
             # One row (classic B = 1 decode) or MoE experts (they route their rows themselves): as
             # mlx-lm calls it, with as little Python as possible on the per-token path.
             if rows == 1 or extra or kwargs:
                 out = original(self, x, *extra, **kwargs)
-                return out if divergence_seam is None else divergence_seam("projection", out, rows)
+                return out if divergence_seam is None else _seam("projection", out, rows, self, x)
             out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
-            return _seam("projection", out, kernel_rows)
-        width = _widths.get(id(self), 1)
-        if rows <= width:
-            return _seam("projection", original(self, x, *extra, **kwargs), rows)
-
-        def one(xs: mx.array, *es: mx.array) -> mx.array:
-            return _seam("projection", original(self, xs, *es, **kwargs), xs.shape[0])
-
-        return _rows_chunked(one, width, x, *extra)
+            return out if divergence_seam is None else _seam("projection", out, kernel_rows, self, x)
+        if rows == 1:
+            return _seam("projection", original(self, x, *extra, **kwargs), 1, self, x)
+        width = 1 if level is Level.PER_QUERY_1 else _widths.get(id(self), 1)
+        lead = x.shape[:-1]
+        flat = x.reshape(rows, x.shape[-1])
+        flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
+        calls = _capture.get()
+        if calls is not None and width > 1:
+            calls.append(CapturedCall(self, original, flat, flat_extra, kwargs, len(lead)))
+        out = _chunked(self, original, width, flat, flat_extra, kwargs, len(lead))
+        return out.reshape(*lead, *out.shape[1:])
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
     return call
@@ -230,20 +322,14 @@ def _per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array
         views = cache.views if isinstance(cache, PerQueryCache) else None
         if views is None:
             keys, values = fastpath.attention_inputs(keys, values)
-            return _seam(
-                "attention", original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs), queries.shape[2]
-            )
+            out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
+            return _seam("attention", out, queries.shape[2], None, queries)
         real = cache._cache
-        outs = [
-            _seam(
-                "attention",
-                original(
-                    queries[:, :, i : i + 1], *fastpath.attention_inputs(k, v), real, scale=scale, mask=None, **kwargs
-                ),
-                1,
-            )
-            for i, (k, v) in enumerate(views)
-        ]
+        outs = []
+        for i, (k, v) in enumerate(views):
+            q = queries[:, :, i : i + 1]
+            out = original(q, *fastpath.attention_inputs(k, v), real, scale=scale, mask=None, **kwargs)
+            outs.append(_seam("attention", out, 1, None, q))
         return mx.concatenate(outs, axis=2)
 
     sdpa.__wrapped__ = original  # type: ignore[attr-defined]
@@ -374,8 +460,104 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
                 width = m
             report.widths[sig] = width
             for mid in by_sig[sig]:
-                _widths[mid] = width
+                _widths[mid] = _measured[mid] = width
     return report
+
+
+# --------------------------------------------------------------------------- calibrating widths
+
+
+def calibrate(calls: list[CapturedCall]) -> dict[int, tuple[int, int]]:
+    """Check each captured call's width on the rows it was actually given, and narrow it where it
+    does not hold: the widest ``w`` no wider than the module's width (and its row count) whose
+    chunked calls are byte-equal to one-row calls in decode's shape on those rows (``W = 1`` when
+    none is). Returns ``{module id: (width before, width after)}`` for every module narrowed.
+
+    A width measured at load holds on the random rows it was measured on; whether a kernel's
+    multi-row call reduces like its one-row call can depend on the data, so the probe verifies each
+    width on the rows of the draw it is used for."""
+    todo = [c for c in calls if _widths.get(id(c.module), 1) > 1 and c.rows.shape[0] > 1]
+
+    def outputs(c: CapturedCall, width: int) -> mx.array:
+        return _chunked(c.module, c.original, width, c.rows, c.extra, c.kwargs, c.lead_rank)
+
+    singles = [outputs(c, 1) for c in todo]
+    tops = [min(_widths.get(id(c.module), 1), c.rows.shape[0]) for c in todo]
+    holds = _all_bytes_equal([(outputs(c, top), one) for c, top, one in zip(todo, tops, singles, strict=True)])
+    narrowed: dict[int, tuple[int, int]] = {}
+    for c, top, one, ok in zip(todo, tops, singles, holds, strict=True):
+        if ok:
+            continue
+        width = next((w for w in range(top - 1, 1, -1) if bytes_equal(outputs(c, w), one)), 1)
+        mid = id(c.module)
+        before = narrowed.get(mid, (_widths[mid], width))[0]
+        _widths[mid] = min(_widths[mid], width)
+        narrowed[mid] = (before, _widths[mid])
+    return narrowed
+
+
+def _all_bytes_equal(pairs: list[tuple[mx.array, mx.array]]) -> list[bool]:
+    """``bytes_equal`` for many pairs, read back from the device once."""
+    flags = [
+        mx.all(bytes_view(a) == bytes_view(b)) if a.shape == b.shape and a.dtype == b.dtype else mx.array(False)
+        for a, b in pairs
+    ]
+    return [bool(f) for f in mx.stack(flags).tolist()] if flags else []  # type: ignore[union-attr]
+
+
+def _projections(model: Any) -> Iterator[tuple[str, nn.Module]]:
+    """(path, module) for every projection of ``model`` that has a measured width."""
+    for path, module in model.named_modules():
+        if id(module) in _measured:
+            yield path, module
+
+
+def reset_widths(model: Any) -> None:
+    """Back to the load-time widths, which every probe starts from."""
+    for _, module in _projections(model):
+        _widths[id(module)] = _measured[id(module)]
+
+
+def widths_by_path(model: Any) -> dict[str, int]:
+    """The widths ``narrow`` and ``per-query`` run with, by module path (what a verdict stores)."""
+    return {path: _widths[id(module)] for path, module in _projections(model)}
+
+
+def apply_widths(model: Any, widths: dict[str, int]) -> None:
+    """Serve with a verdict's widths: the load-time ones, with the verdict's in their place."""
+    reset_widths(model)
+    for path, module in _projections(model):
+        if path in widths:
+            _widths[id(module)] = widths[path]
+
+
+def every_width_one(model: Any) -> bool:
+    """Whether every projection runs one row per call at ``narrow``: then ``per-query`` is ``per-query-1``."""
+    return all(_widths.get(id(module), 1) == 1 for _, module in _projections(model))
+
+
+# --------------------------------------------------------------------------- cache layout
+
+
+def stabilize_layout(cache: list[Any] | None) -> None:
+    """Give a single sequence's KV caches a growth step of ``LAYOUT_STEP`` tokens, so the chain's
+    and the block's views keep one layout through a draw or a burst (mlx-lm's caches read
+    ``self.step``; an instance attribute overrides the class's 256). Rotating caches and batched
+    caches are left as they are."""
+    if cache is None:
+        return
+    growing = _growing_cache_types()
+    for c in cache:
+        if isinstance(c, growing) and c.step != LAYOUT_STEP:  # type: ignore[attr-defined]
+            c.step = LAYOUT_STEP  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _growing_cache_types() -> tuple[type, ...]:
+    """mlx-lm's single-sequence caches that grow by ``step`` (imported on first use: mlx-lm is slow to import)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    return (KVCache, QuantizedKVCache)
 
 
 def bytes_equal(a: mx.array, b: mx.array) -> bool:

@@ -5,6 +5,10 @@ the forward's graph was built, whether that forward asked for it (a scoped pin) 
 from the process (``--pin-scope process``), and how many token rows it carried. A forward at a
 non-wide level that did not ask for it is **collateral**: work that paid a pin it did not need.
 With scoped pins collateral is zero by construction; the counters prove it.
+
+``CountedModel`` also gives every single-sequence forward's KV caches a layout-stable growth step
+(``kernels.stabilize_layout``): a burst's verify and its classic steps then see one buffer layout
+for the whole burst. Batched forwards' caches are left as mlx-lm makes them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.kernels import Level, current_level, in_scoped_pin, process_scope, scoped, wrap_caches
+from workers.kernels import (
+    Level,
+    current_level,
+    in_scoped_pin,
+    process_scope,
+    scoped,
+    stabilize_layout,
+    wrap_caches,
+)
 
 _purpose: ContextVar[str] = ContextVar("mlx_batchd_forward_purpose", default="serving")
 
@@ -80,7 +92,10 @@ class CountedModel:
     def _prepare(self, inputs: Any, cache: Any) -> Any:
         level = current_level()
         self.ledger.record_forward(level, _purpose.get(), in_scoped_pin(), int(inputs.size))
-        if level is Level.PER_QUERY and cache is not None and inputs.shape[0] == 1 and inputs.shape[1] > 1:
+        if cache is None or inputs.shape[0] != 1:
+            return cache
+        stabilize_layout(cache)  # a single sequence's own caches (batched ones are not KVCache)
+        if level.per_query and inputs.shape[1] > 1:
             return wrap_caches(cache)
         return cache
 

@@ -3,17 +3,22 @@
 For a pairing (target, drafter, K drafted tokens) the verify forward runs a block of ``K + 1``
 tokens (the last accepted token and K drafts). The probe compares the **chain** (``K + 1``
 single-token forwards, classic decode, always wide) with the **block** (one forward at a kernel
-level) on fresh caches built as serving builds them, byte for byte over every position's full
-logit row. Draws are chosen where divergences hide: short prompts, a block that crosses a
-KV-cache capacity boundary (caches grow in steps of 256), and a long context past the sliding
-window (or >= 1024 tokens).
+level) on fresh caches built as serving builds them, with a layout-stable growth step
+(``kernels.LAYOUT_STEP``, as bursts get), byte for byte over every position's full logit row.
+Draws are chosen where divergences hide: short prompts, a block whose keys run 255 -> 256 -> 257
+(mlx-lm's capacity step, where kernels have shown key-length effects), and a long context past the
+sliding window (or >= 1024 tokens).
 
 Classic decode is run twice first: a draw whose chain does not reproduce is ``nondeterministic``
 and is declined unless the operator accepts "no worse than classic's own variation".
 
-The ladder tries wide, narrow, per-query; the verdict is the cheapest exact level, or declined
-(fail closed). Verdicts are memoised by a fingerprint of everything that can change the answer and
-persisted as JSON.
+The ladder tries wide, narrow, per-query, per-query-1; the verdict is the cheapest exact rung, or
+declined (fail closed). At narrow and per-query every draw's block is run with its projections'
+inputs captured, and each width is verified on those rows (``kernels.calibrate``): a width that
+does not hold is narrowed and the block run again, so the widths a verdict carries held on the
+probe's own activations. When calibration has left every projection at one row, per-query is
+per-query-1 and is reported as that rung. Verdicts (with their widths) are memoised by a
+fingerprint of everything that can change the answer and persisted as JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,16 +39,19 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from workers import kernels
 from workers.arrays import as_int
-from workers.kernels import LADDER, Level, bytes_equal, install, scoped, wrap_caches
+from workers.kernels import LADDER, LAYOUT_STEP, MAX_MEASURED_WIDTH, Level, bytes_equal, install, scoped, wrap_caches
 
 log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 SHORT_PROMPT = 8
 CAPACITY_STEP = 256
 LONG_CONTEXT = 1024
+#: Block runs per draw at most while calibration still narrows widths (they only ever narrow).
+MAX_CALIBRATION_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class DrawResult:
     accepted_as_classic_variation: bool = False
     seconds: float = 0.0
     first_divergence: str | None = None
+    #: Projections whose width this draw's calibration narrowed (the block was then run again).
+    narrowed: int = 0
 
 
 @dataclass
@@ -74,6 +85,10 @@ class LevelResult:
     exact: bool
     draws: list[DrawResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: Calibration at this rung: module path -> [width before, width after].
+    narrowed: dict[str, list[int]] = field(default_factory=dict)
+    #: Why the rung was not run (its draws are then empty).
+    skipped: str | None = None
 
 
 @dataclass
@@ -89,6 +104,11 @@ class Verdict:
     probe_seconds: float
     created: float = field(default_factory=time.time)
     from_cache: bool = False
+    #: The ladder as configured, cheapest first (``ladder`` holds the rungs that were reached).
+    rungs: list[str] = field(default_factory=list)
+    #: Width per projection path that narrow and per-query serve with (empty when no calibrated
+    #: rung ran): the load-time widths as calibrated on the probe's activations.
+    widths: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,8 +123,30 @@ class Verdict:
             _check(lr, _LEVEL_FIELDS, f"verdict.ladder[{i}]")
             for j, d in enumerate(lr["draws"]):
                 _check(d, _DRAW_FIELDS, f"verdict.ladder[{i}].draws[{j}]")
-            ladder.append(LevelResult(lr["level"], lr["exact"], [DrawResult(**d) for d in lr["draws"]], lr["seconds"]))
-        return cls(**{**data, "ladder": ladder})
+            draws = [DrawResult(**d) for d in lr["draws"]]
+            ladder.append(LevelResult(**{**lr, "draws": draws}))
+        verdict = cls(**{**data, "ladder": ladder})
+        verdict._check_consistent()
+        return verdict
+
+    def _check_consistent(self) -> None:
+        """``ValueError`` unless the fields agree with each other as the probe writes them: the
+        rungs reached are the ladder's first ones, in order; a level is a rung that ran (and passed,
+        if the verdict says exact); widths are stored exactly when a calibrated rung ran, so a
+        verdict at narrow or per-query never serves with widths its draws did not check."""
+        reached = [lr.level for lr in self.ladder]
+        if reached != self.rungs[: len(reached)]:
+            raise ValueError(f"the rungs reached {reached} are not the first of the ladder {self.rungs}")
+        if any(lr.skipped and lr.draws for lr in self.ladder):
+            raise ValueError("a skipped rung has draws")
+        ran = {lr.level: lr for lr in self.ladder if not lr.skipped}
+        if self.level is not None and self.level not in ran:
+            raise ValueError(f"the verdict's level {self.level} is not a rung that ran")
+        if self.exact and (self.level is None or not ran[self.level].exact):
+            raise ValueError("an exact verdict without an exact rung")
+        calibrated = any(Level(lr.level).calibrated and lr.draws for lr in self.ladder)
+        if calibrated != bool(self.widths):
+            raise ValueError("widths are stored exactly when a calibrated rung ran")
 
 
 # What a stored verdict may hold, field by field: the persisted form is checked, never trusted.
@@ -135,6 +177,25 @@ def _is_list(v: Any) -> bool:
     return isinstance(v, list)
 
 
+def _is_width(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_MEASURED_WIDTH
+
+
+def _is_widths(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_width(w) for k, w in v.items())
+
+
+def _is_narrowed(v: Any) -> bool:
+    def pair(p: Any) -> bool:
+        return isinstance(p, list) and len(p) == 2 and all(_is_width(w) for w in p) and p[1] < p[0]
+
+    return isinstance(v, dict) and all(isinstance(k, str) and pair(p) for k, p in v.items())
+
+
+def _is_levels(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_level(x) for x in v)
+
+
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
@@ -151,12 +212,15 @@ _DRAW_FIELDS: dict[str, Callable[[Any], bool]] = {
     "accepted_as_classic_variation": _is_bool,
     "seconds": _is_seconds,
     "first_divergence": _optional(_is_str),
+    "narrowed": _is_count,
 }
 _LEVEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "level": _is_level,
     "exact": _is_bool,
     "draws": _is_list,
     "seconds": _is_seconds,
+    "narrowed": _is_narrowed,
+    "skipped": _optional(_is_str),
 }
 _VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "fingerprint": _is_str,
@@ -168,6 +232,8 @@ _VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "probe_seconds": _is_seconds,
     "created": _is_seconds,
     "from_cache": _is_bool,
+    "rungs": _is_levels,
+    "widths": _is_widths,
 }
 
 
@@ -250,15 +316,53 @@ def run_chain(model: Any, make_cache: MakeCache, draw: Draw, width: int) -> tupl
     return mx.stack(rows), fed
 
 
-def run_block(model: Any, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level) -> mx.array:
-    """One forward over ``tokens`` at ``level`` on a freshly prefilled cache."""
+def run_block(
+    model: Any,
+    make_cache: MakeCache,
+    draw: Draw,
+    tokens: list[int],
+    level: Level,
+    calls: list[kernels.CapturedCall] | None = None,
+) -> mx.array:
+    """One forward over ``tokens`` at ``level`` on a freshly prefilled cache; with ``calls``, the
+    block's own projection calls (never the prefill's) are captured into it for calibration."""
     cache = make_cache()
     _prefill(model, cache, draw.prompt[:-1])
-    with scoped(level):
-        layers = wrap_caches(cache) if level is Level.PER_QUERY else cache
+    with scoped(level), kernels.capturing(calls) if calls is not None else nullcontext():
+        layers = wrap_caches(cache) if level.per_query else cache
         logits = model(mx.array([tokens]), cache=layers)[0]
         mx.eval(logits)
     return logits
+
+
+def run_calibrated_block(
+    model: Any, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level
+) -> tuple[mx.array, dict[int, tuple[int, int]]]:
+    """``run_block`` at a calibrated level, with every width verified on the rows this block feeds
+    its module: where one does not hold it is narrowed and the block run again (narrower widths
+    change the activations downstream, so until a run narrows nothing). Returns the block's logits
+    and ``{module id: (width before, width after)}`` for the modules narrowed."""
+    narrowed: dict[int, tuple[int, int]] = {}
+    for _ in range(MAX_CALIBRATION_PASSES):
+        calls: list[kernels.CapturedCall] = []
+        block = run_block(model, make_cache, draw, tokens, level, calls)
+        changed = kernels.calibrate(calls)
+        if not changed:
+            return block, narrowed
+        for mid, (before, after) in changed.items():
+            narrowed[mid] = (narrowed.get(mid, (before, after))[0], after)
+    return run_block(model, make_cache, draw, tokens, level), narrowed
+
+
+def layout_stable(make_cache: MakeCache) -> MakeCache:
+    """``make_cache`` whose caches grow in ``LAYOUT_STEP`` tokens, as a burst's caches do."""
+
+    def make() -> list[Any]:
+        cache = make_cache()
+        kernels.stabilize_layout(cache)
+        return cache
+
+    return make
 
 
 def compare(chain: mx.array, block: mx.array) -> tuple[int | None, int, int]:
@@ -354,7 +458,7 @@ def localize(
         _prefill(model, cache, draw.prompt[:-1])
         hooks.store.clear()
         with scoped(level):
-            model(mx.array([tokens]), cache=wrap_caches(cache) if level is Level.PER_QUERY else cache)
+            model(mx.array([tokens]), cache=wrap_caches(cache) if level.per_query else cache)
         block = {k: v[:] for k, v in hooks.store.items()}
     finally:
         restore()
@@ -384,25 +488,43 @@ def ladder_steps(
 ) -> Generator[str, None, LadderOutcome]:
     """The ladder, one draw per step: yields a label before each draw and returns
     (level or None, exact, reason, per-level results). The engine drives it a step at a time
-    between batched steps; ``run_ladder`` drives it to the end."""
+    between batched steps; ``run_ladder`` drives it to the end. Widths start from the load-time
+    measurement and are calibrated at each calibrated rung (they stay narrowed for later rungs)."""
     install()
+    make_cache = layout_stable(make_cache)
+    kernels.reset_widths(model)
+    paths = {id(m): path for path, m in model.named_modules()}
     width = k + 1
     baselines: dict[str, tuple[mx.array, list[int], int]] = {}
     if policy.pinned_level is not None:
         levels = (policy.pinned_level,)
     results: list[LevelResult] = []
-    for level in levels:
+    for i, level in enumerate(levels):
         lr = LevelResult(level.value, exact=True)
+        if level is Level.PER_QUERY and Level.PER_QUERY_1 in levels[i + 1 :] and kernels.every_width_one(model):
+            lr.exact, lr.skipped = False, "calibration left every projection at one row: this is per-query-1"
+            results.append(lr)
+            continue
         tic_level = time.perf_counter()
-        for draw in draws:
-            yield f"{level.value}: {draw.name}"
+        queue, ran = list(draws), set[str]()
+        while queue:
+            draw = queue.pop(0)
+            yield f"{level.value}: {draw.name}" + (" (again, with narrowed widths)" if draw.name in ran else "")
+            ran.add(draw.name)
             tic = time.perf_counter()
             if draw.name not in baselines:
                 chain1, fed = run_chain(model, make_cache, draw, width)
                 chain2, _ = run_chain(model, make_cache, draw, width)
                 baselines[draw.name] = (chain1, fed, compare(chain1, chain2)[1])
             chain, fed, classic_var = baselines[draw.name]
-            block = run_block(model, make_cache, draw, fed, level)
+            narrowed: dict[int, tuple[int, int]] = {}
+            if level.calibrated:
+                block, narrowed = run_calibrated_block(model, make_cache, draw, fed, level)
+            else:
+                block = run_block(model, make_cache, draw, fed, level)
+            for mid, (before, after) in narrowed.items():
+                path = paths.get(mid, str(mid))
+                lr.narrowed[path] = [lr.narrowed.get(path, [before])[0], after]
             first, diff, total = compare(chain, block)
             dr = DrawResult(
                 draw.name,
@@ -412,6 +534,7 @@ def ladder_steps(
                 differing_bytes=diff,
                 total_bytes=total,
                 chain_vs_chain_bytes=classic_var,
+                narrowed=len(narrowed),
             )
             if classic_var:
                 dr.nondeterministic = True
@@ -420,6 +543,11 @@ def ladder_steps(
             if not dr.exact and first is not None and policy.localize:
                 dr.first_divergence = localize(model, make_cache, draw, fed, level, first)
             dr.seconds = time.perf_counter() - tic
+            if narrowed and lr.draws and (dr.exact or dr.accepted_as_classic_variation):
+                # The rung's earlier draws passed with wider widths: the widths a verdict carries
+                # must hold on every draw, so the rung starts over with these.
+                lr.draws, queue = [], list(draws)
+                continue
             lr.draws.append(dr)
             if not (dr.exact or dr.accepted_as_classic_variation):
                 lr.exact = False
@@ -435,12 +563,13 @@ def ladder_steps(
                     "no worse than classic decode's own run-to-run variation (operator policy)",
                     results,
                 )
-            return level, True, "exact at every draw", results
-    last = results[-1].draws[-1]
+            return level, True, "exact at every draw" + _calibration_note(results), results
+    last = next(lr for lr in reversed(results) if lr.draws).draws[-1]
+    failed = next(lr for lr in reversed(results) if lr.draws).level
     why = (
         f"classic decode is not reproducible at draw {last.draw} ({last.chain_vs_chain_bytes} bytes differ chain vs chain)"
         if last.nondeterministic
-        else f"no level is exact: at {results[-1].level}, draw {last.draw} position {last.first_position} "
+        else f"no level is exact: at {failed}, draw {last.draw} position {last.first_position} "
         f"differs in {last.differing_bytes} of {last.total_bytes} logit bytes"
     )
     if policy.pinned_level is not None:
@@ -453,6 +582,13 @@ def ladder_steps(
     if policy.allow_inexact:
         return Level.WIDE, False, f"--allow-inexact: bursts run at wide, marked inexact ({why})", results
     return None, False, f"declined: {why}", results
+
+
+def _calibration_note(results: list[LevelResult]) -> str:
+    narrowed = {path for lr in results for path in lr.narrowed}
+    if not narrowed:
+        return ""
+    return f"; {len(narrowed)} projection widths narrowed by calibration on the probe's activations"
 
 
 def drive(steps: Generator[str, None, Any], progress: Callable[[str], None] | None = None) -> Any:
@@ -555,23 +691,36 @@ def probe_steps(
 ) -> Generator[str, None, Verdict]:
     """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
     the drafter and the backend), from the store when its fingerprint is known, else measured a
-    draw per step."""
+    draw per step. Either way the verdict's widths are what narrow and per-query serve with after it."""
     full = {
         **pairing,
         "k": k,
         "policy": {k2: str(v) for k2, v in asdict(policy).items()},
         "draws": [(d.name, len(d.prompt)) for d in draws],
+        "layout_step": LAYOUT_STEP,
     }
     fp = pairing_fingerprint(full)
     if store is not None and not force:
         cached = store.get(fp)
         if cached is not None:
+            kernels.apply_widths(model, cached.widths)
             return cached
     tic = time.perf_counter()
-    level, exact, reason, ladder = yield from ladder_steps(model, make_cache, draws, k, policy)
+    rungs = (policy.pinned_level,) if policy.pinned_level is not None else LADDER
+    level, exact, reason, ladder = yield from ladder_steps(model, make_cache, draws, k, policy, rungs)
     verdict = Verdict(
-        fp, full, None if level is None else level.value, exact, reason, ladder, time.perf_counter() - tic
+        fp,
+        full,
+        None if level is None else level.value,
+        exact,
+        reason,
+        ladder,
+        time.perf_counter() - tic,
+        rungs=[r.value for r in rungs],
     )
+    if any(Level(lr.level).calibrated and lr.draws for lr in ladder):
+        verdict.widths = kernels.widths_by_path(model)
+    kernels.apply_widths(model, verdict.widths)
     if store is not None:
         store.put(verdict)
     return verdict
@@ -597,8 +746,13 @@ def probe(
 
 
 def iter_table(verdict: Verdict) -> Iterator[tuple[str, str, str, str, str]]:
-    """Rows of (level, result, first position, draw, seconds) for printing."""
+    """Rows of (level, result, first position, draw, seconds) for printing: every rung reached,
+    in ladder order, the winning one marked ``(won)``."""
+    deciding = _deciding_rung(verdict)
     for lr in verdict.ladder:
+        name = f"{lr.level} (won)" if lr is deciding else lr.level
+        if lr.skipped:
+            yield name, f"skipped: {lr.skipped}", "-", "-", "0.00"
         for d in lr.draws:
             if d.exact:
                 result = "exact"
@@ -608,8 +762,47 @@ def iter_table(verdict: Verdict) -> Iterator[tuple[str, str, str, str, str]]:
                 result = f"{d.differing_bytes} / {d.total_bytes} B differ"
             if d.first_divergence:
                 result += f" (first: {d.first_divergence})"
+            if d.narrowed:
+                result += f" (calibration narrowed {d.narrowed} projection widths)"
             pos = "-" if d.first_position is None else str(d.first_position)
-            yield lr.level, result, pos, f"{d.draw} ({d.context} tok)", f"{d.seconds:.2f}"
+            yield name, result, pos, f"{d.draw} ({d.context} tok)", f"{d.seconds:.2f}"
+
+
+def _deciding_rung(verdict: Verdict) -> LevelResult | None:
+    """The rung that passed and gave the verdict its level (``None`` when none did: declined, or a
+    level the operator forced onto a rung that differs)."""
+    return next((lr for lr in verdict.ladder if lr.level == verdict.level and lr.exact and not lr.skipped), None)
+
+
+def ladder_line(verdict: Verdict) -> str:
+    """One line for people: every rung of the ladder and how it ended, e.g.
+    ``wide: differs -> narrow: differs -> per-query: skipped -> per-query-1: exact (won)``."""
+    reached = {lr.level: lr for lr in verdict.ladder}
+    deciding = _deciding_rung(verdict)
+    parts = []
+    for rung in verdict.rungs or [lr.level for lr in verdict.ladder]:
+        lr = reached.get(rung)
+        if lr is None:
+            state = "not needed" if verdict.exact else "not run"
+        elif lr.skipped:
+            state = "skipped"
+        elif lr.exact:
+            state = "exact" if verdict.exact else "accepted"
+        elif any(d.nondeterministic for d in lr.draws):
+            state = "classic not reproducible"
+        else:
+            state = "differs"
+        parts.append(f"{rung}: {state}" + (" (won)" if lr is not None and lr is deciding else ""))
+    return " -> ".join(parts)
+
+
+def narrowed_widths(verdict: Verdict) -> dict[str, list[int]]:
+    """Every projection the probe's calibration narrowed: path -> [load-time width, served width]."""
+    out: dict[str, list[int]] = {}
+    for lr in verdict.ladder:
+        for path, (before, after) in lr.narrowed.items():
+            out[path] = [out.get(path, [before])[0], after]
+    return out
 
 
 # --------------------------------------------------------------------------- serving's pairing
