@@ -115,6 +115,17 @@ def int_list(lo: int = 1) -> Callable[[str], str]:
     return parse
 
 
+def http_address(text: str) -> str:
+    """An argparse ``type``: ``HOST:PORT`` for ``--http`` (port 0 picks a free one)."""
+    from scheduler.http_auth import split_host_port
+
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+    return text
+
+
 def host_port(text: str) -> str:
     """An argparse ``type``: ``HOST:PORT`` (``:PORT`` alone means 127.0.0.1) with a port in 1..65535."""
     _, sep, port = text.rpartition(":")
@@ -386,6 +397,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mb * 2**20),
         max_inflight_per_client=args.max_inflight_per_client,
         max_unsent_per_client=args.max_unsent_per_client,
+        http=args.http,
+        http_body_timeout_s=args.http_body_timeout,
     )
     engine = EngineSettings(
         max_batch=args.max_batch,
@@ -425,6 +438,22 @@ def _keys(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CommandError(f"cannot write keys to {directory}: {exc.strerror or exc}") from None
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
+def _keys_new_api(args: argparse.Namespace) -> int:
+    """``keys new-api NAME``: a fresh HTTP API key, printed once, and the tenants.toml line holding its
+    hash. The key itself is stored nowhere: whoever loses it makes a new one."""
+    from scheduler.http_auth import key_digest, new_api_key
+
+    name = args.name
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise CommandError(f"NAME {name!r} must be a tenant name of letters, digits, '_' and '-'")
+    key = new_api_key()
+    print(f"API key for tenant {name} (shown only now; give it to its user, keep it secret):")
+    print(f"  {key}")
+    print(f"Add its hash to [tenants.{name}] in the tenants file, then reload (kill -HUP) or restart:")
+    print(f'  api_keys_sha256 = ["{key_digest(key)}"]')
     return 0
 
 
@@ -852,7 +881,11 @@ def _add_serve(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--max-queued", type=positive_int, default=1024, help="requests waiting for a slot before `busy`")
     p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
     p.add_argument("--curve-secret", default=None, help="the daemon's CURVE secret key file")
-    p.add_argument("--insecure", action="store_true", help="allow tcp:// without authentication (not recommended)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow tcp:// or a non-loopback --http without authentication (not recommended)",
+    )
     p.add_argument(
         "--kv-budget-mb",
         type=non_negative_float,
@@ -873,6 +906,18 @@ def _add_serve(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument(
         "--metrics", type=host_port, default=None, help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)"
+    )
+    p.add_argument(
+        "--http",
+        type=http_address,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on HOST:PORT (e.g. 127.0.0.1:8000; docs/http.md)",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds an HTTP client has to send its request body (then 408)",
     )
     _add_probe_policy(p)
     p.set_defaults(func=local_command("serve", _serve))
@@ -927,6 +972,9 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
     k.add_argument("--dir", default=".")
     k.add_argument("--force", action="store_true", help="replace an existing pair of that name")
     k.set_defaults(func=local_command("keys", _keys))
+    k = keys.add_parser("new-api", help="print a fresh HTTP API key once, and the tenants.toml line with its hash")
+    k.add_argument("name", help="the tenant the key is for")
+    k.set_defaults(func=local_command("keys", _keys_new_api))
 
     p = sub.add_parser("demo", help="start a daemon on the demo model and run concurrent jobs through it")
     p.add_argument("--model", default="demo")

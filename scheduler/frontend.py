@@ -12,6 +12,11 @@ cancel. A connection that does not read fast enough gets back-pressure, not a cu
 is bounded (``max_unsent_per_client``), what does not fit waits in an outbox, in order, and its
 sequences are paused in the engine until the outbox drains.
 
+In-process connections (``open_local``, used by the HTTP front door in ``scheduler.http_api``) enter
+the same request table, fair queue and limits: their events go into a bounded memory stream instead
+of the socket, with the same outbox and pausing when their reader falls behind, and closing one is a
+disconnect.
+
 ZeroMQ's asyncio integration needs anyio's asyncio backend; the daemon always runs on it.
 """
 
@@ -36,7 +41,7 @@ from typing import Any, cast
 import anyio
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from zmq.utils.monitor import parse_monitor_message
 
 from clients.address import ipc_path, unsafe_reason
@@ -121,6 +126,10 @@ class FrontEndSettings:
     kv_budget_bytes: int = 0
     #: Requests one connection may have in flight (waiting or decoding) before ``busy``.
     max_inflight_per_client: int = 256
+    #: ``HOST:PORT`` for the OpenAI-compatible HTTP front door (``docs/http.md``), or ``None``.
+    http: str | None = None
+    #: Seconds an HTTP client has to send its whole request body before ``408``.
+    http_body_timeout_s: float = 30.0
 
 
 class ConfigError(Exception):
@@ -130,6 +139,37 @@ class ConfigError(Exception):
 class BindError(ConfigError):
     """An address the daemon cannot take (in use, in a folder others control, unparsable). Raised
     before the engine starts, so nothing is left running; the command line exits 1 for it."""
+
+
+#: Outgoing messages waiting in an outbox: packed frames for ZeroMQ connections, the maps themselves
+#: for in-process ones.
+_Outgoing = bytes | dict[str, Any]
+
+
+class LocalConnection:
+    """An in-process connection to the front end (the HTTP front door uses one per request).
+
+    Its requests go through exactly the ZeroMQ path (tenant limits, fair queue, admission, stop
+    strings, metrics), and ``events`` yields the same maps a ZeroMQ client would receive, one per
+    message. Its routing id starts with a zero byte and is 17 bytes long: ZeroMQ's own ids for peers
+    are 5 bytes and a peer's chosen id may not start with zero, so no socket peer can ever share it.
+    ``close`` is a disconnect: what is still in flight ends ``disconnected`` and frees its slot."""
+
+    def __init__(self, front: FrontEnd, tenant: str, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
+        self.id = b"\x00" + os.urandom(16)
+        self.tenant = tenant
+        self.events = events
+        self._front = front
+
+    def submit(self, req: Submit) -> None:
+        self._front._local_submit(self, req)
+
+    def cancel(self, rid: str) -> None:
+        self._front._local_cancel(self, rid)
+
+    def close(self) -> None:
+        self._front._close_local(self.id, "its in-process client closed it")
+        self.events.close()
 
 
 @dataclass
@@ -196,7 +236,10 @@ class FrontEnd:
         self._fd_of: dict[bytes, int] = {}
         self._client_on: dict[int, bytes] = {}
         #: Messages that did not fit a client's ZeroMQ queue, oldest first; their clients are paused.
-        self._outbox: dict[bytes, deque[bytes]] = {}
+        self._outbox: dict[bytes, deque[_Outgoing]] = {}
+        #: In-process connections (``open_local``) and the streams their messages go into.
+        self._local: dict[bytes, MemoryObjectSendStream[dict[str, Any]]] = {}
+        self._http_url = ""
         self._paused: set[bytes] = set()
         #: Connections that said they read ``batch`` messages (``Submit.batch``).
         self._batching: set[bytes] = set()
@@ -225,14 +268,17 @@ class FrontEnd:
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._monitor = self._open_monitor(ctx, sock)
-        auth = metrics_server = None
+        auth = metrics_server = http_sock = None
         try:
             self._table = self._load_table()
             auth = self._secure(ctx, sock)
             self._bind(sock)
             metrics_server = self._serve_metrics()
-            return await self._serve()
+            http_sock = self._bind_http()
+            return await self._serve(http_sock)
         finally:
+            if http_sock is not None:
+                http_sock.close()
             if metrics_server is not None:
                 metrics_server.shutdown()
             if auth is not None:
@@ -243,7 +289,7 @@ class FrontEnd:
             ctx.term()
             self._unlink_ipc()
 
-    async def _serve(self) -> int:
+    async def _serve(self, http_sock: socket.socket | None = None) -> int:
         loop = asyncio.get_running_loop()
         # Engine events reach the loop through a stream read by a task: anyio's task APIs (which
         # ``_dispatch`` uses) need a task's context, never a bare ``call_soon_threadsafe`` callback.
@@ -266,7 +312,11 @@ class FrontEnd:
             if self.settings.metrics is not None:
                 tg.start_soon(self._publish_stats)
             tg.start_soon(self._shutdown_when_asked)
+            if http_sock is not None:
+                self._http_stop, self._http_done = anyio.Event(), anyio.Event()
+                tg.start_soon(self._serve_http, http_sock)
             await self._engine_done.wait()  # set once the engine stopped or died
+            await self._stop_http(http_sock)
             tg.cancel_scope.cancel()
         # It has released its MLX state by now; let it finish before the interpreter may exit.
         await anyio.to_thread.run_sync(self._engine.join, 10.0)
@@ -295,7 +345,94 @@ class FrontEnd:
                 f"refusing to listen on {s.listen} without authentication: give --tenants and --curve-secret "
                 "(CURVE keys from `mlx-batchd keys new NAME`), or --insecure to accept anyone who can connect"
             )
+        if s.http is not None:
+            from scheduler.http_auth import exposure_problem
+
+            problem = exposure_problem(s.http, table.authenticated, s.insecure)
+            if problem is not None:
+                raise ConfigError(problem)
+            if exposure_problem(s.http, table.authenticated, False) is not None:
+                log.warning(
+                    "!!! INSECURE: --http %s has no authentication; anyone who can connect can submit jobs", s.http
+                )
         return table
+
+    def _bind_http(self) -> socket.socket | None:
+        """Take the HTTP address (before the engine starts: a bad or busy one is a ``BindError``)."""
+        if self.settings.http is None:
+            return None
+        from scheduler.http_server import bind, url_of
+
+        try:
+            sock = bind(self.settings.http)
+        except (ValueError, OSError) as exc:
+            raise BindError(f"--http {self.settings.http}: {exc}") from None
+        self._http_url = url_of(sock)
+        return sock
+
+    async def _serve_http(self, sock: socket.socket) -> None:
+        from scheduler.http_server import serve
+
+        try:
+            await serve(self, sock, self._http_stop)
+        finally:
+            self._http_done.set()
+
+    async def _stop_http(self, sock: socket.socket | None, within: float = 3.0) -> None:
+        """Let the HTTP server hand its last answers (the ``shutdown`` ends) to its clients and close."""
+        if sock is None:
+            return
+        self._http_stop.set()
+        with anyio.move_on_after(within):
+            await self._http_done.wait()
+
+    # ------------------------------------------------------------------ in-process connections
+
+    @property
+    def status(self) -> str:
+        """``loading``, ``ready`` or ``shutting_down``."""
+        return self._status
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer once ready (for the event loop and worker threads, never MLX)."""
+        return self._tokenizer
+
+    @property
+    def tenant_table(self) -> TenantTable:
+        """The tenants in force now (replaced on SIGHUP)."""
+        return self._table
+
+    def open_local(self, tenant: str) -> LocalConnection:
+        """A new in-process connection whose requests belong to ``tenant`` (checked at each submit,
+        so a tenant removed by a reload is refused like a revoked CURVE key)."""
+        send, receive = anyio.create_memory_object_stream[dict[str, Any]](self.settings.max_unsent_per_client)
+        conn = LocalConnection(self, tenant, receive)
+        self._local[conn.id] = send
+        return conn
+
+    def _local_submit(self, conn: LocalConnection, req: Submit) -> None:
+        if conn.id not in self._local:
+            raise RuntimeError("submit on a closed local connection")
+        tenant = self._table.tenants.get(conn.tenant)
+        if tenant is None:
+            exc = ProtocolError(ErrorCode.UNAUTHORIZED, f"tenant {conn.tenant!r} no longer exists", req.id)
+            self._refuse_message(conn.id, exc, {"type": MsgType.SUBMIT.value})
+            return
+        self._on_submit(conn.id, tenant, req)
+
+    def _local_cancel(self, conn: LocalConnection, rid: str) -> None:
+        tenant = self._table.tenants.get(conn.tenant)
+        if tenant is not None and conn.id in self._local:
+            self._on_cancel(tenant, conn.id, Cancel(rid))
+
+    def _close_local(self, client: bytes, why: str) -> None:
+        if client in self._local:
+            self._drop_client(client, why)
 
     def _secure(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> Any:
         """CURVE on the socket and a ZAP handler that admits only keys of configured tenants."""
@@ -510,6 +647,9 @@ class FrontEnd:
         self._outbox.pop(client, None)
         self._paused.discard(client)
         self._batching.discard(client)
+        local = self._local.pop(client, None)
+        if local is not None:
+            local.close()
         mine = [t for t in self._by_key.values() if t.client == client]
         if not mine:
             return
@@ -568,10 +708,14 @@ class FrontEnd:
         its own sends; a send through a second (shadow) socket object would swallow that edge and
         leave new requests unread while the daemon streams tokens.
         """
-        self._poll_connections()
-        if client not in self._fd_of:
-            return  # gone: its requests were ended when that was noticed
-        frame = pack(msg)
+        frame: _Outgoing
+        if client in self._local:
+            frame = msg  # in-process: the map itself, nothing to encode
+        else:
+            self._poll_connections()
+            if client not in self._fd_of:
+                return  # gone: its requests were ended when that was noticed
+            frame = pack(msg)
         box = self._outbox.get(client)
         if box is not None:
             box.append(frame)
@@ -583,8 +727,20 @@ class FrontEnd:
         elif result == "gone":
             self._drop_client(client, "a send found no connection")
 
-    def _try_send(self, client: bytes, frame: bytes) -> str:
-        """``sent``, ``full`` (its ZeroMQ queue is at the high-water mark) or ``gone``."""
+    def _try_send(self, client: bytes, frame: _Outgoing) -> str:
+        """``sent``, ``full`` (its ZeroMQ queue is at the high-water mark, or its in-process stream
+        is full) or ``gone``."""
+        if isinstance(frame, dict):
+            local = self._local.get(client)
+            if local is None:
+                return "gone"
+            try:
+                local.send_nowait(frame)
+            except anyio.WouldBlock:
+                return "full"
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return "gone"
+            return "sent"
         sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, frame], flags=zmq.NOBLOCK))
         exc = sent.exception() if sent.done() else None
         if exc is None:
@@ -675,6 +831,8 @@ class FrontEnd:
                 self._tg.start_soon(self._receive)
                 log.info("ready: model %s on %s", sig.info.name, self.settings.listen)
                 print(f"mlx-batchd ready: model {sig.info.name} listening on {self.settings.listen}", flush=True)
+                if self.settings.http is not None:
+                    print(f"mlx-batchd http: OpenAI-compatible API at {self._http_url}/v1", flush=True)
             elif isinstance(sig, Stopped):
                 self._end_all_pending(ErrorCode.SHUTDOWN, "the daemon is shutting down")
                 self._engine_done.set()

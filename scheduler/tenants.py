@@ -4,6 +4,7 @@ A tenants file is TOML, one table per tenant::
 
     [tenants.alice]
     keys = ["keys/alice.key"]     # CURVE public key files (relative to this file) or Z85 strings
+    api_keys_sha256 = ["..."]     # SHA-256 hex digests of HTTP API keys (`mlx-batchd keys new-api NAME`)
     weight = 1.0                  # share of the decode slots under contention
     priority_ceiling = 0          # highest `priority` a request may ask for
     max_concurrent = 8            # sequences decoding at once
@@ -16,13 +17,15 @@ A tenants file is TOML, one table per tenant::
 
 Without a file every request belongs to the single tenant ``local``, the local operator. The file
 is re-read on SIGHUP: new keys and limits apply to new requests, and revoked keys are refused from
-then on. Every number is range-checked (NaN and infinities included), so a typo cannot make every
-fair-share comparison false or a limit unbounded.
+then on. A tenant needs at least one CURVE key or API key hash; the file holds only hashes of API
+keys, so reading it never reveals a key. Every number is range-checked (NaN and infinities
+included), so a typo cannot make every fair-share comparison false or a limit unbounded.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ _UNLIMITED = 1 << 62
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "keys": list,
+    "api_keys_sha256": list,
     "weight": (int, float),
     "priority_ceiling": int,
     "max_concurrent": int,
@@ -57,6 +61,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 class TenantsError(ValueError):
     """A tenants file that cannot be used, with what to fix."""
 
@@ -65,6 +72,8 @@ class TenantsError(ValueError):
 class Tenant:
     name: str
     keys: frozenset[str] = frozenset()  # Z85 public keys
+    #: SHA-256 hex digests of the tenant's HTTP API keys (lowercase).
+    api_key_hashes: frozenset[str] = frozenset()
     weight: float = 1.0
     priority_ceiling: int = 0
     max_concurrent: int = _UNLIMITED
@@ -94,6 +103,13 @@ class TenantTable:
     def by_key(self, z85_key: str) -> Tenant | None:
         for tenant in self.tenants.values():
             if z85_key in tenant.keys:
+                return tenant
+        return None
+
+    def by_api_key_hash(self, digest: str) -> Tenant | None:
+        """The tenant holding this SHA-256 hex digest of an HTTP API key."""
+        for tenant in self.tenants.values():
+            if digest in tenant.api_key_hashes:
                 return tenant
         return None
 
@@ -143,10 +159,25 @@ def _tenant(name: str, spec: Any, path: Path) -> Tenant:
         if key in _RANGES:
             _check_number(where, key, spec[key])
     keys = frozenset(_read_key(k, path.parent, where) for k in spec.get("keys", []))
-    if not keys:
-        raise TenantsError(f"{where} needs at least one key in `keys`")
-    values = {k: v for k, v in spec.items() if k != "keys"}
-    return Tenant(name=name, keys=keys, **values)
+    hashes = frozenset(_api_key_hash(h, where) for h in spec.get("api_keys_sha256", []))
+    if not keys and not hashes:
+        raise TenantsError(
+            f"{where} needs at least one key: a CURVE key in `keys` or an API key hash in `api_keys_sha256`"
+        )
+    values = {k: v for k, v in spec.items() if k not in ("keys", "api_keys_sha256")}
+    return Tenant(name=name, keys=keys, api_key_hashes=hashes, **values)
+
+
+def _api_key_hash(entry: object, where: str) -> str:
+    """A SHA-256 hex digest (64 hex digits). A key pasted where its hash belongs is refused, so a key
+    never sits in the file by mistake."""
+    if not isinstance(entry, str) or not _SHA256_HEX.fullmatch(entry.lower()):
+        shown = "a string" if isinstance(entry, str) else repr(entry)
+        raise TenantsError(
+            f"{where}.api_keys_sha256 holds {shown} that is not a SHA-256 hex digest (64 hex digits); "
+            "paste the line `mlx-batchd keys new-api NAME` prints, never the key itself"
+        )
+    return entry.lower()
 
 
 def load_tenants(path: Path) -> TenantTable:
@@ -161,7 +192,7 @@ def load_tenants(path: Path) -> TenantTable:
     tenants = {name: _tenant(name, spec, path) for name, spec in section.items()}
     owners: dict[str, str] = {}
     for t in tenants.values():
-        for k in t.keys:
+        for k in (*t.keys, *t.api_key_hashes):
             if k in owners:
                 raise TenantsError(f"{path}: key {k[:8]}... belongs to both {owners[k]!r} and {t.name!r}")
             owners[k] = t.name

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``.
+
+Each generation request opens one in-process connection to the front end
+(``FrontEnd.open_local``), submits one wire ``Submit`` on it and turns the wire events back into
+OpenAI objects, so it meets the tenants, fair queue, limits, bursts and metrics of a ZeroMQ request.
+The answer waits for the request's first event: a refusal (busy, too long, draining) is then still
+an HTTP status, not an error inside a 200 stream. A client that goes away, before or during its
+answer, closes the connection, which ends the request ``disconnected`` and frees its slot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from scheduler.frontend import HARD_FRAME_FACTOR
+from scheduler.http_auth import tenant_for
+from scheduler.http_openai import HTTPError, Parsed, from_protocol, parse_body, with_tokens
+from scheduler.http_shapes import DONE, Reply, sse
+
+if TYPE_CHECKING:
+    from scheduler.frontend import FrontEnd, LocalConnection
+
+#: Bodies up to this multiple of the limit are read and answered 413; larger ones are answered at
+#: once and the connection closed, as ZeroMQ frames are.
+HARD_BODY_FACTOR = HARD_FRAME_FACTOR
+#: Seconds between SSE comment lines on a quiet stream (a long queue), so proxies keep it open.
+PING_S = 15.0
+
+
+def error_response(err: HTTPError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class _Stream(EventSourceResponse):
+    """An SSE answer that owns its connection: it is closed however the response ends, also when
+    the client leaves before the first chunk is sent (the body generator never ran then)."""
+
+    def __init__(self, content: AsyncIterator[bytes], conn: LocalConnection) -> None:
+        super().__init__(content, ping=PING_S, sep="\n")
+        self._conn = conn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._conn.close()
+
+
+class Api:
+    def __init__(self, front: FrontEnd) -> None:
+        self.front = front
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------------ plain routes
+
+    async def health(self, request: Request) -> Response:
+        info = self.front.model_info
+        status = self.front.status
+        body = {"status": status, "model": info.name if info is not None else None}
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
+
+    async def models(self, request: Request) -> Response:
+        self._tenant(request)
+        name = self._ready().name
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "mlx-batchd"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(self, request: Request) -> Response:
+        self._tenant(request)
+        name = self._ready().name
+        if request.path_params["model_id"] != name:
+            raise HTTPError(
+                404, f"the model {request.path_params['model_id']!r} does not exist", code="model_not_found"
+            )
+        return JSONResponse({"id": name, "object": "model", "created": self.started, "owned_by": "mlx-batchd"})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # ------------------------------------------------------------------ checks
+
+    def _ready(self) -> Any:
+        info = self.front.model_info
+        if self.front.status == "shutting_down":
+            raise HTTPError(503, "the daemon is shutting down", code="shutdown", kind="service_unavailable_error")
+        if info is None:
+            raise HTTPError(
+                503, "the model is still loading", code="loading", kind="service_unavailable_error",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        return info
+
+    def _tenant(self, request: Request) -> str:
+        tenant = tenant_for(self.front.tenant_table, request.headers)
+        if tenant is None:
+            raise HTTPError(
+                401,
+                "missing or invalid API key: send `Authorization: Bearer KEY` with a key of your tenant",
+                code="invalid_api_key",
+                kind="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return tenant.name
+
+    async def _body(self, request: Request) -> Any:
+        """The JSON body, within the size limit (413) and the time limit (408)."""
+        limit = self.front.settings.max_frame_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = HTTPError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > HARD_BODY_FACTOR * limit:
+            too_large.headers["Connection"] = "close"
+            raise too_large
+        chunks, size = [], 0
+        timeout = self.front.settings.http_body_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > HARD_BODY_FACTOR * limit:
+                        too_large.headers["Connection"] = "close"
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(
+                408, f"the request body did not arrive within {timeout:g} s", code="timeout",
+                headers={"Connection": "close"},
+            ) from None  # fmt: skip
+        if size > limit:
+            raise too_large
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise HTTPError(400, f"the request body is not valid JSON: {exc}", code="malformed") from None
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        tenant = self._tenant(request)
+        info = self._ready()
+        body = await self._body(request)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        parsed = parse_body(body, chat=chat, model=info.name, rid=rid)
+        if parsed.template_kwargs:
+            parsed = await self._render(parsed, info)
+        reply = Reply(
+            chat=chat,
+            rid=rid,
+            model=info.name,
+            created=int(time.time()),
+            tokenizer=self.front.tokenizer,
+            logprobs=parsed.submit.logprobs,
+            include_usage=parsed.include_usage and parsed.stream,
+        )
+        conn = self.front.open_local(tenant)
+        streaming = False
+        try:
+            conn.submit(parsed.submit)
+            got = await self._read(conn, request, whole=not parsed.stream)
+            if got is None:
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            if got[-1]["type"] != "token":
+                self._raise_for(got[-1], parsed, chat)
+            if not parsed.stream:
+                return JSONResponse(reply.whole(got))
+            streaming = True
+            return _Stream(self._chunks(conn, reply, got[0]), conn)
+        finally:
+            if not streaming:
+                conn.close()  # a stream's response closes it when the stream ends
+
+    async def _render(self, parsed: Parsed, info: Any) -> Parsed:
+        """Chat template variables (``chat_template_kwargs``) need the template rendered here; the
+        same tokenizer call as the front end's, with the variables added."""
+        if not info.has_chat_template:
+            raise HTTPError(400, f"model {info.name!r} has no chat template", param="messages", code="no_chat_template")
+        messages, kwargs, tokenizer = parsed.submit.messages, parsed.template_kwargs, self.front.tokenizer
+
+        def render() -> list[int]:
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+
+        try:
+            ids = await anyio.to_thread.run_sync(render)
+        except Exception as exc:
+            raise HTTPError(
+                400, f"the chat template rejected the request: {exc}", param="chat_template_kwargs", code="bad_field"
+            ) from None
+        return with_tokens(parsed, ids)
+
+    @staticmethod
+    def _raise_for(msg: dict[str, Any], parsed: Parsed, chat: bool) -> None:
+        """A request that ended in an error before any answer was sent: its HTTP status."""
+        err = msg.get("error") or {}
+        if msg["type"] == "end" and not err:
+            return
+        code = str(err.get("code") or msg.get("code") or "engine_error")
+        message = str(err.get("message") or msg.get("message") or code)
+        raise from_protocol(
+            code, message, chat=chat, max_tokens_field=parsed.max_tokens_field, retry_after_s=err.get("retry_after_s")
+        )
+
+    @staticmethod
+    async def _read(conn: LocalConnection, request: Request, *, whole: bool) -> list[dict[str, Any]] | None:
+        """The first event (``whole`` False) or every event up to the end; ``None`` if the client
+        disconnected first."""
+        got: list[dict[str, Any]] = []
+        gone = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            async for msg in conn.events:
+                got.append(msg)
+                if not whole or msg["type"] != "token":
+                    break
+            tg.cancel_scope.cancel()
+        return None if gone or not got else got
+
+    async def _chunks(self, conn: LocalConnection, reply: Reply, first: dict[str, Any]) -> AsyncIterator[bytes]:
+        opening = reply.first_chunk()
+        if opening is not None:
+            yield sse(opening)
+        msg: dict[str, Any] | None = first
+        while msg is not None:
+            if msg["type"] == "token":
+                chunk = reply.token_chunk(msg)
+                if chunk is not None:
+                    yield sse(chunk)
+            else:
+                err = msg.get("error") if msg["type"] == "end" else msg
+                if err:
+                    code = str(err.get("code") or "engine_error")
+                    yield sse(from_protocol(code, str(err.get("message") or code), chat=reply.chat).body())
+                else:
+                    for chunk in reply.final_chunks(msg):
+                        yield sse(chunk)
+                yield DONE
+                return
+            try:
+                msg = await conn.events.receive()
+            except anyio.EndOfStream:
+                msg = None
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPError)
+    return error_response(exc)
+
+
+async def _starlette_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(HTTPError(500, f"internal error: {exc!r}", code="internal_error", kind="server_error"))
+
+
+def build_app(front: FrontEnd) -> Starlette:
+    api = Api(front)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+    ]
+    handlers = {HTTPError: _http_error, HTTPException: _starlette_error, Exception: _server_error}
+    return Starlette(routes=routes, exception_handlers=handlers)

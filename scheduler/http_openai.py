@@ -1,0 +1,282 @@
+"""OpenAI request bodies in, wire ``Submit`` out; errors in the OpenAI shape.
+
+The body is translated into the wire protocol's submit map and checked by ``clients.protocol``'s
+own ``parse_request``, so an HTTP request is held to exactly the rules of a ZeroMQ one; what only
+OpenAI has (``n``, ``tools``, ``response_format``, ``top_logprobs``, ...) is checked here, and what the
+daemon cannot do yet is a 400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from clients.protocol import ErrorCode, MsgType, ProtocolError, Submit, parse_request
+
+#: HTTP status and OpenAI error type per wire error code; anything else is a 400.
+_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.BUSY: (429, "rate_limit_error"),
+    ErrorCode.SHUTDOWN: (503, "service_unavailable_error"),
+    ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
+    ErrorCode.ENGINE_ERROR: (500, "server_error"),
+    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorCode.FORBIDDEN: (403, "permission_error"),
+}
+#: Apply_chat_template's own arguments: a request may set template variables, never these.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+_FIELD = re.compile(r"field '(\w+)'")
+
+
+class HTTPError(Exception):
+    """An answer other than 200: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def unsupported(name: str, why: str) -> HTTPError:
+    return HTTPError(400, f"'{name}' {why}", param=name, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One request, ready for the front end."""
+
+    submit: Submit
+    stream: bool = False
+    include_usage: bool = False
+    #: Chat template variables (``chat_template_kwargs``): the caller renders the template with them.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The body's name for the token budget, for errors about it.
+    max_tokens_field: str = "max_tokens"
+
+
+def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
+    """Check an OpenAI body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    asked = body.get("model")
+    if asked is not None and not isinstance(asked, str):
+        raise HTTPError(400, "'model' must be a string", param="model", code=ErrorCode.BAD_FIELD.value)
+    if asked is not None and asked != model:
+        raise HTTPError(
+            404,
+            f"the model {asked!r} does not exist; this server serves {model!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    _refuse_unsupported(body, chat)
+    wire: dict[str, Any] = {"v": 1, "type": MsgType.SUBMIT.value, "id": rid}
+    if chat:
+        wire["messages"] = _messages(body.get("messages"))
+    else:
+        _prompt(body.get("prompt"), wire)
+    budget = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        budget = "max_completion_tokens"
+    wire["max_tokens"] = body.get(budget)
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "priority"):
+        wire[name] = body.get(name)
+    wire["logprobs"] = _logprobs(body, chat)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise HTTPError(400, "'user' must be a string", param="user", code=ErrorCode.BAD_FIELD.value)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise HTTPError(400, "'stream' must be a boolean", param="stream", code=ErrorCode.BAD_FIELD.value)
+    try:
+        req = parse_request(wire)
+    except ProtocolError as exc:
+        raise from_protocol(exc.code, exc.message, chat=chat, max_tokens_field=budget) from None
+    assert isinstance(req, Submit)
+    return Parsed(
+        submit=req,
+        stream=bool(stream),
+        include_usage=_include_usage(body.get("stream_options")),
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")) if chat else {},
+        max_tokens_field=budget,
+    )
+
+
+def with_tokens(parsed: Parsed, ids: list[int]) -> Parsed:
+    """The same request with its prompt already rendered and tokenized."""
+    return replace(parsed, submit=replace(parsed.submit, messages=None, tokens=ids))
+
+
+def from_protocol(
+    code: str, message: str, *, chat: bool, max_tokens_field: str = "max_tokens", retry_after_s: float | None = None
+) -> HTTPError:
+    """The HTTP answer for a wire error code (a refused body, or a request's error ``end``)."""
+    status, kind = _STATUS.get(code, (400, "invalid_request_error"))
+    prompt = "messages" if chat else "prompt"
+    named = _FIELD.search(message)
+    param = named.group(1) if named else None
+    param = {"tokens": prompt, "max_tokens": max_tokens_field}.get(param or "", param)
+    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.EMPTY_PROMPT, ErrorCode.TOKEN_OUT_OF_RANGE):
+        param = prompt
+    elif code == ErrorCode.NO_CHAT_TEMPLATE or message.startswith("messages["):
+        param = "messages"
+    elif code == ErrorCode.MAX_TOKENS_OUT_OF_RANGE:
+        param = max_tokens_field
+    headers = {}
+    if code == ErrorCode.BUSY:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s or 1.0)))
+    return HTTPError(status, message, param=param, code=code, kind=kind, headers=headers)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise unsupported("n", "must be 1: one choice per request (send several requests for several choices)")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise unsupported(name, "is not supported: this server does not call tools")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise unsupported("tool_choice", "is not supported: this server does not call tools")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", "other than {'type': 'text'} is not supported")
+    if body.get("top_logprobs") not in (None, 0):
+        raise unsupported("top_logprobs", "above 0 is not supported: logprobs carry the sampled token's only")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise unsupported(name, "is not supported (only 0)")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "is not supported")
+    if not chat:
+        if body.get("echo"):
+            raise unsupported("echo", "is not supported")
+        if body.get("best_of") not in (None, 1):
+            raise unsupported("best_of", "must be 1")
+        if body.get("suffix"):
+            raise unsupported("suffix", "is not supported")
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> bool:
+    value = body.get("logprobs")
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if chat or not isinstance(value, int):
+        raise HTTPError(400, "'logprobs' must be a boolean", param="logprobs", code=ErrorCode.BAD_FIELD.value)
+    if value > 0:
+        raise unsupported("logprobs", "above 0 is not supported: logprobs carry the sampled token's only")
+    if value < 0:
+        raise HTTPError(400, "'logprobs' must be >= 0", param="logprobs", code=ErrorCode.BAD_FIELD.value)
+    return True
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise HTTPError(
+            400,
+            "'stream_options' must be an object whose 'include_usage' is a boolean",
+            param="stream_options",
+            code=ErrorCode.BAD_FIELD.value,
+        )
+    return bool(options.get("include_usage", False))
+
+
+def _prompt(prompt: Any, wire: dict[str, Any]) -> None:
+    """A string, a token list, or a list holding exactly one of those."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise unsupported("prompt", "holds several prompts: send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        wire["prompt"] = prompt
+    elif isinstance(prompt, list):
+        wire["tokens"] = prompt
+    else:
+        raise HTTPError(
+            400, "'prompt' must be a string or a list of token ids", param="prompt", code=ErrorCode.BAD_FIELD.value
+        )
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages as the wire takes them: role and text content (text parts joined)."""
+    if not isinstance(messages, list):
+        raise HTTPError(400, "'messages' must be a list", param="messages", code=ErrorCode.BAD_FIELD.value)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HTTPError(400, f"{where} must be an object with a 'role'", param="messages", code="bad_field")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant"):
+            raise unsupported("messages", f"role {m['role']!r} in {where} is not supported (tools are not)")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise unsupported("messages", f"tool calls in {where} are not supported")
+        msg = {"role": role, "content": _content(m.get("content"), where)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise unsupported("messages", f"a part of {where}.content is not text; only text parts are supported")
+        return "".join(texts)
+    raise HTTPError(
+        400, f"{where}.content must be a string or a list of text parts", param="messages", code="bad_field"
+    )
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise HTTPError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs", code="bad_field")
+    reserved = sorted(set(value) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise HTTPError(
+            400,
+            f"'chat_template_kwargs' may set template variables, not {reserved}",
+            param="chat_template_kwargs",
+            code="bad_field",
+        )
+    return dict(value)

@@ -1,0 +1,124 @@
+"""The OpenAI response objects: whole completions, stream chunks, usage and logprobs.
+
+One ``Reply`` per request builds every object that request answers with, so ids, ``created`` and
+``model`` agree across a stream's chunks. Shapes follow the OpenAI API reference: ``chat.completion``
+and ``chat.completion.chunk`` (``choices[].message`` / ``choices[].delta``) for chat, ``text_completion``
+for completions, ``finish_reason`` ``stop`` or ``length``, ``usage`` with ``total_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: The wire's finish reasons that reach a successful answer, as OpenAI names them.
+_FINISH = {"stop": "stop", "length": "length"}
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event as OpenAI sends it: ``data: <compact JSON>`` and a blank line."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_of(end: dict[str, Any]) -> dict[str, int]:
+    u = end.get("usage") or {}
+    prompt, completion = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Reply:
+    """Builds the objects of one request's answer."""
+
+    def __init__(
+        self, *, chat: bool, rid: str, model: str, created: int, tokenizer: Any, logprobs: bool, include_usage: bool
+    ) -> None:
+        self.chat, self.rid, self.model, self.created = chat, rid, model, created
+        self._tokenizer = tokenizer
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._offset = 0  # completions' text_offset: characters of token text so far
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    def _token_text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
+
+    def logprobs_of(self, tokens: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for these tokens (``None`` unless asked for)."""
+        if not self.logprobs:
+            return None
+        lps = logprobs or []
+        texts = [self._token_text(t) for t in tokens]
+        if self.chat:
+            content = [
+                {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                for s, lp in zip(texts, lps)
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for s in texts:
+            offsets.append(self._offset)
+            self._offset += len(s)
+        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": offsets}
+
+    def _choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None, chunk: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if chunk:
+            delta = {"content": text} if text or finish is None else {}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def _with_usage(self, obj: dict[str, Any], usage: dict[str, int] | None) -> dict[str, Any]:
+        if self.include_usage:
+            obj["usage"] = usage
+        return obj
+
+    # ------------------------------------------------------------------ streams
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role and empty content; completions have none."""
+        if not self.chat:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._with_usage({**self._head(True), "choices": [choice]}, None)
+
+    def token_chunk(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The chunk for a wire ``token`` message, or ``None`` when it carries nothing to show."""
+        text = msg.get("text") or ""
+        tokens = list(msg.get("tokens") or [])
+        if not text and not (self.logprobs and tokens):
+            return None
+        choice = self._choice(text, self.logprobs_of(tokens, msg.get("logprobs")), None, True)
+        return self._with_usage({**self._head(True), "choices": [choice]}, None)
+
+    def final_chunks(self, end: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunk with ``finish_reason``, then the usage chunk when ``include_usage``."""
+        finish = _FINISH.get(str(end.get("finish_reason")), "stop")
+        out = [self._with_usage({**self._head(True), "choices": [self._choice("", None, finish, True)]}, None)]
+        if self.include_usage:
+            out.append({**self._head(True), "choices": [], "usage": usage_of(end)})
+        return out
+
+    # ------------------------------------------------------------------ whole answers
+
+    def whole(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streamed answer from a request's wire messages (its tokens, then its ``end``)."""
+        tokens: list[int] = []
+        lps: list[float] = []
+        text = []
+        for msg in messages[:-1]:
+            text.append(msg.get("text") or "")
+            tokens += msg.get("tokens") or []
+            lps += msg.get("logprobs") or []
+        end = messages[-1]
+        finish = _FINISH.get(str(end.get("finish_reason")), "stop")
+        choice = self._choice("".join(text), self.logprobs_of(tokens, lps), finish, False)
+        return {**self._head(False), "choices": [choice], "usage": usage_of(end)}
