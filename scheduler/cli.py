@@ -411,7 +411,13 @@ def _serve(args: argparse.Namespace) -> int:
         mtp=args.mtp,
         bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
     )
-    settings = DaemonSettings(front, model=args.model, context_length=args.context_length, engine=engine)
+    settings = DaemonSettings(
+        front,
+        model=args.model,
+        context_length=args.context_length,
+        engine=engine,
+        engine_process=not args.engine_thread,
+    )
     return serve(settings)
 
 
@@ -503,7 +509,16 @@ def _probe(args: argparse.Namespace) -> int:
 
     from workers.demo import cache_dir
     from workers.models import load
-    from workers.probe import VerdictStore, iter_table, make_draws, probe, serving_pairing, sliding_window
+    from workers.probe import (
+        VerdictStore,
+        iter_table,
+        ladder_line,
+        make_draws,
+        narrowed_widths,
+        probe,
+        serving_pairing,
+        sliding_window,
+    )
 
     loaded = load(args.model)
     ks = [int(k) for k in args.k.split(",")]  # checked by the parser (int_list)
@@ -540,6 +555,9 @@ def _probe(args: argparse.Namespace) -> int:
             for row in iter_table(verdict):
                 print("| " + " | ".join(row) + " |")
             cached = " (memoised)" if verdict.from_cache else ""
+            print(f"ladder: {ladder_line(verdict)}")
+            for path, (before, after) in narrowed_widths(verdict).items():
+                print(f"calibration narrowed {path}: {before} -> {after} rows")
             print(
                 f"verdict: {verdict.level or 'declined'} ({'exact' if verdict.exact else 'inexact'}) - "
                 f"{verdict.reason}; probe {verdict.probe_seconds:.2f}s{cached}"
@@ -548,7 +566,10 @@ def _probe(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": loaded.info.name, "widths": widths, "probes": report}, indent=2))
     else:
-        print("\nrow-exact widths (narrow level): " + ", ".join(f"{k}: {v}" for k, v in widths.items()))
+        print(
+            "\nrow-exact widths measured at load on random inputs (the verdicts' calibrated widths serve): "
+            + ", ".join(f"{k}: {v}" for k, v in widths.items())
+        )
     return 0
 
 
@@ -850,6 +871,11 @@ def _add_serve(sub: argparse._SubParsersAction[Parser]) -> None:
         type=non_negative_float,
         default=0.0,
         help="on SIGTERM/SIGINT, let in-flight requests finish for up to this many seconds",
+    )
+    p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of the daemon instead of its own process (one GIL for both)",
     )
     p.add_argument(
         "--pin-scope",

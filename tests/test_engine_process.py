@@ -128,3 +128,14 @@ def test_an_engine_process_does_not_outlive_its_daemon(tiny_model: Path, tmp_pat
     while _alive(child):
         assert time.monotonic() < deadline, "the engine process outlived its daemon"
         time.sleep(0.1)
+
+
+@linux_only
+def test_engine_thread_keeps_the_engine_in_the_daemon(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path, "--engine-thread")
+    try:
+        assert _children(d.proc.pid) == []
+        with Client(d.address, timeout=60) as c:
+            assert c.generate(tokens=[5, 6, 7], max_tokens=8).tokens == greedy_reference(tiny_model, [5, 6, 7], 8)[0]
+    finally:
+        assert d.stop() == 0, d.log()

@@ -483,3 +483,4 @@ def test_cli_probe_shows_the_ladder_and_the_winning_rung(llama: Path, tmp_path: 
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     assert "| wide (won) | exact |" in run.stdout
+    assert "ladder: wide: exact (won) -> narrow: not needed" in run.stdout
