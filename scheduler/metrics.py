@@ -93,6 +93,23 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_batch_size", "Sequences in the decode batch", value=engine.get("batch_size", 0)
         )
+        prefix = engine.get("prefix_cache") or {}
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_queries", "Prompts looked up in the prefix cache", value=prefix.get("queries", 0)
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hits",
+            "Prompt tokens served from the prefix cache (not prefilled)",
+            value=prefix.get("hit_tokens", 0),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_bytes", "Bytes of KV held by the prefix cache", value=prefix.get("bytes", 0)
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_evictions",
+            "Prefix cache entries dropped to stay under its byte bound",
+            value=prefix.get("evictions", 0),
+        )
         yield CounterMetricFamily(f"{PREFIX}_decode_steps", "Batched decode steps", value=engine.get("decode_steps", 0))
         yield CounterMetricFamily(
             f"{PREFIX}_decode_seconds", "Seconds spent in batched decode steps", value=engine.get("decode_seconds", 0.0)

@@ -32,6 +32,7 @@ from workers.burst import (
 from workers.drafters import Drafter
 from workers.kernels import Level, bytes_equal, process_level, set_process_level
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
+from workers.prefix_cache import PrefixCache
 from workers.probe import Verdict, failed_verdict
 from workers.sampling import SeededSampler, make_sampler
 from workers.speculative import accept_greedy, accept_sampled
@@ -52,6 +53,9 @@ class Job:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     received_at: float = field(default_factory=time.monotonic)
+    #: The prefix cache entries this job may read and write (``prefix_cache.salt_for`` its tenant);
+    #: ``None`` keeps the job out of the cache, so a caller that names no tenant shares nothing.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -123,6 +127,8 @@ class _Sequence:
     paused: bool = False
     #: Its state while it is paused and out of the decode batch.
     parked: _Parked | None = None
+    #: Prompt tokens whose KV came from the prefix cache (not prefilled).
+    cached: int = 0
 
 
 @dataclass
@@ -196,6 +202,8 @@ class Engine:
         self.last_tax: dict[str, Any] = {}
         self._seqs: dict[int, _Sequence] = {}  # by caller seq
         self._by_uid: dict[int, _Sequence] = {}
+        #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
+        self.prefix_cache: PrefixCache | None = None
         self._gen = self._new_generator()
         fastpath.calibrate(model)  # where the backend's policy asks for it (MLX CUDA): about a second
 
@@ -237,9 +245,31 @@ class Engine:
     def submit(self, job: Job) -> None:
         stops = frozenset((*self.eos_token_ids, *job.stop_token_ids))
         seq = _Sequence(job=job, uid=-1, sampler=make_sampler(job.sampling, self.vocab_size), stops=stops)
-        seq.uid = self._insert(seq, [job.prompt], job.max_tokens, None, [])
+        hit = None if self.prefix_cache is None else self.prefix_cache.lookup(job.cache_salt, job.prompt)
+        if hit is None or hit.cache is None:
+            seq.uid = self._insert(seq, [job.prompt], job.max_tokens, None, [])
+        else:  # only the suffix is prefilled, on a private copy of the cached prefix's KV
+            seq.cached = len(hit.cached)
+            seq.uid = self._insert(seq, [hit.rest], job.max_tokens, hit.cache, hit.cached)
         self._seqs[job.seq] = seq
         self.counters.submitted += 1
+
+    def _keep_prefix(self, s: _Sequence, cache: list[Any] | None, tokens: list[int] | None) -> None:
+        """Offer an ending sequence's KV (of exactly ``tokens``) to the prefix cache; a failure here
+        costs the cache an entry, never the request."""
+        pc = self.prefix_cache
+        if pc is None or cache is None or tokens is None or len(tokens) <= s.cached:
+            return
+        try:
+            pc.store(s.job.cache_salt, list(tokens), cache)
+        except Exception:
+            log.exception("could not keep request seq %d's KV in the prefix cache", s.job.seq)
+
+    def _keep_burst(self, b: BurstSeq) -> None:
+        """A burst's cache, kept only under an exact, unrevoked verdict (its KV came from verify forwards)."""
+        verdict = None if self.pairing is None else self.verdicts.get(self.pairing)
+        if verdict is not None and verdict.exact and self.pairing not in self.revoked:
+            self._keep_prefix(b.seq, b.cache, b.history[:-1])
 
     def _insert(
         self, s: _Sequence, segments: list[list[int]], max_tokens: int, cache: list[Any] | None, in_cache: list[int]
@@ -265,11 +295,29 @@ class Engine:
         s = self._seqs.get(seq)
         if s is None:
             return []
+        keep = reason != "error"  # a failed step or a shutdown leaves nothing worth keeping
         if self._burst is not None and self._burst.seq is s:
+            if keep:
+                self._keep_burst(self._burst)
             self._end_burst()
         elif s.parked is None:
+            if keep:
+                self._keep_in_generator(s)
             self._gen.remove([s.uid])
+        elif keep:
+            self._keep_prefix(s, s.parked.cache, s.parked.history[:-1])
         return [self._finish(s, reason, code, message)]
+
+    def _keep_in_generator(self, s: _Sequence) -> None:
+        """Offer the KV of a sequence still in ``BatchGenerator`` (queued, prefilling or decoding)."""
+        if self.prefix_cache is None:
+            return
+        try:
+            cache, tokens = self._gen.extract_cache([s.uid]).get(s.uid, (None, None))
+        except Exception:
+            log.exception("could not extract request seq %d's KV for the prefix cache", s.job.seq)
+            return
+        self._keep_prefix(s, cache, tokens)
 
     def cancel_all(self, reason: str, code: str | None = None, message: str | None = None) -> list[Event]:
         return [e for seq in list(self._seqs) for e in self.cancel(seq, reason, code, message)]
@@ -328,8 +376,9 @@ class Engine:
         """Emit the pending token and put the sequence back into the batch with its cache (the
         inverse of ``_take_out``; the batch then feeds the pending token as a one-token prompt)."""
         events = self._emit(s, [parked.pending], [parked.pending_logprob or 0.0])
-        if s.job.seq not in self._seqs:
-            return events  # the pending token ended it
+        if s.job.seq not in self._seqs:  # the pending token ended it
+            self._keep_prefix(s, parked.cache, parked.history[:-1])
+            return events
         remaining = s.job.max_tokens - s.emitted
         s.uid = self._insert(s, [[parked.pending]], remaining, parked.cache, parked.history[:-1])
         return events
@@ -387,6 +436,8 @@ class Engine:
                 continue
             try:
                 events += self._respond(s, r, now)
+                if r.finish_reason is not None:  # mlx-lm hands over the ended sequence's cache and tokens
+                    self._keep_prefix(s, r.prompt_cache, r.all_tokens)
             except Exception as exc:  # this request's own failure: it ends, the batch goes on
                 log.exception("request seq %d failed in the engine", s.job.seq)
                 self._gen.remove([s.uid])
@@ -586,6 +637,7 @@ class Engine:
             self.counters.generated_tokens += len(tokens)
         if finish is not None:
             if self._burst is not None and self._burst.seq is s:
+                self._keep_burst(self._burst)
                 self._end_burst()
             events.append(self._finish(s, finish, None, None))
         return events

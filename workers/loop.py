@@ -113,6 +113,9 @@ class EngineSettings:
     #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None`` keeps MLX's
     #: default. Whatever the limit, the cache is emptied whenever the engine goes idle.
     mlx_cache_limit_bytes: int | None = None
+    #: Bytes of KV the prefix cache may keep (LRU eviction); 0 (the default) turns it off and skips its
+    #: start-up check. It serves when ``warm_vs_cold`` finds reuse exact, or under ``allow_inexact``.
+    prefix_cache_bytes: int = 0
 
 
 def warm_up(engine: Engine) -> None:
@@ -216,6 +219,8 @@ class EngineThread:
                 pin_scope=s.pin_scope,
             )
             warm_up(engine)
+            if s.prefix_cache_bytes > 0:
+                configure_prefix_cache(engine, loaded, s)
             if s.draft is not None or s.mtp is not None:
                 configure_bursts(engine, loaded, s)
             elif s.probe_k is not None:
@@ -331,6 +336,7 @@ class EngineThread:
             "verdicts": engine.verdict_summary(),
             "bursts": engine.burst_summary(),
             "pin_tax": engine.tax_summary(),
+            "prefix_cache": {"enabled": False} if engine.prefix_cache is None else engine.prefix_cache.snapshot(),
             "memory": {
                 "active_bytes": mx.get_active_memory(),
                 "cache_bytes": mx.get_cache_memory(),
@@ -368,3 +374,20 @@ def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> 
         drafter = load_drafter(s.draft, loaded.model, loaded.info.vocab_size)
     name = start_probe(engine, loaded, s, drafter.name, s.bursts.k)
     engine.configure_bursts(drafter, s.bursts, name)
+
+
+def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
+    """Check warm-vs-cold reuse on the loaded model (once, before ``Ready``) and install the cache."""
+    from workers.pins import unpinned
+    from workers.prefix_cache import checked
+
+    with unpinned("probe"):
+        engine.prefix_cache = checked(
+            engine.counted,
+            s.prefix_cache_bytes,
+            prefill_step=s.prefill_step,
+            vocab_size=loaded.info.vocab_size,
+            window=sliding_window(loaded.config),
+            context=loaded.info.context_length,
+            allow_inexact=s.probe_policy.allow_inexact,
+        )
