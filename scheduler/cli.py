@@ -410,6 +410,7 @@ def _serve(args: argparse.Namespace) -> int:
         draft=args.draft,
         mtp=args.mtp,
         bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
     )
     settings = DaemonSettings(
         front,
@@ -911,6 +912,13 @@ def _add_serve(sub: argparse._SubParsersAction[Parser]) -> None:
         "--insecure",
         action="store_true",
         help="allow tcp:// or a non-loopback --http without authentication (not recommended)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=non_negative_float,
+        default=0.0,
+        help="keep up to this much prompt KV for reuse by later requests sharing a prefix, per tenant "
+        "(docs/prefix-cache.md); 0 = off",
     )
     p.add_argument(
         "--kv-budget-mb",

@@ -75,6 +75,7 @@ from scheduler.tenants import LOCAL, Tenant, TenantsError, TenantTable, load_ten
 from workers.engine import Finished, Job, StepInfo, Tokens
 from workers.loop import Dead, Ready, Signal, Stopped
 from workers.models import ModelInfo
+from workers.prefix_cache import salt_for
 
 log = logging.getLogger("mlx_batchd")
 
@@ -1146,6 +1147,7 @@ class FrontEnd:
             stop_token_ids=tuple(t.req.stop_token_ids),
             logprobs=t.req.logprobs,
             received_at=t.received_at,
+            cache_salt=salt_for(tenant.name, tenant.share_prefix_cache),
         )
         budget = self.settings.kv_budget_bytes
         if budget and self._kv_need(t) > budget:

@@ -14,6 +14,7 @@ A tenants file is TOML, one table per tenant::
     token_rate = 0.0              # prompt + generated tokens per second, 0 = unlimited
     token_burst = 0               # bucket size; 0 = 10 seconds' worth
     admin = false                 # may see every tenant's usage and ask for operator-only work
+    share_prefix_cache = false    # reuse cached prompt prefixes with other tenants marked so
 
 Without a file every request belongs to the single tenant ``local``, the local operator. The file
 is re-read on SIGHUP: new keys and limits apply to new requests, and revoked keys are refused from
@@ -46,6 +47,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "token_rate": (int, float),
     "token_burst": (int, float),
     "admin": bool,
+    "share_prefix_cache": bool,
 }
 
 #: Inclusive bounds of each number, and whether its lower bound is excluded (weight must be > 0).
@@ -84,6 +86,9 @@ class Tenant:
     token_burst: float = 0.0
     #: Sees every tenant's usage in ``stats`` and may ask for operator-only work (``measure_tax``).
     admin: bool = False
+    #: Its prompts' cached prefixes are shared with every other tenant marked so (a shared system
+    #: prompt); otherwise a tenant only ever reuses prefixes it created itself.
+    share_prefix_cache: bool = False
 
 
 @dataclass
