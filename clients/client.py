@@ -429,15 +429,17 @@ class AsyncClient:
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         logprobs: bool = False,
+        top_logprobs: int = 0,
         priority: int = 0,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Submit a job and yield its events: ``TokenEvent`` s, then exactly one ``EndEvent``.
 
-        ``priority`` orders the job among its tenant's waiting ones (higher first; the daemon
-        accepts [-1000, 1000], capped by the tenant's ceiling). Leaving the loop early cancels the
-        request. ``timeout`` bounds the whole request; when it passes, the request is cancelled
+        ``top_logprobs`` (0 to 20) adds, per token, that many most likely tokens with their logprobs
+        (``TokenEvent.top_logprobs``) and implies ``logprobs``. ``priority`` orders the job among its
+        tenant's waiting ones (higher first; the daemon accepts [-1000, 1000], capped by the tenant's
+        ceiling). Leaving the loop early cancels the request. ``timeout`` bounds the whole request; when it passes, the request is cancelled
         and ``TimeoutError`` raised. ``RequestError`` is raised, with no ``EndEvent``, when the
         daemon goes away (``daemon_gone``) or the client is closed (``closed``) meanwhile.
         """
@@ -450,7 +452,8 @@ class AsyncClient:
             sampling=SamplingOptions(temperature, top_p, top_k, min_p, seed),
             stop=list(stop or []),
             stop_token_ids=list(stop_token_ids or []),
-            logprobs=logprobs,
+            logprobs=logprobs or top_logprobs > 0,
+            top_logprobs=top_logprobs,
             priority=priority,
             batch=True,  # ``_reader`` unbatches
         )

@@ -36,6 +36,8 @@ class TokenEvent:
     tokens: list[int]
     text: str
     logprobs: list[float] | None = None
+    #: Per token, ``(token_id, logprob)`` of the most likely tokens, most likely first (when asked).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Result:
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float | None] = field(default_factory=dict)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def add(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -70,6 +73,8 @@ class Result:
             self.text += event.text
             if event.logprobs is not None:
                 self.logprobs = (self.logprobs or []) + list(event.logprobs)
+            if event.top_logprobs is not None:
+                self.top_logprobs = (self.top_logprobs or []) + list(event.top_logprobs)
         else:
             self.finish_reason = event.finish_reason
             self.usage = event.usage
@@ -80,7 +85,14 @@ def event_from_message(msg: dict[str, Any]) -> Event | None:
     """A token, end or error message as an event (an ``error`` for a request ends it)."""
     kind, rid = msg.get("type"), str(msg.get("id"))
     if kind == "token":
-        return TokenEvent(rid, list(msg.get("tokens", [])), str(msg.get("text", "")), msg.get("logprobs"))
+        tops = msg.get("top_logprobs")
+        return TokenEvent(
+            rid,
+            list(msg.get("tokens", [])),
+            str(msg.get("text", "")),
+            msg.get("logprobs"),
+            None if tops is None else [[(int(t), float(lp)) for t, lp in row] for row in tops],
+        )
     if kind == "end":
         err = msg.get("error")
         error = (

@@ -27,6 +27,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 1024
+#: The most alternatives a token may report (``top_logprobs``), as OpenAI's API bounds it.
+MAX_TOP_LOGPROBS = 20
 
 
 class MsgType(StrEnum):
@@ -163,6 +165,9 @@ class Submit:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: bool = False
+    #: Per emitted token, this many most likely tokens with their logprobs (0 to ``MAX_TOP_LOGPROBS``).
+    #: Above 0 implies ``logprobs``: the parsed submit has ``logprobs`` true.
+    top_logprobs: int = 0
     #: Order among the same tenant's waiting requests (higher first), capped by the tenant's ceiling.
     priority: int = 0
     #: The sender reads ``batch`` messages: from then on the daemon may carry several events for
@@ -299,6 +304,11 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
     priority = _get(msg, "priority", int, rid, 0)
     if not -1000 <= priority <= 1000:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'priority' must be in [-1000, 1000], got {priority}", rid)
+    top_logprobs = _get(msg, "top_logprobs", int, rid, 0)
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field 'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}", rid
+        )
     return Submit(
         id=rid,
         prompt=prompt,
@@ -308,7 +318,8 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         sampling=sampling,
         stop=list(stop),
         stop_token_ids=stop_token_ids,
-        logprobs=bool(_get(msg, "logprobs", bool, rid, False)),
+        logprobs=bool(_get(msg, "logprobs", bool, rid, False)) or top_logprobs > 0,
+        top_logprobs=top_logprobs,
         priority=priority,
         batch=bool(_get(msg, "batch", bool, rid, False)),
     )
@@ -376,6 +387,8 @@ def submit_message(req: Submit) -> dict[str, Any]:
         msg["stop_token_ids"] = list(req.stop_token_ids)
     if req.logprobs:
         msg["logprobs"] = True
+    if req.top_logprobs:
+        msg["top_logprobs"] = req.top_logprobs
     if req.priority:
         msg["priority"] = req.priority
     if req.batch:
@@ -393,12 +406,22 @@ def error_message(code: ErrorCode, message: str, rid: str | None) -> dict[str, A
     return {"v": PROTOCOL_VERSION, "type": MsgType.ERROR.value, "id": rid, "code": code.value, "message": message}
 
 
-def token_message(rid: str, tokens: list[int], text: str | None, logprobs: list[float] | None) -> dict[str, Any]:
+def token_message(
+    rid: str,
+    tokens: list[int],
+    text: str | None,
+    logprobs: list[float] | None,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
+) -> dict[str, Any]:
+    """``top_logprobs``: per token, ``(token_id, logprob)`` pairs most likely first; sent as
+    ``[token_id, logprob]`` lists (msgpack has no tuples, and JSON neither)."""
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": MsgType.TOKEN.value, "id": rid, "tokens": tokens}
     if text is not None:
         msg["text"] = text
     if logprobs is not None:
         msg["logprobs"] = logprobs
+    if top_logprobs is not None:
+        msg["top_logprobs"] = [[[t, lp] for t, lp in row] for row in top_logprobs]
     return msg
 
 

@@ -849,11 +849,14 @@ class FrontEnd:
             return
         out_tokens: list[int] = []
         out_lps: list[float] | None = [] if ev.logprobs is not None else None
+        out_tops: list[list[tuple[int, float]]] | None = [] if ev.top_logprobs is not None else None
         text_parts: list[str] = []
         for i, tok in enumerate(ev.tokens):
             out_tokens.append(tok)
             if out_lps is not None and ev.logprobs is not None:
                 out_lps.append(ev.logprobs[i])
+            if out_tops is not None and ev.top_logprobs is not None:
+                out_tops.append(ev.top_logprobs[i])
             t.detok.add_token(tok)
             segment = t.detok.last_segment
             if t.stops is not None:
@@ -876,7 +879,7 @@ class FrontEnd:
         tenant = self._table.tenants.get(t.tenant)
         if tenant is not None:
             self._fair.generated(tenant, len(ev.tokens))
-        self._send(t.client, token_message(t.rid, out_tokens, "".join(text_parts), out_lps))
+        self._send(t.client, token_message(t.rid, out_tokens, "".join(text_parts), out_lps, out_tops))
 
     def _on_finished(self, ev: Finished) -> None:
         t = self._by_seq.pop(ev.seq, None)
@@ -1148,6 +1151,7 @@ class FrontEnd:
             logprobs=t.req.logprobs,
             received_at=t.received_at,
             cache_salt=salt_for(tenant.name, tenant.share_prefix_cache),
+            top_logprobs=t.req.top_logprobs,
         )
         budget = self.settings.kv_budget_bytes
         if budget and self._kv_need(t) > budget:

@@ -2,8 +2,8 @@
 
 The body is translated into the wire protocol's submit map and checked by ``clients.protocol``'s
 own ``parse_request``, so an HTTP request is held to exactly the rules of a ZeroMQ one; what only
-OpenAI has (``n``, ``tools``, ``response_format``, ``top_logprobs``, ...) is checked here, and what the
-daemon cannot do yet is a 400 naming the field rather than silently ignored.
+OpenAI has (``n``, ``tools``, ``response_format``, its two spellings of logprobs, ...) is checked
+here, and what the daemon cannot do yet is a 400 naming the field rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clients.protocol import ErrorCode, MsgType, ProtocolError, Submit, parse_request
+from clients.protocol import MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit, parse_request
 
 #: HTTP status and OpenAI error type per wire error code; anything else is a 400.
 _STATUS: dict[str, tuple[int, str]] = {
@@ -111,7 +111,7 @@ def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
     wire["max_tokens"] = body.get(budget)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "priority"):
         wire[name] = body.get(name)
-    wire["logprobs"] = _logprobs(body, chat)
+    wire["logprobs"], wire["top_logprobs"] = _logprobs(body, chat)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise HTTPError(400, "'user' must be a string", param="user", code=ErrorCode.BAD_FIELD.value)
@@ -171,8 +171,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise unsupported("response_format", "other than {'type': 'text'} is not supported")
-    if body.get("top_logprobs") not in (None, 0):
-        raise unsupported("top_logprobs", "above 0 is not supported: logprobs carry the sampled token's only")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise unsupported(name, "is not supported (only 0)")
@@ -187,17 +185,29 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
             raise unsupported("suffix", "is not supported")
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> bool:
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, Any]:
+    """The wire's ``logprobs`` and ``top_logprobs`` from OpenAI's two spellings: chat's boolean
+    ``logprobs`` with ``top_logprobs`` (which the wire range-checks), completions' ``logprobs: N``
+    (the sampled token's logprob and the N most likely tokens')."""
     value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise HTTPError(400, "'logprobs' must be a boolean", param="logprobs", code=ErrorCode.BAD_FIELD.value)
+        top = body.get("top_logprobs")
+        if isinstance(top, int) and not isinstance(top, bool) and top > 0 and not value:
+            raise HTTPError(
+                400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code=ErrorCode.BAD_FIELD.value
+            )
+        return bool(value), top
     if value is None or isinstance(value, bool):
-        return bool(value)
-    if chat or not isinstance(value, int):
-        raise HTTPError(400, "'logprobs' must be a boolean", param="logprobs", code=ErrorCode.BAD_FIELD.value)
-    if value > 0:
-        raise unsupported("logprobs", "above 0 is not supported: logprobs carry the sampled token's only")
-    if value < 0:
-        raise HTTPError(400, "'logprobs' must be >= 0", param="logprobs", code=ErrorCode.BAD_FIELD.value)
-    return True
+        return bool(value), None
+    if not isinstance(value, int):
+        raise HTTPError(400, "'logprobs' must be an integer", param="logprobs", code=ErrorCode.BAD_FIELD.value)
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise HTTPError(
+            400, f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs", code=ErrorCode.BAD_FIELD.value
+        )
+    return True, value
 
 
 def _include_usage(options: Any) -> bool:

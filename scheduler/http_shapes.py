@@ -49,23 +49,46 @@ class Reply:
     def _token_text(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))
 
-    def logprobs_of(self, tokens: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
-        """The ``logprobs`` of a choice for these tokens (``None`` unless asked for)."""
+    def _top_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        s = self._token_text(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def logprobs_of(
+        self, tokens: list[int], logprobs: list[float] | None, tops: list[list[Any]] | None = None
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for these tokens (``None`` unless asked for). ``tops``: the
+        wire's ``top_logprobs`` (per token ``[token_id, logprob]`` pairs, most likely first), present
+        only when the request asked for some."""
         if not self.logprobs:
             return None
         lps = logprobs or []
         texts = [self._token_text(t) for t in tokens]
         if self.chat:
+            rows = tops if tops is not None else [[] for _ in tokens]
             content = [
-                {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                for s, lp in zip(texts, lps)
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [self._top_entry(t, tlp) for t, tlp in row],
+                }
+                for s, lp, row in zip(texts, lps, rows)
             ]
             return {"content": content, "refusal": None}
         offsets = []
         for s in texts:
             offsets.append(self._offset)
             self._offset += len(s)
-        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": offsets}
+        top_maps: list[dict[str, float]] | None = None
+        if tops is not None:
+            # Keyed by text as OpenAI's are: tokens that decode alike keep the likelier's logprob.
+            top_maps = []
+            for row in tops:
+                m: dict[str, float] = {}
+                for t, tlp in row:
+                    m.setdefault(self._token_text(t), tlp)
+                top_maps.append(m)
+        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": top_maps, "text_offset": offsets}
 
     def _choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None, chunk: bool) -> dict[str, Any]:
         if not self.chat:
@@ -96,7 +119,7 @@ class Reply:
         tokens = list(msg.get("tokens") or [])
         if not text and not (self.logprobs and tokens):
             return None
-        choice = self._choice(text, self.logprobs_of(tokens, msg.get("logprobs")), None, True)
+        choice = self._choice(text, self.logprobs_of(tokens, msg.get("logprobs"), msg.get("top_logprobs")), None, True)
         return self._with_usage({**self._head(True), "choices": [choice]}, None)
 
     def final_chunks(self, end: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,12 +136,15 @@ class Reply:
         """The non-streamed answer from a request's wire messages (its tokens, then its ``end``)."""
         tokens: list[int] = []
         lps: list[float] = []
+        tops: list[list[Any]] | None = None
         text = []
         for msg in messages[:-1]:
             text.append(msg.get("text") or "")
             tokens += msg.get("tokens") or []
             lps += msg.get("logprobs") or []
+            if msg.get("top_logprobs") is not None:
+                tops = (tops or []) + msg["top_logprobs"]
         end = messages[-1]
         finish = _FINISH.get(str(end.get("finish_reason")), "stop")
-        choice = self._choice("".join(text), self.logprobs_of(tokens, lps), finish, False)
+        choice = self._choice("".join(text), self.logprobs_of(tokens, lps, tops), finish, False)
         return {**self._head(False), "choices": [choice], "usage": usage_of(end)}

@@ -59,6 +59,7 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         stop_token_ids=(4, 5),
         logprobs=True,
         received_at=123.25,
+        top_logprobs=20,
     )
     assert job_from_wire(unpack(pack(job_to_wire(job)))) == job
     settings = EngineSettings(
@@ -73,6 +74,7 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
     info = ModelInfo("m", "/p", "llama", 300, 512, (0, 2), True, 4096)
     signals = [
         Tokens(3, [5, 6], [-0.5, -1.25], "burst"),
+        Tokens(3, [5, 6], [-0.5, -1.25], "batched", [[(5, -0.5), (9, -2.0)], [(6, -1.25), (5, -1.5)]]),
         StepInfo("decode", 0.01, 4),
         Finished(3, "error", 4, 2, Timings(0.1, None, 0.2, 0.3), "engine_error", "boom"),
         Stopped(),

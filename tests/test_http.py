@@ -21,6 +21,7 @@ import pytest
 
 from clients import Client
 from tests.conftest import TEST_CONTEXT, Daemon, start_daemon
+from tests.reference import load_reference
 
 MAX_FRAME = 65536
 #: The tiny model's chat template, plus a variable only ``chat_template_kwargs`` can set.
@@ -205,6 +206,62 @@ def test_logprobs_stop_and_sampling_fields_match_the_zeromq_client(oai: openai.O
     assert one.choices[0].text == want_sampled.text
 
 
+def test_top_logprobs_in_chat_and_completions_stream_and_whole(
+    oai: openai.OpenAI, zmq_client: Client, chat_model: Path
+) -> None:
+    """OpenAI's two spellings, both shapes, against the ZeroMQ client's top logprobs for the same
+    request (token texts each token decoded alone, as the HTTP layer documents)."""
+    tokenizer = load_reference(str(chat_model))[1]
+
+    def text(token: int) -> str:
+        return str(tokenizer.decode([token]))
+
+    messages: list[Any] = [{"role": "user", "content": "class Stack:\n"}]
+    want = zmq_client.generate(messages=messages, max_tokens=20, top_logprobs=5)
+    assert want.top_logprobs is not None and want.logprobs is not None and len(want.top_logprobs) == 20
+    want_content = [
+        (text(t), lp, [(text(a), alp) for a, alp in top])
+        for t, lp, top in zip(want.tokens, want.logprobs, want.top_logprobs)
+    ]
+    whole = oai.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=20, logprobs=True, top_logprobs=5
+    )
+    streamed = oai.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=20, logprobs=True, top_logprobs=5, stream=True
+    )
+    stream_content = [
+        e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
+    ]
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content is not None
+    for content in (whole.choices[0].logprobs.content, stream_content):
+        got = [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in content]
+        assert got == want_content
+        for e in content:
+            assert e.top_logprobs[0].token == e.token  # greedy: the emitted token is the likeliest
+            assert all(a.bytes == list(a.token.encode("utf-8")) for a in e.top_logprobs)
+    plain = oai.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=3, logprobs=True)
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content is not None
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+
+    prompt = "def fibonacci(n):\n"
+    want = zmq_client.generate(prompt, max_tokens=16, top_logprobs=3)
+    assert want.top_logprobs is not None
+    maps = []
+    for top in want.top_logprobs:
+        m: dict[str, float] = {}
+        for a, alp in top:
+            m.setdefault(text(a), alp)
+        maps.append(m)
+    comp = oai.completions.create(model="tiny-chat", prompt=prompt, max_tokens=16, logprobs=3)
+    assert comp.choices[0].logprobs is not None
+    assert comp.choices[0].logprobs.top_logprobs == maps
+    assert comp.choices[0].logprobs.token_logprobs == want.logprobs
+    chunks = list(oai.completions.create(model="tiny-chat", prompt=prompt, max_tokens=16, logprobs=3, stream=True))
+    assert [m for c in chunks if c.choices[0].logprobs for m in c.choices[0].logprobs.top_logprobs or []] == maps
+    zero = oai.completions.create(model="tiny-chat", prompt=prompt, max_tokens=3, logprobs=0)
+    assert zero.choices[0].logprobs is not None and zero.choices[0].logprobs.top_logprobs is None
+
+
 def test_chat_template_kwargs_reach_the_template(oai: openai.OpenAI) -> None:
     messages: list[Any] = [{"role": "user", "content": "hi"}]
     plain = oai.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2)
@@ -249,7 +306,18 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
             "response_format",
         ),
         ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
-        ("completions", {"prompt": "a", "logprobs": 3}, "logprobs"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": "2"},
+            "top_logprobs",
+        ),
+        ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
         ("completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
         ("completions", {"prompt": "a", "top_p": 0}, "top_p"),
         ("completions", {"prompt": 7}, "prompt"),

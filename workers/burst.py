@@ -109,6 +109,8 @@ class BurstSeq:
     pending_logprob: float | None
     sampler: SeededSampler | None
     stops: frozenset[int]
+    #: The pending token's top logprobs, when the job asked for them (``engine.top_logprobs``).
+    pending_top: list[tuple[int, float]] | None = None
 
 
 def emit_in_order(

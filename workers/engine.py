@@ -56,6 +56,42 @@ class Job:
     #: The prefix cache entries this job may read and write (``prefix_cache.salt_for`` its tenant);
     #: ``None`` keeps the job out of the cache, so a caller that names no tenant shares nothing.
     cache_salt: str | None = None
+    #: How many of the most likely tokens each emitted token reports with their logprobs (the wire
+    #: bounds it to 0..20); above 0 implies ``logprobs``. 0 costs nothing.
+    top_logprobs: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+#: One token's most likely alternatives: ``(token_id, logprob)``, most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+def top_logprobs(rows: mx.array, k: int) -> list[TopLogprobs]:
+    """The ``k`` most likely tokens of each log-probability row ``[n, V]``, most likely first.
+
+    Ties are broken by the lower token id, on the device before anything is cut, so the answer
+    depends on a row's values only (not on how many rows were asked together, nor on the kernel
+    that selected them): a burst's verify rows and classic decode's rows give the same lists, and
+    the first entry is the greedy token (``argmax`` also picks the first of equal maxima). Low
+    precision rows (bf16) tie often, which is why this is not a plain ``argpartition``. The values
+    are the row's own entries, so the sampled token's logprob equals its entry when it is listed.
+    """
+    k = min(k, rows.shape[-1])
+    kth = mx.min(mx.topk(rows, k, axis=-1), axis=-1, keepdims=True)
+    above = rows > kth
+    tied = rows == kth
+    room = k - above.astype(mx.int32).sum(axis=-1, keepdims=True)
+    take = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+    # Exactly ``k`` entries are taken; ``argpartition`` brings them (keys 0) to the front.
+    idx = mx.argpartition(mx.logical_not(take).astype(mx.int32), kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(rows, idx, axis=-1).astype(mx.float32)
+    mx.eval(idx, vals)
+    ids: list[list[int]] = idx.tolist()  # type: ignore[assignment]
+    lps: list[list[float]] = vals.tolist()  # type: ignore[assignment]
+    return [sorted(zip(i, v), key=lambda e: (-e[1], e[0])) for i, v in zip(ids, lps)]
 
 
 @dataclass
@@ -67,6 +103,8 @@ class Tokens:
     logprobs: list[float] | None = None
     #: "batched" (a BatchGenerator step) or "burst" (a speculative round).
     mode: str = "batched"
+    #: Per token, its job's ``top_logprobs`` most likely tokens (``None`` when it asked for none).
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -143,6 +181,7 @@ class _Parked:
     history: list[int]
     pending: int
     pending_logprob: float | None
+    pending_top: TopLogprobs | None = None
 
 
 @dataclass
@@ -354,7 +393,7 @@ class Engine:
             b = self._burst
             if b is not None and b.seq is s:
                 self._end_burst()
-                s.parked = _Parked(b.cache, b.history, b.pending, b.pending_logprob)
+                s.parked = _Parked(b.cache, b.history, b.pending, b.pending_logprob, b.pending_top)
             elif s.uid in self._gen._generation_batch.uids:
                 s.parked = self._take_out(s)
 
@@ -369,13 +408,15 @@ class Engine:
         history = list(gb.tokens[idx]) + [pending]
         self._gen.remove([s.uid])
         self._by_uid.pop(s.uid, None)
-        lp = as_float(lp_arr[pending]) if s.job.logprobs else None
-        return _Parked(cache, history, pending, lp)
+        lp = as_float(lp_arr[pending]) if s.job.wants_logprobs else None
+        top = top_logprobs(lp_arr[None], s.job.top_logprobs)[0] if s.job.top_logprobs > 0 else None
+        return _Parked(cache, history, pending, lp, top)
 
     def _put_back(self, s: _Sequence, parked: _Parked) -> list[Event]:
         """Emit the pending token and put the sequence back into the batch with its cache (the
         inverse of ``_take_out``; the batch then feeds the pending token as a one-token prompt)."""
-        events = self._emit(s, [parked.pending], [parked.pending_logprob or 0.0])
+        tops = None if parked.pending_top is None else [parked.pending_top]
+        events = self._emit(s, [parked.pending], [parked.pending_logprob or 0.0], tops)
         if s.job.seq not in self._seqs:  # the pending token ended it
             self._keep_prefix(s, parked.cache, parked.history[:-1])
             return events
@@ -430,12 +471,13 @@ class Engine:
         events: list[Event] = [
             StepInfo("decode" if decoding else "prefill", time.perf_counter() - tic, len(gen_responses))
         ]
+        tops = self._batched_tops(gen_responses)
         for r in gen_responses:
             s = self._by_uid.get(r.uid)
             if s is None:
                 continue
             try:
-                events += self._respond(s, r, now)
+                events += self._respond(s, r, now, tops.get(r.uid))
                 if r.finish_reason is not None:  # mlx-lm hands over the ended sequence's cache and tokens
                     self._keep_prefix(s, r.prompt_cache, r.all_tokens)
             except Exception as exc:  # this request's own failure: it ends, the batch goes on
@@ -444,7 +486,21 @@ class Engine:
                 events.append(self._finish(s, "error", "engine_error", f"this request failed in the engine: {exc}"))
         return events
 
-    def _respond(self, s: _Sequence, r: Any, now: float) -> list[Event]:
+    def _batched_tops(self, responses: list[Any]) -> dict[int, TopLogprobs]:
+        """The top logprobs of this step's tokens for the sequences that asked (by uid), in one
+        selection over their rows; nothing is computed when none asked."""
+        asking: list[tuple[int, int, mx.array]] = []
+        for r in responses:
+            s = self._by_uid.get(r.uid)
+            if s is not None and s.job.top_logprobs > 0 and r.finish_reason != "stop":
+                asking.append((r.uid, s.job.top_logprobs, r.logprobs))
+        if not asking:
+            return {}
+        rows = top_logprobs(mx.stack([row for _, _, row in asking]), max(k for _, k, _ in asking))
+        # Rows are in a canonical order (value, then id), so a prefix is that row's own top k.
+        return {uid: row[:k] for (uid, k, _), row in zip(asking, rows)}
+
+    def _respond(self, s: _Sequence, r: Any, now: float, top: TopLogprobs | None = None) -> list[Event]:
         """One sequence's share of a batched step: its token, its end."""
         faults.check_request(s.job.prompt)
         events: list[Event] = []
@@ -454,8 +510,8 @@ class Engine:
             s.first_token = now
         # A stop token ends the sequence and is not part of the output (as in mlx-lm).
         if r.finish_reason != "stop":
-            lp = [r.logprobs[r.token].item()] if s.job.logprobs else None
-            events.append(Tokens(s.job.seq, [r.token], lp))
+            lp = [r.logprobs[r.token].item()] if s.job.wants_logprobs else None
+            events.append(Tokens(s.job.seq, [r.token], lp, "batched", None if top is None else [top]))
             s.emitted += 1
             self.counters.generated_tokens += 1
         if r.finish_reason is not None:
@@ -601,7 +657,9 @@ class Engine:
             self._note_decline(s, s.no_burst)
             return False
         p = self._take_out(s)
-        self._burst = BurstSeq(s, p.cache, p.history, p.pending, p.pending_logprob, s.sampler, s.stops)
+        self._burst = BurstSeq(
+            s, p.cache, p.history, p.pending, p.pending_logprob, s.sampler, s.stops, pending_top=p.pending_top
+        )
         assert self.drafter is not None
         try:
             self.drafter.start(p.history)
@@ -623,16 +681,20 @@ class Engine:
         b = self._burst
         assert b is not None
         self._end_burst()
-        return self._put_back(b.seq, _Parked(b.cache, b.history, b.pending, b.pending_logprob))
+        return self._put_back(b.seq, _Parked(b.cache, b.history, b.pending, b.pending_logprob, b.pending_top))
 
-    def _emit(self, s: _Sequence, candidates: list[int], logprobs: list[float]) -> list[Event]:
+    def _emit(
+        self, s: _Sequence, candidates: list[int], logprobs: list[float], tops: list[TopLogprobs] | None = None
+    ) -> list[Event]:
+        """Emit what classic decode would of ``candidates`` (``tops``: their top logprobs, if asked)."""
         tokens, lps, finish = emit_in_order(candidates, logprobs, s.emitted, s.job.max_tokens, s.stops)
         events: list[Event] = []
         if tokens:
             if s.first_token is None:
                 s.first_token = time.monotonic()
             mode = "burst" if self._burst is not None and self._burst.seq is s else "batched"
-            events.append(Tokens(s.job.seq, tokens, lps if s.job.logprobs else None, mode))
+            top = None if tops is None else tops[: len(tokens)]  # what is emitted is a prefix of candidates
+            events.append(Tokens(s.job.seq, tokens, lps if s.job.wants_logprobs else None, mode, top))
             s.emitted += len(tokens)
             self.counters.generated_tokens += len(tokens)
         if finish is not None:
@@ -697,14 +759,19 @@ class Engine:
         trim_prompt_cache(b.cache, len(draft.tokens) - a)
         candidates = [b.pending, *draft.tokens[:a]]
         lps = [b.pending_logprob or 0.0]
-        if s.job.logprobs:
+        if s.job.wants_logprobs:
             lps += [as_float(logprobs[j, draft.tokens[j]]) for j in range(a)]
             b.pending_logprob = as_float(logprobs[a, outcome.next_token])
         else:
             lps += [0.0] * a
+        tops: list[TopLogprobs] | None = None
+        if s.job.top_logprobs > 0 and b.pending_top is not None:
+            # Row j of the verify is the distribution of candidate j + 1; row a that of the new pending.
+            rows = top_logprobs(logprobs[: a + 1], s.job.top_logprobs)
+            tops, b.pending_top = [b.pending_top, *rows[:a]], rows[a]
         b.history += [*draft.tokens[:a], outcome.next_token]
         b.pending = outcome.next_token
-        events = self._emit(s, candidates, lps)
+        events = self._emit(s, candidates, lps, tops)
         self.bursts.emitted += sum(len(e.tokens) for e in events if isinstance(e, Tokens))
         if s.job.seq not in self._seqs:
             return events

@@ -1,0 +1,364 @@
+"""Top-k logprobs: on the engine (batched, alone, paused, bursting), on the wire, and through a real
+daemon with the client.
+
+The yardstick is mlx-lm's own ``generate_step``, whose full log-probability row per token is sorted
+here in numpy (most likely first, ties by lower token id): the engine must give exactly that list,
+whose first entry is then the greedy token. The tiny model is bf16, so its rows tie often and the
+tie rule is exercised, not assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from clients import Client, TokenEvent
+from clients.events import event_from_message
+from clients.protocol import (
+    ErrorCode,
+    ProtocolError,
+    SamplingOptions,
+    Submit,
+    pack,
+    parse_request,
+    submit_message,
+    token_message,
+    unpack,
+)
+from tests.conftest import Daemon, start_daemon, wait_for_verdict
+from tests.reference import load_reference
+from workers import engine as engine_module
+from workers import kernels
+from workers.arrays import as_float
+from workers.burst import BurstSettings
+from workers.drafters import PromptLookup
+from workers.engine import Engine, Event, Finished, Job, Tokens
+from workers.kernels import Level, measure_widths
+from workers.probe import ProbePolicy, make_draws, probe_steps
+
+Top = list[tuple[int, float]]
+#: A prompt the tiny model continues in loops, so a prompt-lookup drafter's drafts are accepted.
+LOOPING = [7, 7, 7, 7, 8, 8, 8, 8]
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [100], LOOPING]
+BURSTS = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)
+
+
+def canonical_top(row: mx.array, k: int) -> Top:
+    """The ``k`` most likely tokens of one row, sorted in numpy: by logprob, then by token id."""
+    values = np.array(row.astype(mx.float32))
+    order = np.lexsort((np.arange(values.size), -values))[:k]
+    return [(int(i), float(values[i])) for i in order]
+
+
+def reference(path: Path, prompt: list[int], n: int, k: int) -> tuple[list[int], list[float], list[Top]]:
+    """Tokens, their logprobs and their top-k from ``generate_step`` alone, stopping at EOS."""
+    model, tokenizer = load_reference(str(path))
+    tokens: list[int] = []
+    lps: list[float] = []
+    tops: list[Top] = []
+    for token, row in generate_step(mx.array(prompt), model, max_tokens=n):
+        t = int(token)
+        if t in tokenizer.eos_token_ids:
+            break
+        tokens.append(t)
+        lps.append(as_float(row[t]))
+        tops.append(canonical_top(row, k))
+    return tokens, lps, tops
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model: Path) -> Any:
+    model, _ = load_reference(str(tiny_model))
+    measure_widths(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def eos(tiny_model: Path) -> tuple[int, ...]:
+    return tuple(load_reference(str(tiny_model))[1].eos_token_ids)
+
+
+@pytest.fixture(autouse=True)
+def clean_kernel_state() -> Iterator[None]:
+    yield
+    kernels.set_process_level(Level.WIDE)
+
+
+def make_engine(target: Any, eos: tuple[int, ...], bursts: bool = False) -> Engine:
+    """An engine; with ``bursts``, a prompt-lookup drafter gated by a real probe of the pairing."""
+    engine = Engine(target, eos_token_ids=eos, vocab_size=260, max_batch=8)
+    if bursts:
+        name = "top+prompt-lookup"
+        draws = make_draws(BURSTS.k, 260, 4096, None)[:3]
+        steps = probe_steps(
+            engine.counted, lambda: make_prompt_cache(target), {"t": name}, draws, BURSTS.k, None, ProbePolicy()
+        )
+        engine.start_probe(name, steps)
+        while engine.probing:
+            engine.probe_step()
+        engine.configure_bursts(PromptLookup(), BURSTS, name)
+    return engine
+
+
+class Out:
+    """What one sequence received: tokens, logprobs, top logprobs, modes, and how it ended."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.lps: list[float] | None = None
+        self.tops: list[Top] | None = None
+        self.modes: set[str] = set()
+        self.end = ""
+
+    def triple(self) -> tuple[list[int], list[float] | None, list[Top] | None]:
+        return self.tokens, self.lps, self.tops
+
+    def exact(self) -> tuple[list[int], list[str], list[list[tuple[int, str]]]]:
+        """``triple`` with every float as its exact hex spelling: equal means equal to the bit."""
+        lps = [lp.hex() for lp in self.lps or []]
+        return self.tokens, lps, [[(t, lp.hex()) for t, lp in top] for top in self.tops or []]
+
+
+def collect(events: list[Event], out: dict[int, Out]) -> None:
+    for e in events:
+        if isinstance(e, Tokens):
+            o = out.setdefault(e.seq, Out())
+            assert o.end == "", "tokens after the end"
+            o.tokens += e.tokens
+            o.modes.add(e.mode)
+            if e.logprobs is not None:
+                o.lps = (o.lps or []) + e.logprobs
+            if e.top_logprobs is not None:
+                assert len(e.top_logprobs) == len(e.tokens)
+                o.tops = (o.tops or []) + e.top_logprobs
+        elif isinstance(e, Finished):
+            out.setdefault(e.seq, Out()).end = e.reason
+
+
+def run(engine: Engine, jobs: list[Job], arrivals: dict[int, list[Job]] | None = None) -> dict[int, Out]:
+    """Submit ``jobs`` and step to the end; ``arrivals[i]`` are submitted before step ``i``."""
+    out: dict[int, Out] = {}
+    for j in jobs:
+        engine.submit(j)
+    arrivals = dict(arrivals or {})
+    step = 0
+    while engine.has_work or arrivals:
+        for j in arrivals.pop(step, []):
+            engine.submit(j)
+        collect(engine.step(), out)
+        step += 1
+    return out
+
+
+def job(seq: int, prompt: list[int], n: int = 30, k: int = 5, **kw: Any) -> Job:
+    return Job(seq=seq, prompt=prompt, max_tokens=n, top_logprobs=k, **kw)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def test_top_logprobs_are_the_full_rows_top_k_alone_and_batched(tiny_model: Path, target: Any, eos: Any) -> None:
+    """Each job alone and all together (asking for different k, next to one asking none) give
+    ``generate_step``'s row sorted: k entries, the greedy token first with exactly its logprob."""
+    ks = [1, 5, 20, 3]
+    jobs = [job(i, p, n=25, k=k) for i, (p, k) in enumerate(zip(PROMPTS, ks))]
+    plain = Job(seq=99, prompt=[9, 10, 11], max_tokens=25)
+    batched = run(make_engine(target, eos), [*jobs, plain])
+    assert batched[99].lps is None and batched[99].tops is None  # asked for neither
+    for j in jobs:
+        alone = run(make_engine(target, eos), [j])[j.seq]
+        want = reference(tiny_model, j.prompt, j.max_tokens, j.top_logprobs)
+        assert alone.triple() == want
+        assert batched[j.seq].triple() == want
+        assert alone.tops is not None and alone.lps is not None and len(alone.tops) == len(alone.tokens) > 0
+        for token, lp, top in zip(alone.tokens, alone.lps, alone.tops):
+            assert len(top) == j.top_logprobs
+            assert top == sorted(top, key=lambda e: (-e[1], e[0]))
+            assert top[0] == (token, lp)  # greedy: the most likely token is the one emitted
+    ties = sum(len({v for _, v in top}) < len(top) for top in batched[2].tops or [])
+    assert ties > 0  # bf16 rows tie: the tie rule above was exercised
+
+
+def test_top_logprobs_imply_logprobs_and_cost_nothing_when_not_asked(
+    target: Any, eos: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = engine_module.top_logprobs
+
+    def counted(rows: mx.array, k: int) -> list[Top]:
+        calls.append(tuple(rows.shape))
+        return real(rows, k)
+
+    monkeypatch.setattr(engine_module, "top_logprobs", counted)
+    out = run(make_engine(target, eos), [Job(seq=1, prompt=[5, 6, 7], max_tokens=12, logprobs=True)])
+    assert out[1].lps is not None and out[1].tops is None and calls == []
+    out = run(make_engine(target, eos), [job(2, [5, 6, 7], n=12, k=2)])  # logprobs left false
+    assert out[2].lps is not None and out[2].tops is not None and len(calls) == len(out[2].tokens)
+    # Several sequences asking in one step share one selection.
+    calls.clear()
+    out = run(make_engine(target, eos), [job(3, [5, 6, 7], n=12, k=2), job(4, [8, 9], n=12, k=4)])
+    assert any(shape[0] == 2 for shape in calls)
+
+
+def test_a_sampled_tokens_logprob_is_its_entry_in_the_top_k(target: Any, eos: Any) -> None:
+    """Sampling among the 20 most likely tokens: each sampled token is in the top 20 by value, and
+    where it is listed (a tie at the 20th place may list another), its entry is its own logprob."""
+    sampling = SamplingOptions(temperature=1.0, top_k=20, seed=5)
+    j = job(1, [40, 41, 42], n=40, k=20, sampling=sampling)
+    out = run(make_engine(target, eos), [j])[1]
+    assert out.lps is not None and out.tops is not None
+    listed = 0
+    for token, lp, top in zip(out.tokens, out.lps, out.tops):
+        assert lp >= top[-1][1]
+        if token in dict(top):
+            listed += 1
+            assert dict(top)[token] == lp
+    assert listed > len(out.tokens) // 2
+    assert any(top[0][0] != token for token, top in zip(out.tokens, out.tops))  # really sampled
+
+
+def test_a_paused_and_resumed_sequence_keeps_its_top_logprobs(tiny_model: Path, target: Any, eos: Any) -> None:
+    """The pending token's top logprobs are taken with it out of the batch and emitted on resume."""
+    j, other = job(1, [5, 6, 7], n=30, k=6), job(2, [40, 41], n=30, k=2)
+    want = run(make_engine(target, eos), [j, other])
+    engine = make_engine(target, eos)
+    out: dict[int, Out] = {}
+    for x in (j, other):
+        engine.submit(x)
+    while len(out.get(1, Out()).tokens) < 8:
+        collect(engine.step(), out)
+    engine.pause(1)
+    for _ in range(5):
+        collect(engine.step(), out)
+    collect(engine.resume(1), out)
+    while engine.has_work:
+        collect(engine.step(), out)
+    assert {s: o.triple() for s, o in out.items()} == {s: o.triple() for s, o in want.items()}
+    assert out[1].triple() == reference(tiny_model, j.prompt, j.max_tokens, j.top_logprobs)
+
+
+def test_bursts_give_the_same_top_logprobs_as_classic_decode(target: Any, eos: Any) -> None:
+    """A prompt-lookup burst's tokens (from its verify rows) carry byte for byte what classic decode
+    gives: alone, interrupted by an arrival (the pending token goes back into the batch), paused."""
+    first = job(1, LOOPING, n=60, k=5)
+    later = job(2, [5, 6, 7], n=10, k=3)
+    want = {s: o.exact() for s, o in run(make_engine(target, eos), [first, later]).items()}
+    assert len(want[1][2]) == len(want[1][0]) > 0
+
+    engine = make_engine(target, eos, bursts=True)
+    alone = run(engine, [first])[1]
+    assert engine.bursts.accepted > 0 and "burst" in alone.modes
+    assert alone.exact() == want[1]
+
+    engine = make_engine(target, eos, bursts=True)
+    got = run(engine, [first], arrivals={8: [later]})
+    assert engine.bursts.interrupted >= 1 and engine.bursts.accepted > 0
+    assert {s: o.exact() for s, o in got.items()} == want
+
+    engine = make_engine(target, eos, bursts=True)
+    out: dict[int, Out] = {}
+    engine.submit(first)
+    while engine.bursts.rounds < 2:
+        collect(engine.step(), out)
+    assert engine._burst is not None
+    engine.pause(1)
+    collect(engine.resume(1), out)
+    while engine.has_work:
+        collect(engine.step(), out)
+    assert out[1].exact() == want[1]
+
+
+# ----------------------------------------------------------------------------- the wire
+
+
+def _submit(**fields: Any) -> dict[str, Any]:
+    return {"v": 1, "type": "submit", "id": "r", "tokens": [1, 2], **fields}
+
+
+@pytest.mark.parametrize("value", [21, -1, "3", 2.5, True, [3]])
+def test_top_logprobs_out_of_range_or_not_an_int_is_bad_field(value: Any) -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_request(_submit(top_logprobs=value))
+    assert err.value.code == ErrorCode.BAD_FIELD and "top_logprobs" in err.value.message
+    assert err.value.request_id == "r"
+
+
+def test_top_logprobs_on_the_wire_round_trip() -> None:
+    assert parse_request(_submit()) == Submit(id="r", tokens=[1, 2])
+    for k in (0, 1, 20):
+        req = parse_request(_submit(top_logprobs=k))
+        assert isinstance(req, Submit) and req.top_logprobs == k and req.logprobs == (k > 0)
+        assert parse_request(unpack(pack(submit_message(req)))) == req
+    assert "top_logprobs" not in submit_message(Submit(id="r", tokens=[1]))
+
+    tops = [[(3, -0.25), (9, -1.5)], [(4, -0.125), (3, -2.0)]]
+    msg = unpack(pack(token_message("r", [3, 4], "ab", [-0.25, -0.125], tops)))
+    assert msg["top_logprobs"] == [[[3, -0.25], [9, -1.5]], [[4, -0.125], [3, -2.0]]]
+    event = event_from_message(msg)
+    assert isinstance(event, TokenEvent) and event.top_logprobs == tops
+    plain = event_from_message(unpack(pack(token_message("r", [3], "a", None))))
+    assert isinstance(plain, TokenEvent) and plain.top_logprobs is None
+
+
+# ----------------------------------------------------------------------------- a real daemon
+
+
+@pytest.fixture(scope="module")
+def bursting_daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(tiny_model, tmp_path_factory.mktemp("top-daemon"), "--draft", "prompt-lookup", "-k", "3")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_the_client_gets_top_logprobs_through_a_bursting_daemon(tiny_model: Path, bursting_daemon: Daemon) -> None:
+    with Client(bursting_daemon.address, timeout=120) as c:
+        wait_for_verdict(c, timeout=60)
+        for prompt, k in ((LOOPING, 4), ([5, 6, 7], 20)):
+            r = c.generate(tokens=prompt, max_tokens=40, top_logprobs=k)
+            assert (r.tokens, r.logprobs, r.top_logprobs) == reference(tiny_model, prompt, 40, k)
+        assert c.stats()["engine"]["bursts"]["accepted_tokens"] > 0
+
+        events = [e for e in c.stream(tokens=LOOPING, max_tokens=40, top_logprobs=3) if isinstance(e, TokenEvent)]
+        assert all(e.top_logprobs is not None and len(e.top_logprobs) == len(e.tokens) for e in events if e.tokens)
+        assert any(len(e.tokens) > 1 for e in events)  # burst events carry several tokens
+        plain = c.generate(tokens=LOOPING, max_tokens=10, logprobs=True)
+        assert plain.logprobs is not None and plain.top_logprobs is None
+
+
+def test_a_stop_string_cuts_top_logprobs_with_their_tokens(tiny_model: Path, bursting_daemon: Daemon) -> None:
+    """Stop strings at every place of a bursting request's text: the tokens after the stop are cut
+    from ``tokens``, ``logprobs`` and ``top_logprobs`` alike, also inside one multi-token event."""
+    with Client(bursting_daemon.address, timeout=120) as c:
+        wait_for_verdict(c, timeout=60)
+        full = c.generate(tokens=LOOPING, max_tokens=40, top_logprobs=2)
+        assert full.top_logprobs is not None and full.logprobs is not None
+        cut = 0
+        for at in range(2, min(len(full.text), 30), 3):
+            stop = full.text[at : at + 2]
+            r = c.generate(tokens=LOOPING, max_tokens=40, top_logprobs=2, stop=[stop])
+            n = len(r.tokens)
+            assert r.finish_reason == "stop" and r.tokens == full.tokens[:n]
+            assert r.logprobs == full.logprobs[:n] and r.top_logprobs == full.top_logprobs[:n]
+            cut += n < len(full.tokens)
+        assert cut > 0
+
+
+def test_daemon_top_logprobs_match_for_a_batch(tiny_model: Path, bursting_daemon: Daemon) -> None:
+    """Several requests at once (decoded together, no bursts) each get their own rows' top k."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[5, 6, 7], [40, 41, 42], [100, 101], [9, 9, 9, 9]]
+    with Client(bursting_daemon.address, timeout=120) as c:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(lambda a: c.generate(tokens=a[1], max_tokens=20, top_logprobs=a[0] + 1), enumerate(prompts))
+            )
+        for i, (prompt, r) in enumerate(zip(prompts, results)):
+            assert (r.tokens, r.logprobs, r.top_logprobs) == reference(tiny_model, prompt, 20, i + 1)
