@@ -1,15 +1,17 @@
 """``mlx-batchd bench``: the workload matrix, one command.
 
 Batched decode throughput vs B through the daemon (scoped pins), through a daemon with a process-wide
-pin (``--process-pin``), through the engine alone and through raw ``BatchGenerator``; B = 1 classic vs
+pin (``--process-pin``), through the same daemon's OpenAI-compatible HTTP door (``--via http``: whole
+answers and SSE streams), through the engine alone and through raw ``BatchGenerator``; B = 1 classic vs
 bursts per drafter (``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token
 percentiles; the start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in
 ``--out``, rewritten after every batch size, so a run stopped by an outer timeout keeps what it finished.
 
 Every arm runs the same workload: B greedy sequences with the same random prompts, every request
 submitted at once, timed from the first submit to the last token. The raw and engine arms run in
-this process; the daemon arms drive daemon child processes through the client library, as a user
-would. Arms are measured alike, so that an arm that does the same work as another reads 1.00 of it:
+this process; the daemon arms drive daemon child processes through the client library, and the HTTP
+arms the daemon arm's own daemon through ``httpx`` with the same token ids, as a user would. Arms
+are measured alike, so that an arm that does the same work as another reads 1.00 of it:
 
 - one arm works at a time, and before each timed run every daemon is idle (start-up probe done,
   no sequence in its engine), checked by asking it rather than assumed;
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -130,6 +134,80 @@ def run_daemon(client: Any, prompts: list[list[int]], max_tokens: int) -> tuple[
         results = list(pool.map(lambda p: client.generate(tokens=p, max_tokens=max_tokens), prompts))
     wall = time.perf_counter() - tic
     return sum(r.usage["completion_tokens"] for r in results), wall
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a daemon's ``--http``: the daemon prints its address but
+    the bench does not read its output, so the bench picks the port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _completion_body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    """The ZeroMQ arm's request as an OpenAI completion: the same token ids (``prompt`` as a token
+    list), the same budget, greedy; a stream asks for its usage so tokens are counted as the daemon
+    counted them."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def http_generate(http: Any, model: str, prompt: list[int], max_tokens: int, stream: bool) -> int:
+    """One completion through the HTTP door with ``http`` (an ``httpx.Client``); its completion
+    tokens, from the answer's ``usage`` (a stream's last chunk)."""
+    body = _completion_body(model, prompt, max_tokens, stream)
+    if not stream:
+        reply = http.post("/v1/completions", json=body)
+        reply.raise_for_status()
+        return int(reply.json()["usage"]["completion_tokens"])
+    usage = None
+    with http.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise RuntimeError(f"the HTTP stream ended with an error: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the HTTP stream ended without its usage chunk")
+    return int(usage["completion_tokens"])
+
+
+def run_http(http: Any, model: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> tuple[int, float]:
+    """``run_daemon`` through the HTTP door: every request at once, one thread each, as the ZeroMQ
+    arm submits them, on one connection pool."""
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        produced = list(pool.map(lambda p: http_generate(http, model, p, max_tokens, stream), prompts))
+    return sum(produced), time.perf_counter() - tic
+
+
+def open_http(url: str) -> Any:
+    """An ``httpx.Client`` for the HTTP arms: no cap on pooled connections (every request of a batch
+    holds one at once), no timeout a long run could hit."""
+    import httpx
+
+    return httpx.Client(
+        base_url=url,
+        timeout=3600,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
+
+
+def served_model(http: Any) -> str:
+    """The served model's id, as a stock client finds it: ``GET /v1/models``."""
+    reply = http.get("/v1/models")
+    reply.raise_for_status()
+    return str(reply.json()["data"][0]["id"])
+
+
+#: The HTTP arms (``--via http``): the ``daemon`` arm's own daemon through its HTTP door, whole
+#: answers and SSE streams; arm -> stream.
+HTTP_ARMS = {"http": False, "http_stream": True}
 
 
 def run_poisson(address: str, rate: float, n: int, vocab: int, max_tokens: int, seed: int = 7) -> dict[str, Any]:
@@ -262,7 +340,8 @@ class Setup:
     """What one run measures, and the figures its tables need besides the samples."""
 
     batches: tuple[int, ...]
-    #: Measured at every B: raw, engine, daemon and, with ``--process-pin``, daemon_process_pin.
+    #: Measured at every B: raw, engine, daemon and, with ``--process-pin``, daemon_process_pin;
+    #: with ``--via http``, http and http_stream (``HTTP_ARMS``).
     arms: tuple[str, ...]
     #: ``bursts:<drafter>``, one daemon each, measured at B = 1 only.
     b1_arms: tuple[str, ...] = ()
@@ -304,12 +383,15 @@ RATIOS = (
     ("ratio", "daemon", "raw"),
     ("vs_engine", "daemon", "engine"),
     ("process_pin_vs_scoped", "daemon_process_pin", "daemon"),
+    ("http_vs_zeromq", "http", "daemon"),
+    ("http_stream_vs_zeromq", "http_stream", "daemon"),
 )
 
 
 def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> list[dict[str, Any]]:
     """One row per finished batch size: each arm's median tok/s and spread; daemon / raw, daemon /
-    engine (and process pin / scoped) as ratios of medians with their spreads (``ratio_spread``)."""
+    engine (and process pin / scoped, HTTP / ZeroMQ) as ratios of medians with their spreads
+    (``ratio_spread``)."""
     rows = []
     for b in setup.finished(samples):
         row: dict[str, Any] = {"batch": b}
@@ -335,14 +417,25 @@ def _with_spread(value: float | None, lohi: list[float] | None, fmt: str) -> str
     return f"{value:{fmt}} ({lo:{fmt}}-{hi:{fmt}})"
 
 
+#: The HTTP arms' names in the batched table.
+HTTP_LABELS = {"http": "daemon via HTTP", "http_stream": "daemon via HTTP, streamed"}
+
+
 def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The batched table: every arm's median tok/s with its spread, the ratios with theirs and, with a
     bandwidth, the physical limit, the KV bytes each step reads and each arm's fraction of the limit."""
     pinned = "daemon_process_pin_tok_s" in rows[0]
+    http = [
+        (arm, key)
+        for arm, key in (("http", "http_vs_zeromq"), ("http_stream", "http_stream_vs_zeromq"))
+        if f"{arm}_tok_s" in rows[0]
+    ]
     roof = rows[0].get("reference_tok_s") is not None
     cols = ["B", "raw BatchGenerator tok/s", "engine alone tok/s", "daemon tok/s", "daemon / raw", "daemon / engine"]
     if pinned:
         cols += ["daemon, process pin tok/s", "process pin / scoped"]
+    for arm, _ in http:
+        cols += [f"{HTTP_LABELS[arm]} tok/s", f"{HTTP_LABELS[arm]} / ZeroMQ"]
     if roof:
         cols += ["physical limit tok/s", "KV read per step (MB)", "raw / engine / daemon of the limit"]
 
@@ -353,6 +446,9 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if pinned:
             cells.append(_with_spread(r["daemon_process_pin_tok_s"], r["daemon_process_pin_spread"], ".1f"))
             cells.append(_with_spread(r["process_pin_vs_scoped"], r["process_pin_vs_scoped_spread"], ".3f"))
+        for arm, key in http:
+            cells.append(_with_spread(r[f"{arm}_tok_s"], r[f"{arm}_spread"], ".1f"))
+            cells.append(_with_spread(r[key], r[f"{key}_spread"], ".3f"))
         if roof:
             limit = r["reference_tok_s"]
             cells += [f"{limit:.0f}", f"{r['kv_bytes_per_step'] / 1e6:.3f}"]
@@ -376,6 +472,12 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"({weights / (gb_s * 1e9) * 1e3:.3f} ms per step), plus each sequence's KV "
             f"({meta['kv_bytes_per_token']} bytes per token of context, mean context {meta['context']} tokens); "
             "B tokens per step."
+        )
+    if http:
+        notes.append(
+            "HTTP: the daemon arm's own daemon through its OpenAI-compatible door (`--via http`), the same "
+            "token ids as `prompt`, one pooled connection per request in flight; whole answers, and SSE streams "
+            "with usage. HTTP / ZeroMQ is that arm over the daemon arm (the client over ipc)."
         )
     if meta.get("raw_max_batch") is not None:
         notes.append(f"raw BatchGenerator measured up to B = {meta['raw_max_batch']} only (`--raw-max-batch`).")
@@ -404,6 +506,8 @@ def write_report(
         ("engine", "x--", "engine alone (in process)"),
         ("daemon", "s-", "daemon, scoped pins (client over ipc)"),
         ("daemon_process_pin", "^-", "daemon, process-wide pin"),
+        ("http", "d-", "daemon via HTTP, whole answers"),
+        ("http_stream", "v-", "daemon via HTTP, SSE streams"),
     ]
     for arm, style, label in arms:
         have = [r for r in rows if f"{arm}_tok_s" in r]
@@ -673,6 +777,12 @@ def _main(args: argparse.Namespace) -> int:
     from workers.models import load
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    via_http = getattr(args, "via", "zeromq") == "http"
+    if via_http and importlib.util.find_spec("httpx") is None:
+        from scheduler.cli import CommandError
+
+        # Said before the model loads: the HTTP arms' client is not one of the daemon's dependencies.
+        raise CommandError("--via http needs httpx, the HTTP arms' client: pip install httpx")
     progress(f"bench: loading {args.model}")
     # One model for the in-process arms: the raw arm runs it with the project's patches lifted.
     loaded = load(args.model)
@@ -694,7 +804,10 @@ def _main(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     poisson: dict[str, Any] | None = None
     cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max_batch)]
-    daemons: dict[str, list[str]] = {"daemon": cap}
+    http_url = f"http://127.0.0.1:{free_port()}" if via_http else None
+    # The HTTP arms measure the daemon arm's own daemon: one process, one engine, two doors.
+    http_flags = ["--http", http_url.removeprefix("http://")] if http_url else []
+    daemons: dict[str, list[str]] = {"daemon": [*cap, *http_flags]}
     if args.process_pin:
         daemons["daemon_process_pin"] = [
             *cap,
@@ -711,7 +824,13 @@ def _main(args: argparse.Namespace) -> int:
     gb_per_s = getattr(args, "bandwidth_gbs", None) or None
     setup = Setup(
         batches=tuple(batches),
-        arms=("raw", "engine", "daemon", *(("daemon_process_pin",) if args.process_pin else ())),
+        arms=(
+            "raw",
+            "engine",
+            "daemon",
+            *(("daemon_process_pin",) if args.process_pin else ()),
+            *(HTTP_ARMS if via_http else ()),
+        ),
         b1_arms=tuple(b1_arms),
         repeats=args.repeats,
         weight_bytes=weight_bytes,
@@ -732,6 +851,8 @@ def _main(args: argparse.Namespace) -> int:
         "context": setup.context,
         "drafters": drafters,
         "process_pin": args.process_pin,
+        "via": "http" if via_http else "zeromq",
+        "http_url": http_url,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
         "bandwidth_gb_s": gb_per_s,
@@ -747,6 +868,8 @@ def _main(args: argparse.Namespace) -> int:
             for i, (name, extra) in enumerate(daemons.items())
         }
         clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
+        http = stack.enter_context(open_http(http_url)) if http_url else None
+        model_id = served_model(http) if http else ""
         progress("bench: waiting for the daemons' start-up probes")
         wait_idle(clients)  # every start-up probe has finished before anything is timed
         probe_seconds: dict[str, float] = {}
@@ -762,6 +885,8 @@ def _main(args: argparse.Namespace) -> int:
                 return run_raw(model, eos, prompts, tokens)
             if arm == "engine":
                 return run_engine(engine, prompts, tokens)
+            if arm in HTTP_ARMS:
+                return run_http(http, model_id, prompts, tokens, HTTP_ARMS[arm])
             return run_daemon(clients[arm], prompts, tokens)
 
         def counters(arm: str) -> dict[str, float] | None:
@@ -770,7 +895,7 @@ def _main(args: argparse.Namespace) -> int:
                 return None
             if arm == "engine":
                 return step_counters(asdict(engine.counters))
-            return step_counters(clients[arm].stats()["engine"])
+            return step_counters(clients["daemon" if arm in HTTP_ARMS else arm].stats()["engine"])
 
         progress("bench: warming every arm up (untimed)")
         warm = _prompts(2, args.prompt_tokens, vocab, seed=99)

@@ -1056,6 +1056,13 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
         help="also measure a daemon with --pin-scope process at this level (the tax scoping avoids)",
     )
     p.add_argument(
+        "--via",
+        default="zeromq",
+        choices=["zeromq", "http"],
+        help="http: the daemon arm's daemon also serves --http on a free loopback port, and two arms measure it "
+        "through that OpenAI-compatible door (whole answers, SSE streams) beside the ZeroMQ arm",
+    )
+    p.add_argument(
         "--bandwidth-gbs",
         type=non_negative_float,
         default=0.0,

@@ -332,3 +332,102 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
     assert "incomplete run: batch sizes [1] of [1, 3]" in (out / "daemon_vs_raw.md").read_text()
     assert (out / "daemon_vs_raw.png").stat().st_size > 0
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no half-written file left
+
+
+def test_http_arms_are_reported_beside_the_zeromq_arm_with_their_ratios(tmp_path: Path) -> None:
+    """HTTP / ZeroMQ for whole answers and streams: ratios of medians over the daemon arm, with the
+    range the two arms' samples allow, as columns of the batched table and keys of its JSON."""
+    setup = bench.Setup((16,), ("raw", "engine", "daemon", *bench.HTTP_ARMS), repeats=3)
+    samples = {
+        ("raw", 16): [100.0, 90.0, 110.0],
+        ("engine", 16): [200.0, 190.0, 210.0],
+        ("daemon", 16): [200.0, 180.0, 220.0],
+        ("http", 16): [190.0, 185.0, 195.0],
+        ("http_stream", 16): [150.0, 140.0, 160.0],
+    }
+    (row,) = bench.batched_rows(samples, setup)
+    assert row["http_vs_zeromq"] == pytest.approx(190 / 200)
+    assert row["http_vs_zeromq_spread"] == pytest.approx([185 / 220, 195 / 180])
+    assert row["http_stream_vs_zeromq"] == pytest.approx(150 / 200)
+    assert row["http_stream_vs_zeromq_spread"] == pytest.approx([140 / 220, 160 / 180])
+    md = bench.write_tables(samples, setup, {"model": "m", "device": "cpu", "repeats": 3}, tmp_path)
+    head, _, line = md.splitlines()[:3]
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|")), strict=True))
+    assert cells["daemon via HTTP tok/s"] == "190.0 (185.0-195.0)"
+    assert cells["daemon via HTTP / ZeroMQ"] == f"0.950 ({185 / 220:.3f}-{195 / 180:.3f})"
+    assert cells["daemon via HTTP, streamed tok/s"] == "150.0 (140.0-160.0)"
+    assert cells["daemon via HTTP, streamed / ZeroMQ"] == f"0.750 ({140 / 220:.3f}-{160 / 180:.3f})"
+    saved = json.loads((tmp_path / "daemon_vs_raw.json").read_text())["rows"][0]
+    assert saved["http_stream_vs_zeromq_spread"] == row["http_stream_vs_zeromq_spread"]
+    assert "daemon via HTTP" not in bench.batched_markdown(
+        bench.batched_rows(samples, bench.Setup((16,), ("daemon",))), {}
+    )
+
+
+def test_bench_via_http_measures_the_daemon_through_its_http_door(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--via http``: the daemon arm's daemon serves HTTP too, and two more arms (whole answers, SSE
+    streams) send it the ZeroMQ arm's token ids; each run is the same work as the ZeroMQ arm's (the same
+    greedy tokens, counted by the daemon's engine), rotated with the other arms, and lands in the tables."""
+    sent: list[tuple[bool, int]] = []
+    generate = bench.http_generate
+
+    def recorded(http: Any, model: str, prompt: list[int], max_tokens: int, stream: bool) -> int:
+        sent.append((stream, len(prompt)))
+        return generate(http, model, prompt, max_tokens, stream)
+
+    monkeypatch.setattr(bench, "http_generate", recorded)
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(
+        [
+            *("bench", "--model", str(tiny_model), "--batch-sizes", "1,2", "--tokens", "8", "--prompt-tokens", "6"),
+            *("--repeats", "2", "--via", "http", "--out", str(out)),
+        ]
+    )
+    assert args.via == "http"
+    assert args.func(args) == 0
+    measured = [x for x in capsys.readouterr().out.splitlines() if x.startswith("bench [")]
+    assert len(measured) == 2 * 2 * 5 and sum(", http" in x for x in measured) == 2 * 2 * 2
+    assert {s for s, _ in sent} == {False, True} and {n for _, n in sent} == {6}
+    report = json.loads((out / "daemon_vs_raw.json").read_text())
+    assert report["meta"]["via"] == "http" and report["meta"]["http_url"].startswith("http://127.0.0.1:")
+    assert report["meta"]["daemon_exit_codes"] == {"daemon": 0}  # one daemon: both doors on it
+    assert [r["batch"] for r in report["rows"]] == [1, 2] and report["meta"]["complete"] is True
+    runs = report["runs"]
+    for r in report["rows"]:
+        for arm, key in (("http", "http_vs_zeromq"), ("http_stream", "http_stream_vs_zeromq")):
+            xs = [x["tokens"] / x["seconds"] for x in runs if x["arm"] == arm and x["batch"] == r["batch"]]
+            base = [x["tokens"] / x["seconds"] for x in runs if x["arm"] == "daemon" and x["batch"] == r["batch"]]
+            assert r[f"{arm}_spread"] == pytest.approx(bench.spread(xs))
+            assert r[key] == pytest.approx(r[f"{arm}_tok_s"] / r["daemon_tok_s"])
+            assert r[f"{key}_spread"] == pytest.approx(bench.ratio_spread(xs, base))
+    for b in (1, 2):
+        for rep in range(2):
+            same = {x["arm"]: x for x in runs if x["batch"] == b and x["repeat"] == rep}
+            assert same["http"]["tokens"] == same["http_stream"]["tokens"] == same["daemon"]["tokens"] > 0
+            for arm in bench.HTTP_ARMS:  # the daemon's engine decoded them: one step per token after the first
+                steps = same[arm]["engine_steps"]
+                assert steps["decode_steps"] >= same[arm]["tokens"] / b - 1 and steps["decode_seconds"] > 0, steps
+    assert {x["arm"] for x in runs if x["batch"] == 1 and x["position"] == 0} == {"raw", "engine"}
+    md = (out / "daemon_vs_raw.md").read_text()
+    assert "| daemon via HTTP / ZeroMQ |" in md and "| daemon via HTTP, streamed / ZeroMQ |" in md
+    assert len([x for x in md.splitlines() if x.startswith(("| 1 |", "| 2 |"))]) == 2
+    assert (out / "daemon_vs_raw.png").stat().st_size > 0
+
+
+def test_bench_via_http_without_httpx_says_so_before_loading_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """httpx is the HTTP arms' client, not a dependency of the daemon: without it the bench says what to
+    install, in one line, and loads nothing."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "httpx" else find_spec(name, *a))
+    args = build_parser().parse_args(["bench", "--model", str(tmp_path / "absent"), "--via", "http"])
+    assert args.func(args) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "mlx-batchd bench: --via http needs httpx, the HTTP arms' client: pip install httpx\n"
+    assert "loading" not in captured.out
