@@ -484,3 +484,16 @@ def test_cli_probe_shows_the_ladder_and_the_winning_rung(llama: Path, tmp_path: 
     assert run.returncode == 0, run.stderr
     assert "| wide (won) | exact |" in run.stdout
     assert "ladder: wide: exact (won) -> narrow: not needed" in run.stdout
+
+
+def test_a_collected_models_widths_are_forgotten(llama: Path) -> None:
+    """Widths are kept by module id, and Python reuses a dead object's id: a model that is gone must
+    leave no width behind for a later module to inherit."""
+    import gc
+
+    model = _load(llama)
+    ids = [id(m) for _, m in model.named_modules() if id(m) in kernels._measured]
+    assert ids
+    del model
+    gc.collect()
+    assert not any(mid in kernels._measured or mid in kernels._widths for mid in ids)

@@ -37,6 +37,7 @@ import functools
 import math
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -86,6 +87,13 @@ _process_level: Level = Level.WIDE
 _widths: dict[int, int] = {}
 #: The load-time measurement alone (``measure_widths``), which every probe starts from.
 _measured: dict[int, int] = {}
+
+
+def _forget(mid: int) -> None:
+    """A measured module is gone: drop its entries, so a later module that Python gives the same
+    id (ids of dead objects are reused) does not inherit its width."""
+    _widths.pop(mid, None)
+    _measured.pop(mid, None)
 
 
 def current_level() -> Level:
@@ -461,7 +469,20 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
             report.widths[sig] = width
             for mid in by_sig[sig]:
                 _widths[mid] = _measured[mid] = width
+    for _, module in model.named_modules():
+        if id(module) in _measured and id(module) not in _tracked:
+            _tracked.add(id(module))
+            weakref.finalize(module, _untrack, id(module))
     return report
+
+
+#: Module ids whose entries are dropped when the module is collected (``_forget``).
+_tracked: set[int] = set()
+
+
+def _untrack(mid: int) -> None:
+    _tracked.discard(mid)
+    _forget(mid)
 
 
 # --------------------------------------------------------------------------- calibrating widths
