@@ -398,3 +398,27 @@ def test_http_requests_count_in_the_local_tenants_outcomes(oai: openai.OpenAI, z
     oai.completions.create(model="tiny-chat", prompt="a", max_tokens=3)
     after = zmq_client.stats()["outcomes"]["local"]
     assert after.get("length", 0) == before.get("length", 0) + 1
+
+
+def test_a_lone_http_request_bursts_like_a_zeromq_one(chat_model: Path, tmp_path: Path) -> None:
+    """Bursts, the probe gate and exactness apply to HTTP requests unchanged: a lone HTTP completion
+    on a repetitive prompt runs burst rounds and is byte-identical to the ZeroMQ client's answer."""
+    from tests.conftest import wait_for_verdict
+
+    d = start_daemon(chat_model, tmp_path, "--draft", "prompt-lookup", "-k", "3", "--http", "127.0.0.1:0")
+    try:
+        prompt = [7, 7, 7, 7, 8, 8, 8, 8] * 3
+        with Client(d.address, timeout=120) as c:
+            assert wait_for_verdict(c)["level"] is not None  # the CPU's verdict lets bursts run
+            expected = c.generate(tokens=prompt, max_tokens=40).tokens
+            before = c.stats()["engine"]["bursts"]["rounds"]
+            with openai.OpenAI(base_url=f"{http_url(d)}/v1", api_key="x", max_retries=0) as oai:
+                out = oai.completions.create(model="tiny-chat", prompt=prompt, max_tokens=40, temperature=0)
+            after = c.stats()["engine"]["bursts"]["rounds"]
+            assert c.generate(tokens=prompt, max_tokens=40).tokens == expected
+        assert out.usage is not None and out.usage.completion_tokens == len(expected)
+        assert after > before, "the HTTP request ran no burst round"
+        tokenizer = load_reference(str(chat_model))[1]
+        assert out.choices[0].text == tokenizer.decode(expected)
+    finally:
+        assert d.stop() == 0, d.log()
