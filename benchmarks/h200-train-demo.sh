@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Device call (see docs/demo-models.md): install MLX CUDA from .mlx-cuda/part2, train the demo set from
-# the stdlib archive staged at /root/corpus, pack the weights into $OUT (split, at most 8 files back).
+# Device call (see docs/demo-models.md): install MLX CUDA from .mlx-cuda/part2 (a wheel set staged beside
+# the checkout, not in the repository: the device has no network), train the demo set from the stdlib
+# archive an earlier call staged at /root/corpus, pack the weights into $OUT (split, at most 8 files back).
 # Usage on the device:
-#   bash benchmarks/h200-train-demo.sh [workers.demo.train flags]       one run: $OUT/weights.tar.*
+#   bash benchmarks/h200-train-demo.sh [tools.demo.train flags]         one run: $OUT/weights.tar.*
 #   RUNS=1 bash benchmarks/h200-train-demo.sh "flags a" "flags b" ...   runs side by side on the one GPU
 #                                                                       (small models leave it mostly idle):
 #                                                                       /tmp/runs/1, 2, ... in $OUT/runs.tar.*
 set -uo pipefail
 bash .mlx-cuda/part2/install-on-device.sh || exit 3
-mkdir -p /tmp/pkg/workers/demo /tmp/stdlib
-# Only the three training modules travel to /tmp/pkg, so nothing else of the package is imported there.
-cp workers/mtp.py /tmp/pkg/workers/ && cp workers/demo/train.py workers/demo/tokenizer.py /tmp/pkg/workers/demo/
-touch /tmp/pkg/workers/__init__.py /tmp/pkg/workers/demo/__init__.py
+mkdir -p /tmp/pkg/tools/demo /tmp/pkg/workers/demo /tmp/stdlib
+# Only the training modules and the two workers modules they import travel to /tmp/pkg, so nothing else
+# of the daemon is imported there.
+cp tools/demo/train.py tools/demo/tokenizer.py /tmp/pkg/tools/demo/ || exit 3
+cp workers/mtp.py /tmp/pkg/workers/ && cp workers/demo/__init__.py /tmp/pkg/workers/demo/ || exit 3
+touch /tmp/pkg/tools/__init__.py /tmp/pkg/tools/demo/__init__.py /tmp/pkg/workers/__init__.py
 tar xJf /root/corpus/stdlib.tar.xz -C /tmp/stdlib || exit 4
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
-train() { (cd /tmp && timeout "${TRAIN_TIMEOUT:-520}" python3 -m workers.demo.train --stdlib /tmp/stdlib "$@"); }
+train() { (cd /tmp && timeout "${TRAIN_TIMEOUT:-520}" python3 -m tools.demo.train --stdlib /tmp/stdlib "$@"); }
 if [ -z "${RUNS:-}" ]; then
   train --out /tmp/weights "$@"
   rc=$?

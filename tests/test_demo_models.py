@@ -16,7 +16,6 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 
 from workers import mtp
-from workers.demo import evaluate
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "workers" / "demo" / "weights"
 PROMPT = "def fibonacci(n):"
@@ -102,15 +101,3 @@ def test_mtp_refuses_another_target(target, draft):
     with pytest.raises(ValueError, match="embed_sha256"):
         mtp.load_mtp(WEIGHTS / "mtp", impostor)
     mtp.load_mtp(WEIGHTS / "mtp", impostor, check_weights=False)  # shapes still match
-
-
-@pytest.mark.parametrize("kind", ["draft model", "MTP head"])
-def test_speculative_decoding_equals_greedy(target, draft, head, kind):
-    model, tokenizer = target
-    eos = set(tokenizer.eos_token_ids)
-    drafter = evaluate.DraftModelDrafter(draft[0]) if kind == "draft model" else evaluate.MTPDrafter(head)
-    prompt = tokenizer.encode(PROMPT)
-    ref = evaluate.greedy(model, prompt, 12, eos)
-    st = evaluate.speculative(model, drafter, prompt, 12, 3, eos)
-    assert st.tokens[: len(ref)] == ref
-    assert 0 <= st.accepted <= st.drafted

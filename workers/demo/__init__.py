@@ -1,6 +1,6 @@
 """The embedded default models: what ``--model demo``, ``--draft demo`` and ``--mtp demo`` resolve to.
 
-They ship inside the package under ``weights/`` (trained by ``workers/demo/train.py``; model card
+They ship inside the package under ``weights/`` (trained by ``tools/demo/train.py``; model card
 ``docs/demo-models.md``), so a fresh machine serves offline.
 """
 

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
-from workers.demo import train
+from tools.demo import train
 
 
 def _target() -> tuple[llama.Model, dict]:

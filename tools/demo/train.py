@@ -24,7 +24,8 @@ Step counts: give ``--target-steps`` etc. for a reproducible run; or a time budg
 does not depend on the total) and the count is fixed from them and recorded in the report. Either way
 the report (``train_report.json``) records the exact counts, so a rerun with them is the same run.
 
-Run: ``python -m workers.demo.train --out workers/demo/weights`` (see docs/demo-models.md).
+Run from the repository root: ``python -m tools.demo.train`` (writes ``workers/demo/weights``, the shipped
+set, unless ``--out`` says otherwise; see docs/demo-models.md).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
+from tools.demo.tokenizer import BYTE_VOCAB_SIZE, EOS_TOKEN, save_tokenizer, train_tokenizer
 from workers import mtp as mtp_mod
-from workers.demo.tokenizer import BYTE_VOCAB_SIZE, EOS_TOKEN, save_tokenizer, train_tokenizer
+from workers.demo import SHIPPED
 
 # --------------------------------------------------------------------------------------------- corpus
 
@@ -169,7 +171,7 @@ def def_prompt_ends(tokenizer, root: Path, files: tuple[str, ...]) -> np.ndarray
 
 # --------------------------------------------------------------------------------------------- models
 
-# Byte-level: 256 byte tokens + EOS, no merges (see workers/demo/tokenizer.py for why). A larger value
+# Byte-level: 256 byte tokens + EOS, no merges (see tools/demo/tokenizer.py for why). A larger value
 # fits a byte-level BPE of that many entries instead (the first shipped set used 4096).
 VOCAB_SIZE = BYTE_VOCAB_SIZE
 # Training context: the evaluation prompts carry ~1200 bytes of their file before the def line, and a
@@ -649,7 +651,7 @@ def mtp_metrics(head: mtp_mod.MTPHead, target: nn.Module, wins: list[np.ndarray]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "weights")
+    p.add_argument("--out", type=Path, default=SHIPPED, help="default: the shipped set, workers/demo/weights")
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib root (default: this interpreter's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=0, help="use only the first N training files (smoke tests)")
@@ -732,7 +734,7 @@ def main(argv: list[str] | None = None) -> dict:
     compiled = set(args.compile.split(",")) if args.compile else set()
     report: dict = {
         "command": " ".join(
-            [Path(sys.executable).name, "-m", "workers.demo.train"] + (argv if argv is not None else sys.argv[1:])
+            [Path(sys.executable).name, "-m", "tools.demo.train"] + (argv if argv is not None else sys.argv[1:])
         ),
         "seed": args.seed,
         "python_running": platform.python_version(),

@@ -7,9 +7,9 @@ argmax (plus its bonus token); acceptance = accepted drafted tokens / drafted to
 is also compared with plain greedy decoding of the target, which it must equal.
 
 Prompts are held-out code: function definitions from the held-out stdlib files (see
-``workers.demo.train.HELDOUT_FILES``), each with up to ~1200 characters of the file before it.
+``tools.demo.train.HELDOUT_FILES``), each with up to ~1200 characters of the file before it.
 
-Run: ``python -m workers.demo.evaluate`` (prints Markdown tables).
+Run from the repository root: ``python -m tools.demo.evaluate`` (prints Markdown tables).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from tools.demo.train import default_stdlib, read_source, select_files
 from workers import mtp as mtp_mod
-from workers.demo.train import default_stdlib, read_source, select_files
+from workers.demo import SHIPPED as WEIGHTS
 
-WEIGHTS = Path(__file__).resolve().parent / "weights"
 # Prompts end right after the ``:``. The first shipped set needed that (its BPE merged a newline with the
 # indentation after it, so a prompt ending in a bare "\n" ended on a boundary training never showed);
 # the byte-level set does not, and the prompts stay the same so that the sets' numbers compare.

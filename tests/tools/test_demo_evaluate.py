@@ -1,0 +1,45 @@
+"""The evaluation tool's speculative decoding equals greedy decoding on the shipped demo set (CPU, seconds).
+
+Why: the acceptance numbers in docs/demo-models.md come from ``tools.demo.evaluate``; they mean
+something only if its speculative loop emits exactly the target's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+
+from tools.demo import evaluate
+from workers import mtp
+
+WEIGHTS = Path(__file__).resolve().parents[2] / "workers" / "demo" / "weights"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load(str(WEIGHTS / "target"))
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return load(str(WEIGHTS / "draft"))
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return mtp.load_mtp(WEIGHTS / "mtp", target[0])
+
+
+@pytest.mark.parametrize("kind", ["draft model", "MTP head"])
+def test_speculative_decoding_equals_greedy(target, draft, head, kind):
+    model, tokenizer = target
+    eos = set(tokenizer.eos_token_ids)
+    drafter = evaluate.DraftModelDrafter(draft[0]) if kind == "draft model" else evaluate.MTPDrafter(head)
+    prompt = tokenizer.encode(PROMPT)
+    ref = evaluate.greedy(model, prompt, 12, eos)
+    st = evaluate.speculative(model, drafter, prompt, 12, 3, eos)
+    assert st.tokens[: len(ref)] == ref
+    assert 0 <= st.accepted <= st.drafted
