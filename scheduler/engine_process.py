@@ -38,12 +38,12 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
-from clients.protocol import SamplingOptions
 from workers.burst import BurstSettings
 from workers.engine import Finished, Job, StepInfo, Timings, Tokens
 from workers.kernels import Level
 from workers.loop import Dead, EngineSettings, EngineThread, Ready, Signal, Stopped
 from workers.models import ModelInfo
+from workers.params import FinishReason, SamplingParams
 from workers.probe import ProbePolicy
 
 log = logging.getLogger("mlx_batchd")
@@ -85,7 +85,7 @@ def job_to_wire(job: Job) -> dict[str, Any]:
 
 
 def job_from_wire(d: dict[str, Any]) -> Job:
-    return Job(**{**d, "sampling": SamplingOptions(**d["sampling"]), "stop_token_ids": tuple(d["stop_token_ids"])})
+    return Job(**{**d, "sampling": SamplingParams(**d["sampling"]), "stop_token_ids": tuple(d["stop_token_ids"])})
 
 
 def signal_to_wire(sig: Signal) -> dict[str, Any]:
@@ -103,7 +103,7 @@ def signal_to_wire(sig: Signal) -> dict[str, Any]:
     if isinstance(sig, StepInfo):
         return {"t": "step", "kind": sig.kind, "seconds": sig.seconds, "batch_size": sig.batch_size}
     if isinstance(sig, Finished):
-        return {"t": "finished", **asdict(sig)}
+        return {"t": "finished", **asdict(sig), "reason": str(sig.reason)}
     if isinstance(sig, Ready):
         return {"t": "ready", "info": {**asdict(sig.info), "eos_token_ids": list(sig.info.eos_token_ids)}}
     if isinstance(sig, Stopped):
@@ -119,7 +119,7 @@ def signal_from_wire(d: dict[str, Any], tokenizer: Callable[[ModelInfo], Any]) -
     if kind == "step":
         return StepInfo(**d)
     if kind == "finished":
-        return Finished(**{**d, "timings": Timings(**d["timings"])})
+        return Finished(**{**d, "reason": FinishReason(d["reason"]), "timings": Timings(**d["timings"])})
     if kind == "ready":
         info = ModelInfo(**{**d["info"], "eos_token_ids": tuple(d["info"]["eos_token_ids"])})
         return Ready(info, tokenizer(info))

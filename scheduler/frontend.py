@@ -75,6 +75,7 @@ from scheduler.tenants import LOCAL, Tenant, TenantsError, TenantTable, load_ten
 from workers.engine import Finished, Job, StepInfo, Tokens
 from workers.loop import Dead, Ready, Signal, Stopped
 from workers.models import ModelInfo
+from workers.params import SamplingParams
 from workers.prefix_cache import salt_for
 
 log = logging.getLogger("mlx_batchd")
@@ -1142,11 +1143,14 @@ class FrontEnd:
         t.prompt_tokens = len(admitted.prompt)
         t.detok = self._tokenizer.detokenizer
         t.stops = StopStrings(t.req.stop) if t.req.stop else None
+        wire = t.req.sampling  # the one conversion from the wire's sampling options to the engine's
         t.job = Job(
             seq=t.seq,
             prompt=admitted.prompt,
             max_tokens=admitted.max_tokens,
-            sampling=t.req.sampling,
+            sampling=SamplingParams(
+                temperature=wire.temperature, top_p=wire.top_p, top_k=wire.top_k, min_p=wire.min_p, seed=wire.seed
+            ),
             stop_token_ids=tuple(t.req.stop_token_ids),
             logprobs=t.req.logprobs,
             received_at=t.received_at,

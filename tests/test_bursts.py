@@ -16,12 +16,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from clients.protocol import SamplingOptions
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, DraftModel, PromptLookup
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
+from workers.params import SamplingParams
 from workers.probe import ProbePolicy, make_draws, probe_steps
 from workers.synthetic import llama_config, write_model
 
@@ -262,7 +262,7 @@ def test_sampled_bursts_keep_the_target_distribution(paths: dict[str, Path], tar
     engine = make_engine(target, drafter)
     second: dict[int, dict[int, int]] = {}
     for seed in range(n_runs):
-        sampling = SamplingOptions(temperature=1.0, top_k=4, seed=seed)
+        sampling = SamplingParams(temperature=1.0, top_k=4, seed=seed)
         ((tokens, _),) = run(engine, [job(seed, prompt, n=2, sampling=sampling)]).values()
         if len(tokens) == 2:
             second.setdefault(tokens[0], {}).setdefault(tokens[1], 0)

@@ -18,7 +18,6 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from clients.protocol import SamplingOptions
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
@@ -26,6 +25,7 @@ from workers.engine import Engine, Event, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
 from workers.loop import EngineSettings, EngineThread, Ready, Signal
 from workers.models import load as load_model
+from workers.params import SamplingParams
 from workers.probe import ProbePolicy, make_draws, probe_steps
 
 VOCAB = 260
@@ -112,9 +112,9 @@ def uninterrupted(target: Any, jobs: list[Job]) -> dict[int, list[int]]:
     return run.tokens
 
 
-@pytest.mark.parametrize("sampling", [SamplingOptions(), SamplingOptions(temperature=0.8, seed=3)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
 def test_a_paused_sequence_gets_nothing_costs_no_decode_and_resumes_byte_identical(
-    target: Any, sampling: SamplingOptions
+    target: Any, sampling: SamplingParams
 ) -> None:
     jobs = [job(seq, p, n=40, sampling=sampling) for seq, p in PROMPTS.items()]
     want = uninterrupted(target, jobs)

@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from workers import kernels
@@ -31,6 +30,7 @@ from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Job, Tokens
 from workers.kernels import LAYOUT_STEP, Level, measure_widths
+from workers.mlxlm import merge_caches
 from workers.pins import CountedModel, PinLedger
 from workers.probe import (
     ProbePolicy,
@@ -398,7 +398,7 @@ def test_single_sequence_forwards_get_layout_stable_caches_and_batched_ones_keep
     parts = [make_prompt_cache(model) for _ in range(2)]
     for i, part in enumerate(parts):
         model(mx.array([[1, 2, 3 + i]]), cache=part)
-    batched = _merge_caches(parts)
+    batched = merge_caches(parts)
     counted(mx.array([[4], [5]]), cache=batched)
     assert all("step" not in vars(c) and c.step == 256 for c in batched)
 

@@ -19,9 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
-from clients.protocol import SamplingOptions
 from workers.arrays import as_int
 from workers.engine import Engine, Finished, Job, Tokens
+from workers.params import SamplingParams
 from workers.sampling import GREEDY_BELOW, make_sampler
 
 #: A draw never lands on a token whose scaled log-weight trails the top one's by more than this
@@ -29,7 +29,7 @@ from workers.sampling import GREEDY_BELOW, make_sampler
 REACH = 50.0
 
 
-def reference_allowed(x: np.ndarray, o: SamplingOptions) -> np.ndarray:
+def reference_allowed(x: np.ndarray, o: SamplingParams) -> np.ndarray:
     """Which tokens have probability > 0 for logprobs ``x`` (a float64 copy of the float32 row)."""
     v = x.shape[0]
     top = x.max()
@@ -47,7 +47,7 @@ def reference_allowed(x: np.ndarray, o: SamplingOptions) -> np.ndarray:
     return keep
 
 
-def reference_reachable(x: np.ndarray, o: SamplingOptions) -> np.ndarray:
+def reference_reachable(x: np.ndarray, o: SamplingParams) -> np.ndarray:
     """The allowed tokens a draw can actually return: those not far below the top at this temperature."""
     with np.errstate(over="ignore"):
         return reference_allowed(x, o) & ((x.max() - x) / o.temperature <= REACH)
@@ -85,10 +85,10 @@ MIN_P = st.one_of(
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[list[float], SamplingOptions]:
+def cases(draw: st.DrawFn) -> tuple[list[float], SamplingParams]:
     logits = draw(st.lists(LOGIT, min_size=2, max_size=40))
     top_k = draw(st.one_of(st.just(0), st.integers(1, len(logits) + 3), st.just(10**9)))
-    options = SamplingOptions(
+    options = SamplingParams(
         temperature=draw(TEMPERATURE),
         top_p=draw(TOP_P),
         top_k=top_k,
@@ -104,14 +104,14 @@ SHARP = [-20.0, 3.0, -5.0, 0.5, 2.9, -1.0]
 
 @settings(max_examples=400, deadline=None)
 @given(cases())
-@example((FLAT, SamplingOptions(temperature=1e-38, seed=1)))
-@example((FLAT, SamplingOptions(temperature=1e-39, seed=2)))
-@example((FLAT, SamplingOptions(temperature=5e-324, seed=3)))
-@example((SHARP, SamplingOptions(temperature=1.0, top_p=1e-300, seed=4)))
-@example((SHARP, SamplingOptions(temperature=1.0, top_p=5e-324, seed=5)))
-@example((SHARP, SamplingOptions(temperature=1e-3, top_p=1e-300, min_p=1.0, top_k=1, seed=6)))
-@example((FLAT, SamplingOptions(temperature=100.0, min_p=5e-324, top_k=10**9, seed=7)))
-def test_every_draw_is_a_token_the_reference_allows(case: tuple[list[float], SamplingOptions]) -> None:
+@example((FLAT, SamplingParams(temperature=1e-38, seed=1)))
+@example((FLAT, SamplingParams(temperature=1e-39, seed=2)))
+@example((FLAT, SamplingParams(temperature=5e-324, seed=3)))
+@example((SHARP, SamplingParams(temperature=1.0, top_p=1e-300, seed=4)))
+@example((SHARP, SamplingParams(temperature=1.0, top_p=5e-324, seed=5)))
+@example((SHARP, SamplingParams(temperature=1e-3, top_p=1e-300, min_p=1.0, top_k=1, seed=6)))
+@example((FLAT, SamplingParams(temperature=100.0, min_p=5e-324, top_k=10**9, seed=7)))
+def test_every_draw_is_a_token_the_reference_allows(case: tuple[list[float], SamplingParams]) -> None:
     logits, options = case
     x = logprobs_of(logits)
     ref = np.array(x[0].tolist(), dtype=np.float64)
@@ -142,7 +142,7 @@ def target(tiny_model: Path) -> Any:
     return model
 
 
-def _generate(target: Any, sampling: SamplingOptions) -> list[int]:
+def _generate(target: Any, sampling: SamplingParams) -> list[int]:
     engine = Engine(target, eos_token_ids=(0,), vocab_size=260)
     engine.submit(Job(seq=1, prompt=[5, 6, 7, 8], max_tokens=24, sampling=sampling))
     tokens: list[int] = []
@@ -158,17 +158,15 @@ def _generate(target: Any, sampling: SamplingOptions) -> list[int]:
 @pytest.mark.parametrize(
     "sampling",
     [
-        SamplingOptions(temperature=1e-38, seed=1),
-        SamplingOptions(temperature=1e-39, seed=1),
-        SamplingOptions(temperature=5e-324, seed=1),
-        SamplingOptions(temperature=1.0, top_p=1e-300, seed=1),
-        SamplingOptions(temperature=100.0, top_p=5e-324, seed=1),
-        SamplingOptions(temperature=100.0, top_k=1, seed=1),
-        SamplingOptions(temperature=100.0, min_p=1.0, seed=1),
+        SamplingParams(temperature=1e-38, seed=1),
+        SamplingParams(temperature=1e-39, seed=1),
+        SamplingParams(temperature=5e-324, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-300, seed=1),
+        SamplingParams(temperature=100.0, top_p=5e-324, seed=1),
+        SamplingParams(temperature=100.0, top_k=1, seed=1),
+        SamplingParams(temperature=100.0, min_p=1.0, seed=1),
     ],
     ids=["t=1e-38", "t=1e-39", "t=5e-324", "top_p=1e-300", "top_p=5e-324", "top_k=1", "min_p=1"],
 )
-def test_settings_that_leave_only_the_top_token_generate_the_greedy_text(
-    target: Any, sampling: SamplingOptions
-) -> None:
-    assert _generate(target, sampling) == _generate(target, SamplingOptions())
+def test_settings_that_leave_only_the_top_token_generate_the_greedy_text(target: Any, sampling: SamplingParams) -> None:
+    assert _generate(target, sampling) == _generate(target, SamplingParams())

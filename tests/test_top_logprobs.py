@@ -24,7 +24,6 @@ from clients.events import event_from_message
 from clients.protocol import (
     ErrorCode,
     ProtocolError,
-    SamplingOptions,
     Submit,
     pack,
     parse_request,
@@ -41,6 +40,7 @@ from workers.burst import BurstSettings
 from workers.drafters import PromptLookup
 from workers.engine import Engine, Event, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
+from workers.params import SamplingParams
 from workers.probe import ProbePolicy, make_draws, probe_steps
 
 Top = list[tuple[int, float]]
@@ -210,7 +210,7 @@ def test_top_logprobs_imply_logprobs_and_cost_nothing_when_not_asked(
 def test_a_sampled_tokens_logprob_is_its_entry_in_the_top_k(target: Any, eos: Any) -> None:
     """Sampling among the 20 most likely tokens: each sampled token is in the top 20 by value, and
     where it is listed (a tie at the 20th place may list another), its entry is its own logprob."""
-    sampling = SamplingOptions(temperature=1.0, top_k=20, seed=5)
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=5)
     j = job(1, [40, 41, 42], n=40, k=20, sampling=sampling)
     out = run(make_engine(target, eos), [j])[1]
     assert out.lps is not None and out.tops is not None

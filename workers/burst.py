@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.params import FinishReason
 from workers.sampling import SeededSampler
 
 
@@ -115,7 +116,7 @@ class BurstSeq:
 
 def emit_in_order(
     candidates: list[int], logprobs: list[float], emitted: int, max_tokens: int, stops: frozenset[int]
-) -> tuple[list[int], list[float], str | None]:
+) -> tuple[list[int], list[float], FinishReason | None]:
     """What classic decode would emit from these tokens, in order: stops end (unemitted), the
     ``max_tokens``-th token ends with ``length``."""
     out: list[int] = []
@@ -123,11 +124,11 @@ def emit_in_order(
     for token, lp in zip(candidates, logprobs):
         emitted += 1
         if token in stops:
-            return out, lps, "stop"
+            return out, lps, FinishReason.STOP
         out.append(token)
         lps.append(lp)
         if emitted >= max_tokens:
-            return out, lps, "length"
+            return out, lps, FinishReason.LENGTH
     return out, lps, None
 
 

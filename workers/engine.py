@@ -18,8 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from clients.protocol import SamplingOptions
-from workers import fastpath, faults
+from workers import fastpath, faults, mlxlm
 from workers.arrays import as_float, as_int
 from workers.burst import (
     Adaptive,
@@ -31,6 +30,7 @@ from workers.burst import (
 )
 from workers.drafters import Drafter
 from workers.kernels import Level, bytes_equal, process_level, set_process_level
+from workers.params import FinishReason, SamplingParams
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
 from workers.prefix_cache import PrefixCache
 from workers.probe import Verdict, failed_verdict
@@ -49,7 +49,7 @@ class Job:
     seq: int
     prompt: list[int]
     max_tokens: int
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     received_at: float = field(default_factory=time.monotonic)
@@ -129,10 +129,10 @@ class Timings:
 
 @dataclass
 class Finished:
-    """The end of one sequence. ``reason`` is stop / length / cancelled / error."""
+    """The end of one sequence."""
 
     seq: int
-    reason: str
+    reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
@@ -277,7 +277,7 @@ class Engine:
 
     def batch_size(self) -> int:
         """Sequences in the decode batch right now."""
-        return len(self._gen._generation_batch)
+        return mlxlm.decode_batch_size(self._gen)
 
     # ------------------------------------------------------------------ commands
 
@@ -334,7 +334,8 @@ class Engine:
         s = self._seqs.get(seq)
         if s is None:
             return []
-        keep = reason != "error"  # a failed step or a shutdown leaves nothing worth keeping
+        why = FinishReason(reason)
+        keep = why is not FinishReason.ERROR  # a failed step or a shutdown leaves nothing worth keeping
         if self._burst is not None and self._burst.seq is s:
             if keep:
                 self._keep_burst(self._burst)
@@ -345,7 +346,7 @@ class Engine:
             self._gen.remove([s.uid])
         elif keep:
             self._keep_prefix(s, s.parked.cache, s.parked.history[:-1])
-        return [self._finish(s, reason, code, message)]
+        return [self._finish(s, why, code, message)]
 
     def _keep_in_generator(self, s: _Sequence) -> None:
         """Offer the KV of a sequence still in ``BatchGenerator`` (queued, prefilling or decoding)."""
@@ -394,19 +395,16 @@ class Engine:
             if b is not None and b.seq is s:
                 self._end_burst()
                 s.parked = _Parked(b.cache, b.history, b.pending, b.pending_logprob, b.pending_top)
-            elif s.uid in self._gen._generation_batch.uids:
+            elif s.uid in mlxlm.decoding_uids(self._gen):
                 s.parked = self._take_out(s)
 
     def _take_out(self, s: _Sequence) -> _Parked:
         """Remove a decoding sequence from ``BatchGenerator`` with its cache and pending token."""
-        gb = self._gen._generation_batch
-        idx = gb.uids.index(s.uid)
-        cache = gb.extract_cache(idx)
-        pending_arr, lp_arr = gb._next_tokens[idx], gb._next_logprobs[idx]
+        pending_arr, lp_arr = mlxlm.pending_token(self._gen, s.uid)
+        cache, in_cache = self._gen.remove([s.uid], return_prompt_caches=True)[s.uid]
         mx.eval(pending_arr, lp_arr)
         pending = as_int(pending_arr)
-        history = list(gb.tokens[idx]) + [pending]
-        self._gen.remove([s.uid])
+        history = list(in_cache) + [pending]
         self._by_uid.pop(s.uid, None)
         lp = as_float(lp_arr[pending]) if s.job.wants_logprobs else None
         top = top_logprobs(lp_arr[None], s.job.top_logprobs)[0] if s.job.top_logprobs > 0 else None
@@ -448,8 +446,8 @@ class Engine:
 
     def _step(self) -> list[Event]:
         tic = time.perf_counter()
-        decoding = len(self._gen._generation_batch) > 0
-        solo = len(self._gen._generation_batch) == 1 and not self._prefill_pending()
+        decoding = mlxlm.decode_batch_size(self._gen) > 0
+        solo = mlxlm.decode_batch_size(self._gen) == 1 and not self._prefill_pending()
         with unpinned("serving"):  # batched work never sees a scoped pin
             prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()
@@ -483,7 +481,9 @@ class Engine:
             except Exception as exc:  # this request's own failure: it ends, the batch goes on
                 log.exception("request seq %d failed in the engine", s.job.seq)
                 self._gen.remove([s.uid])
-                events.append(self._finish(s, "error", "engine_error", f"this request failed in the engine: {exc}"))
+                events.append(
+                    self._finish(s, FinishReason.ERROR, "engine_error", f"this request failed in the engine: {exc}")
+                )
         return events
 
     def _batched_tops(self, responses: list[Any]) -> dict[int, TopLogprobs]:
@@ -515,10 +515,10 @@ class Engine:
             s.emitted += 1
             self.counters.generated_tokens += 1
         if r.finish_reason is not None:
-            events.append(self._finish(s, r.finish_reason, None, None))
+            events.append(self._finish(s, FinishReason(r.finish_reason), None, None))
         return events
 
-    def _finish(self, s: _Sequence, reason: str, code: str | None, message: str | None) -> Finished:
+    def _finish(self, s: _Sequence, reason: FinishReason, code: str | None, message: str | None) -> Finished:
         del self._seqs[s.job.seq]
         self._by_uid.pop(s.uid, None)
         self.counters.finished += 1
@@ -597,7 +597,7 @@ class Engine:
         self._auditor = Auditor(settings.audit_fraction, settings.seed)
 
     def _prefill_pending(self) -> bool:
-        return bool(self._gen._unprocessed_sequences) or len(self._gen._prompt_batch) > 0
+        return mlxlm.prefill_pending(self._gen)
 
     def _verdict_level(self) -> tuple[Level | None, str | None]:
         """The verify level, or why there is none."""
@@ -617,7 +617,7 @@ class Engine:
         if len(live) != 1:
             return None, "contention" if len(live) > 1 else None
         (s,) = live
-        if s.uid not in self._gen._generation_batch.uids or self._prefill_pending():
+        if s.uid not in mlxlm.decoding_uids(self._gen) or self._prefill_pending():
             return None, None  # still prefilling: nothing to decide yet
         if s.no_burst:
             return s, s.no_burst
@@ -651,8 +651,8 @@ class Engine:
         return events + self._step()
 
     def _start_burst(self, s: _Sequence) -> bool:
-        gb = self._gen._generation_batch
-        if not can_trim_prompt_cache(gb.extract_cache(gb.uids.index(s.uid))):
+        cache, _ = self._gen.extract_cache([s.uid])[s.uid]
+        if not can_trim_prompt_cache(cache):
             s.no_burst = "not_trimmable"
             self._note_decline(s, s.no_burst)
             return False
@@ -826,15 +826,13 @@ class Engine:
     def measure_tax(self, batch: int, level: Level, reps: int = 3, context: int = 32) -> dict[str, Any]:
         """Time one batched decode step at ``level`` vs wide, at ``batch`` sequences, on scratch
         caches (serving state is untouched): what a process-wide pin would cost this batch."""
-        from mlx_lm.generate import _merge_caches
-
         batch = max(1, batch)
         caches = []
         for i in range(batch):
             c = make_prompt_cache(self.model)
             self.model(mx.array([[(7 * i + j) % self.vocab_size for j in range(context)]]), cache=c)
             caches.append(c)
-        merged = _merge_caches(caches)
+        merged = mlxlm.merge_caches(caches)
         mx.eval([c.state for c in merged])
         step = mx.array([[1]] * batch)
         times: dict[str, list[float]] = {"wide": [], "pinned": []}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any, cast
 import mlx.nn as nn
 
 from workers.kernels import WidthReport, measure_widths
+from workers.mlxlm import continuation_bpe_class, detokenizer_prototype, model_classes
 
 #: Config keys that state a model's trained context, in the order mlx-lm families use them.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
@@ -87,13 +87,11 @@ def check_model(spec: str, flag: str = "--model") -> Path:
     """What ``load`` would trip over, found without reading weights: a missing or non-model
     directory, an architecture this mlx-lm does not know, no weight files. Cheap enough to run
     before a daemon binds its socket, so a bad ``--model`` is refused before anything says ready."""
-    from mlx_lm.utils import _get_classes
-
     path = resolve_model_path(spec, flag)
     config = read_config(path, spec, flag)
     if "model_file" not in config:  # custom code: mlx-lm refuses it at load, with its own message
         try:
-            _get_classes(config)
+            model_classes(config)
         except ValueError:
             import mlx_lm
 
@@ -153,25 +151,11 @@ def keep_leading_space(tokenizer: Any) -> None:
     """
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-    proto = getattr(tokenizer, "_detokenizer", None)
+    proto = detokenizer_prototype(tokenizer)
     if type(proto) is BPEStreamingDetokenizer:
-        proto.__class__ = _continuation_bpe_class()
+        proto.__class__ = continuation_bpe_class()
     elif isinstance(proto, SPMStreamingDetokenizer):
         proto.trim_space = False
-
-
-@functools.cache
-def _continuation_bpe_class() -> type:
-    """Built on first use: importing mlx-lm (and transformers) is slow, and this module is imported early."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
-    class ContinuationBPEDetokenizer(BPEStreamingDetokenizer):
-        """mlx-lm's BPE streaming detokenizer without its first-token space trim."""
-
-        def _maybe_trim_space(self, current_text: str) -> str:
-            return current_text
-
-    return ContinuationBPEDetokenizer
 
 
 def load_tokenizer(spec: str) -> Any:

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
@@ -31,6 +30,7 @@ from mlx_lm.models.cache import (
 )
 
 from workers.arrays import as_int
+from workers.mlxlm import merge_caches
 
 log = logging.getLogger("mlx_batchd.engine")
 
@@ -138,7 +138,7 @@ def run_draw(model: Any, d: Draw, prefill_step: int, vocab: int, rng: random.Ran
     entry = prompt[: d.cached] + [rng.randrange(vocab) for _ in range(d.trimmed)]
     # The entry as a finished sequence leaves it: its prompt's last token and its generated ones fed
     # one at a time, extracted from the batch cache as ``BatchGenerator`` extracts it.
-    batch = _merge_caches([make_prompt_cache(model)])
+    batch = merge_caches([make_prompt_cache(model)])
     _feed(model, batch, entry, prefill_step, d.decoded + 1)
     stored = [c.extract(0) for c in batch]
     if d.trimmed and not can_trim_prompt_cache(stored):
@@ -146,9 +146,9 @@ def run_draw(model: Any, d: Draw, prefill_step: int, vocab: int, rng: random.Ran
         return
     warm_cache = copy.deepcopy(stored)
     trim_prompt_cache(warm_cache, d.trimmed)
-    cold_cache = _merge_caches([make_prompt_cache(model)])
+    cold_cache = merge_caches([make_prompt_cache(model)])
     cold, fed = _continue(model, cold_cache, _feed(model, cold_cache, prompt, prefill_step, 1), None)
-    warm_batch = _merge_caches([warm_cache])
+    warm_batch = merge_caches([warm_cache])
     warm, _ = _continue(model, warm_batch, _feed(model, warm_batch, prompt[d.cached :], prefill_step, 1), fed)
     d.differing_bytes, d.total_bytes = _differing(mx.stack(cold), mx.stack(warm))
 

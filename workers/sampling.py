@@ -7,8 +7,9 @@ holds, so each sampled request gets a private PRNG key that is split once per dr
 Speculative bursts need more than a sample: the target distribution ``p`` the sampler draws from
 (to accept or reject drafts) and uniform draws from the same stream; ``SeededSampler`` gives both.
 
-The sampler is defined over every value ``clients.protocol.parse_request`` accepts (temperature
-in [0, 100], top_p in (0, 1], min_p in [0, 1], top_k >= 0), in float32 whatever the model's dtype:
+The sampler is defined over every value the wire accepts (``SamplingParams`` states the bounds:
+temperature in [0, 100], top_p in (0, 1], min_p in [0, 1], top_k >= 0), in float32 whatever the
+model's dtype:
 
 - each filter is decided on the unfiltered distribution and a token must pass all of them:
   top-p keeps a token when the probability mass strictly above it is below ``top_p``, min-p when
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from clients.protocol import SamplingOptions
+from workers.params import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -62,7 +63,7 @@ def top_k_keep(logprobs: mx.array, top_k: int) -> mx.array:
 class SeededSampler:
     """Temperature sampling with top-p, min-p and top-k filters and a private key, split per use."""
 
-    def __init__(self, options: SamplingOptions, vocab_size: int) -> None:
+    def __init__(self, options: SamplingParams, vocab_size: int) -> None:
         if not options.temperature >= GREEDY_BELOW:
             raise ValueError(f"temperature {options.temperature} is greedy: use make_sampler")
         seed = options.seed if options.seed is not None else secrets.randbits(63)
@@ -99,12 +100,12 @@ class SeededSampler:
         return mx.random.categorical(self.scaled(logprobs), key=self.next_key())
 
 
-def is_greedy(options: SamplingOptions) -> bool:
+def is_greedy(options: SamplingParams) -> bool:
     """Whether ``options`` decode by argmax: temperature 0, or below ``GREEDY_BELOW``."""
     return options.temperature < GREEDY_BELOW
 
 
-def make_sampler(options: SamplingOptions, vocab_size: int) -> SeededSampler | None:
+def make_sampler(options: SamplingParams, vocab_size: int) -> SeededSampler | None:
     """A sampler for one sequence, or ``None`` for greedy.
 
     ``None`` lets ``BatchGenerator`` fall back to its shared argmax, so an all-greedy batch

@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from workers.mlxlm import model_classes
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 EOS_TOKEN = SPECIAL_TOKENS[0]
 CHAT_TEMPLATE = (
@@ -81,9 +83,7 @@ def build_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
     ``config`` is an mlx-lm ``config.json`` map; ``torch_dtype`` sets the weights' dtype and a
     ``quantization`` entry ({"group_size", "bits"}) quantizes them as mlx-lm's converter would.
     """
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     dtype = getattr(mx, config.get("torch_dtype", "bfloat16"))
