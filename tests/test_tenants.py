@@ -219,15 +219,23 @@ def test_fair_share_under_a_flood(tiny_model: Path, tmp_path: Path, keys: Path, 
         for i in range(10 * bob_n):
             flood.send({"type": "submit", "id": f"f{i}", "tokens": [5 + i % 50] * 8, "max_tokens": 16})
         time.sleep(0.3)
+        bob = RawCurve(d.address, keys, "bob")  # bob's requests, too, all arrive at once
+        bob.sock.setsockopt(zmq.RCVTIMEO, 300_000)
         with Client(d.address, timeout=300, **creds(keys, "bob")) as b:
             before = b.stats()["tenants"]["alice"]  # alice's service before bob arrived does not count
-            with ThreadPoolExecutor(bob_n) as pool:
-                bob_results = list(pool.map(lambda i: b.generate(tokens=[7 + i] * 8, max_tokens=16), range(bob_n)))
+            for i in range(bob_n):
+                bob.send({"type": "submit", "id": f"b{i}", "tokens": [7 + i] * 8, "max_tokens": 16})
+            bob_ends = []
+            while len(bob_ends) < bob_n:
+                msg = bob.recv()
+                if msg["type"] == "end":
+                    bob_ends.append(msg)
             stats_at_bob_end = b.stats()["tenants"]
+        bob.close()
     finally:
         flood.close()
         assert d.stop() == 0
-    assert all(r.usage["completion_tokens"] == 16 for r in bob_results)  # tiny model: no early EOS here
+    assert all(m["usage"]["completion_tokens"] == 16 for m in bob_ends)  # tiny model: no early EOS here
     served = {n: s["served_prompt_tokens"] + s["served_generated_tokens"] for n, s in stats_at_bob_end.items()}
     served["alice"] -= before["served_prompt_tokens"] + before["served_generated_tokens"]
     assert served["bob"] == bob_n * per_request
