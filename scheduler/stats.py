@@ -1,0 +1,139 @@
+"""The ``health`` and ``stats`` replies, and who may see what in them.
+
+The operator (the local user without a tenants file, or a tenant with ``admin = true``) sees every
+tenant and may ask for a pin-tax measurement; any other tenant sees its own rows of the per-tenant
+tables and the global aggregates, and ``measure_tax`` is ``forbidden`` to it. The figures come in
+as arguments, so a reply can be built (and checked) without a socket or an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clients.protocol import PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError
+from scheduler.admission import Limits
+from scheduler.fairness import FairQueue
+from scheduler.tenants import Tenant, TenantTable
+from workers.models import ModelInfo
+
+
+@dataclass
+class Counters:
+    """What the front end counts as messages come and go (the ``messages_*`` and ``clients_dropped``
+    figures of ``stats``)."""
+
+    received: int = 0
+    refused: int = 0
+    clients_dropped: int = 0
+    messages_dropped: int = 0
+
+
+def visible_tenant(table: TenantTable, tenant: Tenant) -> str | None:
+    """The one tenant whose rows ``tenant`` may see, or ``None`` for all of them (the operator)."""
+    return None if table.is_operator(tenant) else tenant.name
+
+
+def measure_tax_forbidden(rid: str) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.FORBIDDEN,
+        "measure_tax is for the operator: the local user without a tenants file, or a tenant with admin = true",
+        rid,
+    )
+
+
+class TaxGate:
+    """Lets a pin-tax measurement through at most once per ``min_interval_s``: each one stalls
+    decoding for a few forwards, so asking cannot queue more than one."""
+
+    def __init__(self, min_interval_s: float) -> None:
+        self.min_interval_s = min_interval_s
+        self._asked_at: float | None = None
+
+    def ask(self, now: float) -> str:
+        """``queued`` (the caller starts a measurement), or ``skipped`` within the interval."""
+        if self._asked_at is not None and now - self._asked_at < self.min_interval_s:
+            return "skipped"
+        self._asked_at = now
+        return "queued"
+
+
+def stats_message(rid: str, stats: dict[str, Any]) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": rid, "stats": stats}
+
+
+def health_message(
+    rid: str, status: str, info: ModelInfo | None, limits: Limits, max_frame_bytes: int
+) -> dict[str, Any]:
+    return {
+        "v": PROTOCOL_VERSION,
+        "type": MsgType.HEALTH.value,
+        "id": rid,
+        "status": status,
+        "protocol": PROTOCOL_VERSION,
+        "model": None
+        if info is None
+        else {
+            "name": info.name,
+            "type": info.model_type,
+            "vocab_size": info.vocab_size,
+            "context_length": info.context_length,
+        },
+        "limits": {
+            "max_tokens": limits.max_tokens_cap,
+            "default_max_tokens": limits.default_max_tokens,
+            "max_frame_bytes": max_frame_bytes,
+        },
+    }
+
+
+def tenant_stats(name: str, tenant: Tenant, fair: FairQueue[Any]) -> dict[str, Any]:
+    state = fair.state.get(name)
+    return {
+        "weight": tenant.weight,
+        "active": state.active if state else 0,
+        "waiting": fair.queued(name),
+        "virtual_counter": state.counter if state else 0.0,
+        "served_prompt_tokens": state.served_prompt_tokens if state else 0,
+        "served_generated_tokens": state.served_generated_tokens if state else 0,
+    }
+
+
+def build_stats(
+    *,
+    only: str | None,
+    uptime_s: float,
+    tenants: Mapping[str, Tenant],
+    fair: FairQueue[Any],
+    counters: Counters,
+    completed: int,
+    outcomes: Mapping[str, Mapping[str, int]],
+    requests_in_flight: int,
+    kv_reserved_bytes: int,
+    kv_budget_bytes: int,
+    clients_paused: int,
+    unsent_messages: int,
+    engine: dict[str, Any],
+) -> dict[str, Any]:
+    """Counters for the ``stats`` reply and the metrics. ``only`` limits the per-tenant tables
+    (``tenants``, ``outcomes``) to that tenant."""
+    return {
+        "uptime_s": uptime_s,
+        "requests_in_flight": requests_in_flight,
+        "messages_received": counters.received,
+        "messages_refused": counters.refused,
+        "messages_dropped": counters.messages_dropped,
+        "requests_completed": completed,
+        "requests_waiting": len(fair),
+        "kv_reserved_bytes": kv_reserved_bytes,
+        "kv_budget_bytes": kv_budget_bytes,
+        "clients_paused": clients_paused,
+        "unsent_messages": unsent_messages,
+        "clients_dropped": counters.clients_dropped,
+        "outcomes": {t: dict(per) for t, per in outcomes.items() if only is None or t == only},
+        "tenants": {
+            name: tenant_stats(name, tenant, fair) for name, tenant in tenants.items() if only is None or name == only
+        },
+        "engine": engine,
+    }

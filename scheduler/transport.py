@@ -1,0 +1,415 @@
+"""The front end's connections: the ZeroMQ ROUTER, CURVE and ZAP, binding and unlinking the ipc
+socket file, the disconnect monitor, and sending without ever waiting.
+
+Every connection is tracked by its routing id and the file descriptor its messages arrive on
+(``ZMQ_SRCFD``); a socket monitor reports disconnects by descriptor, so a connection's requests end
+the moment it is gone and a later connection that reuses its routing id finds nothing to read or
+cancel. A connection that does not read fast enough gets back-pressure, not a cut: its ZeroMQ queue
+is bounded (``max_unsent_per_client``), what does not fit waits in an outbox, in order, and the
+front end pauses its sequences until the outbox drains. In-process connections (``open_local``) get
+the same outbox and pausing, with a bounded memory stream in place of the socket.
+
+What a connection's going means for its requests is the front end's business: the transport calls
+``on_gone(client, why)`` (after which the front end calls ``forget``) and ``on_pause(client,
+paused)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from zmq.utils.monitor import parse_monitor_message
+
+from clients.address import ipc_path, unsafe_reason
+from clients.protocol import batch_message, pack
+from scheduler.settings import BindError, ConfigError
+
+log = logging.getLogger("mlx_batchd")
+
+#: Frames up to this multiple of the limit are read and refused with an error; larger ones
+#: are cut off by ZeroMQ itself (ZMQ_MAXMSGSIZE), which drops that client's connection.
+HARD_FRAME_FACTOR = 4
+#: ZMTP heartbeats: a PING every 2 s, and a peer from which nothing at all arrived for 6 s is
+#: dropped. Any traffic resets that timeout (libzmq), so a client sending its own heartbeats is never
+#: silent, however far behind it reads.
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+#: How often disconnects are looked for while nothing is sent or received, and how often a full
+#: outbox is retried.
+CONNECTION_POLL_S = 0.1
+OUTBOX_RETRY_S = 0.005
+#: How long an existing socket file may take to accept a connection before it counts as dead.
+LIVE_SOCKET_TIMEOUT_S = 0.5
+
+
+#: Outgoing messages waiting in an outbox: packed frames for ZeroMQ connections, the maps themselves
+#: for in-process ones.
+_Outgoing = bytes | dict[str, Any]
+
+
+class Transport:
+    """The ROUTER socket and every connection's bookkeeping; never waits on a send."""
+
+    def __init__(
+        self,
+        listen: str,
+        *,
+        max_frame_bytes: int,
+        max_unsent_per_client: int,
+        on_gone: Callable[[bytes, str], None],
+        on_pause: Callable[[bytes, bool], None],
+    ) -> None:
+        self.listen = listen
+        self.max_frame_bytes = max_frame_bytes
+        self.max_unsent_per_client = max_unsent_per_client
+        self._on_gone = on_gone
+        self._on_pause = on_pause
+        #: The descriptor each client's connection was last seen on, and back: a disconnect names the
+        #: descriptor only. A client that is not here has no live connection as far as we know.
+        self._fd_of: dict[bytes, int] = {}
+        self._client_on: dict[int, bytes] = {}
+        #: Messages that did not fit a client's ZeroMQ queue, oldest first; their clients are paused.
+        self._outbox: dict[bytes, deque[_Outgoing]] = {}
+        #: In-process connections (``open_local``) and the streams their messages go into.
+        self._local: dict[bytes, MemoryObjectSendStream[dict[str, Any]]] = {}
+        self._paused: set[bytes] = set()
+        #: Connections that said they read ``batch`` messages (``Submit.batch``).
+        self._batching: set[bytes] = set()
+        #: While one step's engine events are handled: what each batching connection is owed, in
+        #: order, sent as one frame when the step is done (``end_step``).
+        self._step_out: dict[bytes, list[dict[str, Any]]] | None = None
+        #: The ipc socket file this daemon bound, so exit removes only that file: device, inode and
+        #: change time (an inode number alone is reused as soon as a file is deleted).
+        self._bound_socket: tuple[int, int, int] | None = None
+
+    # ------------------------------------------------------------------ socket lifecycle
+
+    def open(self, ctx: zmq.asyncio.Context) -> None:
+        self._sock = sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes * HARD_FRAME_FACTOR)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.max_unsent_per_client)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._monitor = self._open_monitor(ctx, sock)
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=2000)
+
+    def secure(self, ctx: zmq.asyncio.Context, curve_secret: Path, known_key: Callable[[str], bool]) -> Any:
+        """CURVE on the socket and a ZAP handler that admits only keys ``known_key`` accepts (asked
+        at each connection, so a reload applies to the next one)."""
+        import zmq.auth
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        public, secret = zmq.auth.load_certificate(str(curve_secret))
+        if secret is None:
+            raise ConfigError(f"{curve_secret} holds no secret key (use the .key_secret file)")
+        auth = AsyncioAuthenticator(ctx)
+        auth.start()
+
+        class Keys:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return known_key(key.decode("ascii"))
+
+        auth.configure_curve_callback("*", credentials_provider=Keys())
+        self._sock.curve_secretkey = secret
+        self._sock.curve_publickey = public
+        self._sock.curve_server = True
+        return auth
+
+    def bind(self) -> None:
+        """Take the address, or raise ``BindError``. For ``ipc://`` the socket's folder must be ours
+        and closed to others (created 0700 if missing; an existing folder's mode is never changed),
+        and an existing socket file is removed only if nothing answers on it."""
+        addr = self.listen
+        path = ipc_path(addr)
+        if path is None or str(path).startswith("@"):  # tcp, or a Linux abstract socket (no file)
+            _bind_or_refuse(self._sock, addr)
+            return
+        _own_folder(path.parent, addr)
+        _clear_dead_socket(path, addr)
+        _bind_or_refuse(self._sock, addr)
+        path.chmod(0o600)
+        st = os.stat(path)
+        self._bound_socket = (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    def unlink_ipc(self) -> None:
+        """Remove the socket file this daemon bound, and only if it is still that file."""
+        path = ipc_path(self.listen)
+        if path is None or self._bound_socket is None:
+            return
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._bound_socket:
+            path.unlink(missing_ok=True)
+
+    async def receive(self) -> list[zmq.Frame]:
+        """The next message's frames, after the disconnects reported so far and the sender's
+        connection are taken into account."""
+        frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
+        self.poll()
+        self.note_connection(frames[0].bytes, frames[-1])
+        return frames
+
+    # ------------------------------------------------------------------ connections
+
+    def _open_monitor(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+        """A plain (never awaited) PAIR that receives the ROUTER's disconnect events.
+
+        It is read without waiting, before every send and every message handled, so a disconnect
+        that happened before a send is always seen before it."""
+        endpoint = f"inproc://mlx-batchd-connections-{id(self)}"
+        sock.monitor(endpoint, zmq.EVENT_DISCONNECTED)
+        monitor: zmq.Socket[bytes] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        monitor.connect(endpoint)
+        return monitor
+
+    def poll(self) -> None:
+        """Apply the disconnects reported so far."""
+        while cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                client = self._client_on.get(int(event["value"]))
+                if client is not None:
+                    self._on_gone(client, "its connection closed")
+
+    def note_connection(self, client: bytes, frame: zmq.Frame) -> None:
+        """Record which connection (descriptor) a client id speaks on. An id seen on a new
+        descriptor, or a descriptor now used by another id, means the old connection is gone (a
+        disconnect we have not been told of): what it left is ended before anything else."""
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            fd = -1  # inproc: no descriptor; such a peer is only ever seen gone by a failed send
+        if self._fd_of.get(client, fd) != fd:
+            self._on_gone(client, "it reconnected")
+        self._fd_of[client] = fd
+        if fd < 0:
+            return
+        previous = self._client_on.get(fd)
+        if previous is not None and previous != client:
+            self._on_gone(previous, "its connection closed")
+        self._client_on[fd] = client
+
+    def forget(self, client: bytes) -> None:
+        """Drop everything kept for a connection that is gone; nothing at all is sent to its id
+        until a new connection with that id sends something itself."""
+        fd = self._fd_of.pop(client, None)
+        if fd is not None and self._client_on.get(fd) == client:
+            del self._client_on[fd]
+        self._outbox.pop(client, None)
+        self._paused.discard(client)
+        self._batching.discard(client)
+        local = self._local.pop(client, None)
+        if local is not None:
+            local.close()
+
+    def open_local(self, client: bytes) -> MemoryObjectReceiveStream[dict[str, Any]]:
+        """An in-process connection under id ``client``: its messages go into the returned stream."""
+        send, receive = anyio.create_memory_object_stream[dict[str, Any]](self.max_unsent_per_client)
+        self._local[client] = send
+        return receive
+
+    def is_local(self, client: bytes) -> bool:
+        return client in self._local
+
+    def mark_batching(self, client: bytes) -> None:
+        self._batching.add(client)
+
+    def is_paused(self, client: bytes) -> bool:
+        return client in self._paused
+
+    @property
+    def paused_count(self) -> int:
+        return len(self._paused)
+
+    @property
+    def unsent(self) -> int:
+        return sum(len(box) for box in self._outbox.values())
+
+    def outbox_full(self, client: bytes) -> bool:
+        return len(self._outbox.get(client, ())) >= self.max_unsent_per_client
+
+    async def tend(self) -> None:
+        """Notice disconnects while nothing is sent or received, and drain outboxes."""
+        while True:
+            self.poll()
+            self.flush_outboxes()
+            await anyio.sleep(OUTBOX_RETRY_S if self._outbox else CONNECTION_POLL_S)
+
+    async def flush_before_exit(self, within: float = 2.0) -> None:
+        """The last events (``shutdown`` ends) of clients that were behind get a bounded chance."""
+        with anyio.move_on_after(within):
+            while self._outbox:
+                self.poll()
+                self.flush_outboxes()
+                await anyio.sleep(OUTBOX_RETRY_S)
+
+    # ------------------------------------------------------------------ sending
+
+    def begin_step(self) -> None:
+        """From now until ``end_step``, what batching connections are sent is gathered."""
+        self._step_out = {}
+
+    def end_step(self) -> None:
+        """One frame per connection for a step's events (a lone event goes as itself)."""
+        out, self._step_out = self._step_out or {}, None
+        for client, events in out.items():
+            self._send_frame(client, events[0] if len(events) == 1 else batch_message(events))
+
+    def send(self, client: bytes, msg: dict[str, Any]) -> None:
+        """Send ``msg`` now, or, while a step's events are handled and ``client`` reads batches,
+        add it to what that connection gets in one frame at the end of the step."""
+        if self._step_out is not None and client in self._batching:
+            self._step_out.setdefault(client, []).append(msg)
+        else:
+            self._send_frame(client, msg)
+
+    def _send_frame(self, client: bytes, msg: dict[str, Any]) -> None:
+        """Send one message without ever waiting, in order, never dropping it while its client lives.
+
+        A client that is gone is reported (``on_gone``). When the client's ZeroMQ queue is full
+        (it reads slower than its requests generate), the message goes to the client's outbox,
+        later messages queue behind it, and the client is paused until the outbox drains
+        (``_flush``).
+
+        The send goes through the asyncio socket (NOBLOCK, so its future is already resolved):
+        ZeroMQ's notification fd is edge-triggered, and pyzmq re-arms the pending receive after
+        its own sends; a send through a second (shadow) socket object would swallow that edge and
+        leave new requests unread while the daemon streams tokens.
+        """
+        frame: _Outgoing
+        if client in self._local:
+            frame = msg  # in-process: the map itself, nothing to encode
+        else:
+            self.poll()
+            if client not in self._fd_of:
+                return  # gone: its requests were ended when that was noticed
+            frame = pack(msg)
+        box = self._outbox.get(client)
+        if box is not None:
+            box.append(frame)
+            return
+        result = self._try_send(client, frame)
+        if result == "full":
+            self._outbox[client] = deque([frame])
+            self._set_paused(client, True)
+        elif result == "gone":
+            self._on_gone(client, "a send found no connection")
+
+    def _try_send(self, client: bytes, frame: _Outgoing) -> str:
+        """``sent``, ``full`` (its ZeroMQ queue is at the high-water mark, or its in-process stream
+        is full) or ``gone``."""
+        if isinstance(frame, dict):
+            local = self._local.get(client)
+            if local is None:
+                return "gone"
+            try:
+                local.send_nowait(frame)
+            except anyio.WouldBlock:
+                return "full"
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return "gone"
+            return "sent"
+        sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, frame], flags=zmq.NOBLOCK))
+        exc = sent.exception() if sent.done() else None
+        if exc is None:
+            return "sent"
+        if isinstance(exc, zmq.Again):
+            return "full"
+        if not isinstance(exc, zmq.ZMQError):
+            raise exc
+        return "gone"  # EHOSTUNREACH: ROUTER_MANDATORY's word for a peer it does not have
+
+    def flush_outboxes(self) -> None:
+        for client in list(self._outbox):
+            self._flush(client)
+
+    def _flush(self, client: bytes) -> None:
+        """Send what waits for ``client`` while its queue takes it; resume it when done."""
+        box = self._outbox.get(client)
+        while box:
+            result = self._try_send(client, box[0])
+            if result == "full":
+                return
+            if result == "gone":
+                self._on_gone(client, "a send found no connection")
+                return
+            box.popleft()
+        self._outbox.pop(client, None)
+        self._set_paused(client, False)
+
+    def _set_paused(self, client: bytes, paused: bool) -> None:
+        if paused == (client in self._paused):
+            return
+        (self._paused.add if paused else self._paused.discard)(client)
+        self._on_pause(client, paused)
+
+
+def _own_folder(folder: Path, addr: str) -> None:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700)
+        folder.chmod(0o700)  # ours, just made: the mode must not depend on the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise BindError(f"cannot listen on {addr}: cannot create {folder}: {exc.strerror}") from None
+    reason = unsafe_reason(folder)
+    if reason is not None:
+        raise BindError(
+            f"refusing to listen on {addr}: {reason}; use a folder only you can write "
+            "(leave --listen out for the private default)"
+        )
+
+
+def _clear_dead_socket(path: Path, addr: str) -> None:
+    """Remove a socket file left by a daemon that did not exit cleanly; refuse a live one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise BindError(f"cannot listen on {addr}: {path} exists and is not a socket; remove it or pick another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(LIVE_SOCKET_TIMEOUT_S)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # nobody listens: a stale file
+        return
+    except TimeoutError:
+        pass  # a listener too busy to accept is still a listener
+    except OSError as exc:
+        raise BindError(f"cannot listen on {addr}: cannot check the existing {path}: {exc.strerror}") from None
+    finally:
+        probe.close()
+    raise BindError(f"address in use: a daemon is already listening on {addr}; stop it or pick another --listen")
+
+
+def _bind_or_refuse(sock: zmq.asyncio.Socket, addr: str) -> None:
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(f"address in use: {addr}; stop what listens there or pick another --listen") from None
+        raise BindError(f"cannot listen on {addr}: {exc}") from None
