@@ -183,7 +183,7 @@ def b1_rows(
     ]
     for name in drafters:
         engine = engines[name]
-        v = engine.verdicts.get(engine.pairing) if engine.pairing is not None else None
+        v = engine.verdict(engine.pairing)
         verdict = {"level": v.level, "exact": v.exact} if v is not None else {}
         b = engine.bursts
         counts = {key: getattr(b, key) - before[name][key] for key in ("rounds", "drafted", "accepted", "emitted")}

@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.jobs import Sequence
 from workers.params import FinishReason
 from workers.sampling import SeededSampler
 
@@ -103,7 +104,7 @@ class Adaptive:
 class BurstSeq:
     """The sequence while it is out of the batch."""
 
-    seq: Any  # workers.engine._Sequence
+    seq: Sequence
     cache: list[Any]
     history: list[int]  # prompt + emitted + pending
     pending: int

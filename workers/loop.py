@@ -225,7 +225,7 @@ class EngineThread:
                 configure_bursts(engine, loaded, s)
             elif s.probe_k is not None:
                 start_probe(engine, loaded, s, s.drafter, s.probe_k)
-            engine.counters = type(engine.counters)()
+            engine.reset_counters()
         except ModelError as exc:  # a model the user pointed at that cannot load: one line, no traceback
             return Dead(str(exc))
         except Exception:

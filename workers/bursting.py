@@ -1,0 +1,319 @@
+"""The burst runner: speculative rounds for the lone sequence, and everything that governs them.
+
+It holds the drafter, the adaptive gate, the auditor, the revocations and the burst in progress;
+the engine asks it each step whether to burst (``wants``) and otherwise runs a batched step. The
+sequence itself stays the engine's: the runner takes it out of the batch, emits its tokens and
+puts it back through the ``BurstHost`` calls, so token accounting is the engine's in both modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from workers.arrays import as_float
+from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings
+from workers.drafters import Drafter
+from workers.jobs import Event, Parked, Sequence, StepInfo, Tokens, TopLogprobs, top_logprobs
+from workers.kernels import Level, bytes_equal
+from workers.pins import CountedModel, unpinned
+from workers.speculative import accept_greedy, accept_sampled
+from workers.verdicts import Verdicts
+
+log = logging.getLogger("mlx_batchd.engine")
+
+
+class BurstHost(Protocol):
+    """What the runner needs of the engine that owns the sequences and the batch."""
+
+    counted: CountedModel
+
+    def pinned(self, level: Level, purpose: str = "verify") -> AbstractContextManager[None]: ...
+
+    def live(self) -> list[Sequence]: ...
+
+    def decoding(self, s: Sequence) -> bool: ...
+
+    def cache_of(self, s: Sequence) -> list[Any]: ...
+
+    def admitted(self, s: Sequence) -> bool: ...
+
+    def take_out(self, s: Sequence) -> Parked: ...
+
+    def put_back(self, s: Sequence, parked: Parked) -> list[Event]: ...
+
+    def emit(
+        self, s: Sequence, candidates: list[int], logprobs: list[float], tops: list[TopLogprobs] | None = None
+    ) -> list[Event]: ...
+
+    def keep_prefix(self, s: Sequence, cache: list[Any] | None, tokens: list[int] | None) -> None: ...
+
+
+class BurstRunner:
+    """B = 1 bursts: granted by the verdict and the adaptive gate, audited, revoked on a mismatch."""
+
+    def __init__(self, host: BurstHost, verdicts: Verdicts) -> None:
+        self.host = host
+        self.verdicts = verdicts
+        self.drafter: Drafter | None = None
+        self.settings = BurstSettings()
+        self.pairing: str | None = None
+        self.revoked: dict[str, str] = {}
+        self.counters = BurstCounters()
+        self.adaptive = Adaptive(self.settings)
+        self._auditor = Auditor(0.0, 0)
+        #: The burst in progress, if any.
+        self.current: BurstSeq | None = None
+        self._last_decline: tuple[int, str] | None = None
+
+    def configure(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
+        """Enable B = 1 bursts with ``drafter``; they run once ``pairing`` has a usable verdict."""
+        self.drafter = drafter
+        self.settings = settings
+        self.pairing = pairing
+        self.adaptive = Adaptive(settings)
+        self._auditor = Auditor(settings.audit_fraction, settings.seed)
+
+    def holds(self, s: Sequence) -> bool:
+        """Whether ``s`` is the sequence bursting now."""
+        return self.current is not None and self.current.seq is s
+
+    # ------------------------------------------------------------------ the decision
+
+    def wants(self, live: list[Sequence]) -> bool:
+        """Whether this step is a burst round: the burst goes on while its sequence is alone, and a
+        new one starts when the lone decoding sequence may burst (a refusal is counted)."""
+        if self.current is not None:
+            return len(live) == 1
+        if self.drafter is None:
+            return False
+        s, why = self._refusal(live)
+        if why is not None:
+            if why not in ("no_drafter",):
+                self._note_decline(s, why)
+            return False
+        return s is not None and self._start(s)
+
+    def interrupt(self, live: list[Sequence]) -> list[Event]:
+        """End a burst that is no longer alone (its sequence rejoins the batch); nothing otherwise."""
+        if self.current is None:
+            return []
+        self.counters.interrupted += 1
+        self._note_decline(self.current.seq, "contention")
+        return self._rejoin()
+
+    def observe_classic(self, seconds: float) -> None:
+        """A classic B = 1 decode step's time, for the adaptive gate."""
+        self.adaptive.observe_classic(seconds)
+
+    def _verdict_level(self) -> tuple[Level | None, str | None]:
+        """The verify level, or why there is none."""
+        if self.pairing is None:
+            return None, "no_drafter"
+        if self.pairing in self.revoked:
+            return None, "revoked"
+        verdict = self.verdicts.get(self.pairing)
+        if verdict is None:
+            return None, "probing"
+        if verdict.level is None:
+            return None, "verdict_declined"
+        return Level(verdict.level), None
+
+    def _refusal(self, live: list[Sequence]) -> tuple[Sequence | None, str | None]:
+        if len(live) != 1:  # paused sequences do not contend
+            return None, "contention" if len(live) > 1 else None
+        (s,) = live
+        if not self.host.decoding(s):
+            return None, None  # still prefilling: nothing to decide yet
+        if s.no_burst:
+            return s, s.no_burst
+        _, why = self._verdict_level()
+        if why is not None:
+            return s, why
+        return s, self.adaptive.refusal(time.perf_counter())
+
+    def _note_decline(self, s: Sequence | None, reason: str) -> None:
+        """Count a declined burst once per (sequence, reason) episode, not once per step."""
+        key = (-1 if s is None else s.job.seq, reason)
+        if key != self._last_decline:
+            self._last_decline = key
+            self.counters.declined[reason] = self.counters.declined.get(reason, 0) + 1
+
+    # ------------------------------------------------------------------ starting and ending
+
+    def _start(self, s: Sequence) -> bool:
+        cache = self.host.cache_of(s)
+        if not can_trim_prompt_cache(cache):
+            s.no_burst = "not_trimmable"
+            self._note_decline(s, s.no_burst)
+            return False
+        p = self.host.take_out(s)
+        self.current = BurstSeq(
+            s, p.cache, p.history, p.pending, p.pending_logprob, s.sampler, s.stops, pending_top=p.pending_top
+        )
+        assert self.drafter is not None
+        try:
+            self.drafter.start(p.history)
+        except Exception:
+            log.exception("drafter failed to start; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            self._rejoin()
+            return False
+        self.counters.bursts += 1
+        return True
+
+    def end(self) -> None:
+        """Drop the burst in progress (its sequence is the caller's to finish or park)."""
+        if self.current is not None and self.drafter is not None:
+            self.drafter.stop()
+        self.current = None
+
+    def close(self, keep: bool) -> None:
+        """End the burst of a sequence that ends, offering its KV to the prefix cache when ``keep``."""
+        if keep:
+            self._keep(self.current)
+        self.end()
+
+    def park(self) -> Parked:
+        """End the burst and hand back its sequence's state, to sit out of the batch."""
+        b = self.current
+        assert b is not None
+        self.end()
+        return Parked(b.cache, b.history, b.pending, b.pending_logprob, b.pending_top)
+
+    def _keep(self, b: BurstSeq | None) -> None:
+        """A burst's cache, kept only under an exact, unrevoked verdict (its KV came from verify forwards)."""
+        verdict = None if self.pairing is None else self.verdicts.get(self.pairing)
+        if b is not None and verdict is not None and verdict.exact and self.pairing not in self.revoked:
+            self.host.keep_prefix(b.seq, b.cache, b.history[:-1])
+
+    def _rejoin(self) -> list[Event]:
+        """End the burst: emit the pending token and put the sequence back into the batch with its cache."""
+        b = self.current
+        assert b is not None
+        return self.host.put_back(b.seq, self.park())
+
+    # ------------------------------------------------------------------ the round
+
+    def _verify(self, b: BurstSeq, block: list[int], level: Level) -> tuple[mx.array, mx.array | None]:
+        """The verify forward: one block, pinned to ``level`` (a lone token is a plain step).
+        Returns the logits rows and, for drafters that need them, the hidden states."""
+        scope = unpinned("verify") if len(block) == 1 else self.host.pinned(level, "verify")
+        hidden = None
+        with scope:
+            inputs = mx.array([block])
+            if self.drafter is not None and self.drafter.needs_hidden:
+                logits, hidden = self.host.counted.with_hidden(inputs, b.cache)
+                mx.eval(logits, hidden)
+            else:
+                logits = self.host.counted(inputs, cache=b.cache)
+                mx.eval(logits)
+        return logits[0], hidden
+
+    def round(self) -> list[Event]:
+        """One speculative round: draft, (maybe audit,) verify, accept, emit; then whether to go on."""
+        b = self.current
+        assert b is not None and self.drafter is not None
+        level, why = self._verdict_level()
+        if level is None:  # revoked or re-probed away while bursting
+            self._note_decline(b.seq, why or "revoked")
+            return self._rejoin()
+        s = b.seq
+        tic = time.perf_counter()
+        try:
+            draft = self.drafter.propose(self.settings.k, b.sampler)
+        except Exception:
+            log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            return self._rejoin()
+        block = [b.pending, *draft.tokens]
+        audit = self._auditor.pick() and len(block) > 1
+        single = None
+        if audit:
+            with unpinned("audit"):
+                single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
+                mx.eval(single)
+            trim_prompt_cache(b.cache, 1)
+        logits, hidden = self._verify(b, block, level)
+        self.counters.rounds += 1
+        self.counters.drafted += len(draft.tokens)
+        if single is not None:
+            self.counters.audits += 1
+            if not bytes_equal(single, logits[0]):
+                return self._revoke(b, len(block), level)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if b.sampler is None:
+            outcome = accept_greedy(draft.tokens, logits)
+        else:
+            outcome = accept_sampled(draft.tokens, draft.q, logprobs, b.sampler)
+        a = outcome.accepted
+        self.counters.accepted += a
+        trim_prompt_cache(b.cache, len(draft.tokens) - a)
+        candidates = [b.pending, *draft.tokens[:a]]
+        lps = [b.pending_logprob or 0.0]
+        if s.job.wants_logprobs:
+            lps += [as_float(logprobs[j, draft.tokens[j]]) for j in range(a)]
+            b.pending_logprob = as_float(logprobs[a, outcome.next_token])
+        else:
+            lps += [0.0] * a
+        tops: list[TopLogprobs] | None = None
+        if s.job.top_logprobs > 0 and b.pending_top is not None:
+            # Row j of the verify is the distribution of candidate j + 1; row a that of the new pending.
+            rows = top_logprobs(logprobs[: a + 1], s.job.top_logprobs)
+            tops, b.pending_top = [b.pending_top, *rows[:a]], rows[a]
+        b.history += [*draft.tokens[:a], outcome.next_token]
+        b.pending = outcome.next_token
+        events = self.host.emit(s, candidates, lps, tops)
+        self.counters.emitted += sum(len(e.tokens) for e in events if isinstance(e, Tokens))
+        if not self.host.admitted(s):
+            return events
+        try:
+            self.drafter.commit(a, b.history, hidden)
+        except Exception:
+            log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
+            s.no_burst = "drafter_error"
+            return events + self._rejoin()
+        self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
+        events.append(StepInfo("burst_round", time.perf_counter() - tic, 1))
+        if not self.adaptive.after_round(time.perf_counter()):
+            self._note_decline(s, "adaptive")
+            events += self._rejoin()
+        return events
+
+    def _revoke(self, b: BurstSeq, block_len: int, level: Level) -> list[Event]:
+        """The audit caught the verify disagreeing with classic decode: fail closed for good."""
+        assert self.pairing is not None
+        self.counters.audit_failures += 1
+        reason = (
+            f"audit: verify at {level.value} differs from a single-token forward at position 0 "
+            f"(request seq {b.seq.job.seq}, context {len(b.history) - 1} tokens)"
+        )
+        self.revoked[self.pairing] = reason
+        log.warning("revoking the verdict for %s: %s", self.pairing, reason)
+        trim_prompt_cache(b.cache, block_len)  # drop the whole unverified block
+        return self._rejoin()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "drafter": None if self.drafter is None else self.drafter.name,
+            "k": self.settings.k,
+            "active": self.current is not None,
+            "bursts": self.counters.bursts,
+            "rounds": self.counters.rounds,
+            "drafted_tokens": self.counters.drafted,
+            "accepted_tokens": self.counters.accepted,
+            "emitted_tokens": self.counters.emitted,
+            "interrupted": self.counters.interrupted,
+            "declined": dict(self.counters.declined),
+            "audits": self.counters.audits,
+            "audit_failures": self.counters.audit_failures,
+            "revoked": dict(self.revoked),
+            "speedup_estimate": self.adaptive.speedup,
+            "classic_step_s": self.adaptive.classic_step_s,
+            "round_s": self.adaptive.round_s,
+        }

@@ -1,0 +1,171 @@
+"""The engine's types: jobs in, events out, and what the engine keeps per sequence.
+
+They live apart from ``workers.engine`` so the burst runner can share them without importing the
+engine; ``workers.engine`` re-exports the public ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from workers.params import FinishReason, SamplingParams
+from workers.sampling import SeededSampler
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated decode job. ``seq`` is the caller's handle; the engine never interprets it."""
+
+    seq: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    received_at: float = field(default_factory=time.monotonic)
+    #: The prefix cache entries this job may read and write (``prefix_cache.salt_for`` its tenant);
+    #: ``None`` keeps the job out of the cache, so a caller that names no tenant shares nothing.
+    cache_salt: str | None = None
+    #: How many of the most likely tokens each emitted token reports with their logprobs (the wire
+    #: bounds it to 0..20); above 0 implies ``logprobs``. 0 costs nothing.
+    top_logprobs: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+#: One token's most likely alternatives: ``(token_id, logprob)``, most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+def top_logprobs(rows: mx.array, k: int) -> list[TopLogprobs]:
+    """The ``k`` most likely tokens of each log-probability row ``[n, V]``, most likely first.
+
+    Ties are broken by the lower token id, on the device before anything is cut, so the answer
+    depends on a row's values only (not on how many rows were asked together, nor on the kernel
+    that selected them): a burst's verify rows and classic decode's rows give the same lists, and
+    the first entry is the greedy token (``argmax`` also picks the first of equal maxima). Low
+    precision rows (bf16) tie often, which is why this is not a plain ``argpartition``. The values
+    are the row's own entries, so the sampled token's logprob equals its entry when it is listed.
+    """
+    k = min(k, rows.shape[-1])
+    kth = mx.min(mx.topk(rows, k, axis=-1), axis=-1, keepdims=True)
+    above = rows > kth
+    tied = rows == kth
+    room = k - above.astype(mx.int32).sum(axis=-1, keepdims=True)
+    take = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+    # Exactly ``k`` entries are taken; ``argpartition`` brings them (keys 0) to the front.
+    idx = mx.argpartition(mx.logical_not(take).astype(mx.int32), kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(rows, idx, axis=-1).astype(mx.float32)
+    mx.eval(idx, vals)
+    ids: list[list[int]] = idx.tolist()  # type: ignore[assignment]
+    lps: list[list[float]] = vals.tolist()  # type: ignore[assignment]
+    return [sorted(zip(i, v), key=lambda e: (-e[1], e[0])) for i, v in zip(ids, lps)]
+
+
+@dataclass
+class Tokens:
+    """New tokens for one sequence (more than one when a step produces several)."""
+
+    seq: int
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    #: "batched" (a BatchGenerator step) or "burst" (a speculative round).
+    mode: str = "batched"
+    #: Per token, its job's ``top_logprobs`` most likely tokens (``None`` when it asked for none).
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass
+class StepInfo:
+    """What one engine step was and cost, for the step-time and batch-size histograms."""
+
+    kind: str  # "decode" (a batched decode step, maybe with a prefill chunk), "prefill", "burst_round"
+    seconds: float
+    batch_size: int
+
+
+@dataclass
+class Timings:
+    queue_s: float | None
+    ttft_s: float | None
+    decode_s: float | None
+    total_s: float
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"queue_s": self.queue_s, "ttft_s": self.ttft_s, "decode_s": self.decode_s, "total_s": self.total_s}
+
+
+@dataclass
+class Finished:
+    """The end of one sequence."""
+
+    seq: int
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+Event = Tokens | Finished | StepInfo
+
+
+@dataclass
+class Sequence:
+    """One admitted job's state inside the engine, from admission to its end."""
+
+    job: Job
+    uid: int
+    sampler: SeededSampler | None = None
+    stops: frozenset[int] = frozenset()
+    prefill_started: float | None = None
+    first_token: float | None = None
+    emitted: int = 0
+    #: Set when this sequence must not burst again (a non-trimmable cache, a failed drafter).
+    no_burst: str | None = None
+    #: The caller asked for no tokens until ``resume``; it takes effect once the sequence decodes.
+    paused: bool = False
+    #: Its state while it is paused and out of the decode batch.
+    parked: Parked | None = None
+    #: Prompt tokens whose KV came from the prefix cache (not prefilled).
+    cached: int = 0
+
+
+@dataclass
+class Parked:
+    """A sequence out of the decode batch with what it needs to go back in exactly where it left.
+
+    ``BatchGenerator`` samples one step ahead, so the batch holds a ``pending`` token that is
+    neither emitted nor fed to the model yet; ``history`` is the tokens in ``cache``, then ``pending``.
+    """
+
+    cache: list[Any]
+    history: list[int]
+    pending: int
+    pending_logprob: float | None
+    pending_top: TopLogprobs | None = None
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters, read by the stats reply (a snapshot, so no lock is needed)."""
+
+    submitted: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    #: Every ``BatchGenerator`` step, prefill-only ones included (a decode step may carry a prefill
+    #: chunk too): with ``decode_steps``, how a run's time splits.
+    steps: int = 0
+    step_seconds: float = 0.0
+    step_errors: int = 0
+    peak_batch_size: int = 0
