@@ -226,6 +226,20 @@ def test_failing_drafter_falls_back_to_classic(paths: dict[str, Path], target: A
     assert engine.bursts.rounds == 2 and engine.bursts.declined.get("drafter_error") == 1
 
 
+def test_a_drafter_failing_to_start_loses_no_token(paths: dict[str, Path], target: Any) -> None:
+    """Fault injected in the drafter's start: the sequence rejoins the batch, and the token it had
+    pending when it was taken out is still emitted (the output equals classic decode)."""
+
+    class NoStart(PromptLookup):
+        def start(self, history: list[int]) -> None:
+            raise RuntimeError("injected drafter start fault")
+
+    j = job(0, [7, 7, 7, 7, 8, 8, 8, 8], n=40)
+    engine = make_engine(target, NoStart())
+    assert run(engine, [j]) == classic(target, [j])
+    assert engine.bursts.rounds == 0 and engine.bursts.declined.get("drafter_error") == 1
+
+
 def test_adaptive_policy_stops_bursts_that_do_not_pay(paths: dict[str, Path], target: Any) -> None:
     settings = BurstSettings(k=4, audit_fraction=0.0, profile_steps=2, min_rounds=3, reprofile_after_s=3600)
     engine = make_engine(target, drafters(paths, target)["draft-model-other"](), settings)

@@ -69,6 +69,9 @@ class BurstRunner:
         self._auditor = Auditor(0.0, 0)
         #: The burst in progress, if any.
         self.current: BurstSeq | None = None
+        #: Events of a burst that ended before it began (the drafter failed to start): its pending
+        #: token, emitted with the next step's events.
+        self._held: list[Event] = []
         self._last_decline: tuple[int, str] | None = None
 
     def configure(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
@@ -101,11 +104,12 @@ class BurstRunner:
 
     def interrupt(self, live: list[Sequence]) -> list[Event]:
         """End a burst that is no longer alone (its sequence rejoins the batch); nothing otherwise."""
+        held, self._held = self._held, []
         if self.current is None:
-            return []
+            return held
         self.counters.interrupted += 1
         self._note_decline(self.current.seq, "contention")
-        return self._rejoin()
+        return held + self._rejoin()
 
     def observe_classic(self, seconds: float) -> None:
         """A classic B = 1 decode step's time, for the adaptive gate."""
@@ -162,7 +166,8 @@ class BurstRunner:
         except Exception:
             log.exception("drafter failed to start; sequence %d decodes classic", s.job.seq)
             s.no_burst = "drafter_error"
-            self._rejoin()
+            self._note_decline(s, s.no_burst)
+            self._held += self._rejoin()
             return False
         self.counters.bursts += 1
         return True
