@@ -6,6 +6,9 @@ answers and SSE streams), through the engine alone and through raw ``BatchGenera
 bursts per drafter (``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token
 percentiles; the start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in
 ``--out``, rewritten after every batch size, so a run stopped by an outer timeout keeps what it finished.
+``--prefix-scenario`` runs the prefix cache scenario instead (``run_prefix``: TTFT of a shared prefix
+cold vs warm, a multi-turn chat's prefill, throughput with no hit, each through a daemon with the cache
+and one without).
 
 Every arm runs the same workload: B greedy sequences with the same random prompts, every request
 submitted at once, timed from the first submit to the last token. The raw and engine arms run in
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -776,6 +780,8 @@ def _main(args: argparse.Namespace) -> int:
     from workers.engine import Engine
     from workers.models import load
 
+    if getattr(args, "prefix_scenario", False):
+        return run_prefix(args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     via_http = getattr(args, "via", "zeromq") == "http"
     if via_http and importlib.util.find_spec("httpx") is None:
@@ -972,3 +978,543 @@ def _main(args: argparse.Namespace) -> int:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
     print(f"results in {out.resolve()}", flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- prefix cache
+
+#: Tokens each TTFT request of the prefix scenario generates; only the first is timed.
+TTFT_TOKENS = 4
+#: The prefix scenario's daemons: with ``--prefix-cache-mb``, and the same daemon without it.
+PREFIX_ARMS = ("no_cache", "cache")
+#: The prefix scenario's parts (``--prefix-parts``), in the order they run.
+PREFIX_PARTS = ("ttft", "chat", "throughput")
+#: Issue 17's targets: cold / warm TTFT at least, chat prefill computed / cache-less at most,
+#: throughput with the cache on and no hit / without the cache at least.
+PREFIX_TARGETS = {"ttft_ratio": 5.0, "chat_fraction": 0.15, "throughput_ratio": 0.98}
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """The prefix scenario's shapes (``bench --prefix-scenario`` flags)."""
+
+    prefix: int
+    suffix: int
+    warm: int
+    turns: int
+    system: int
+    user: int
+    answer: int
+    batch: int
+    prompt_tokens: int
+    tokens: int
+    repeats: int
+    parts: tuple[str, ...] = PREFIX_PARTS
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PrefixPlan:
+        chosen = set(getattr(args, "prefix_parts", ",".join(PREFIX_PARTS)).split(","))
+        return cls(
+            prefix=args.prefix_tokens,
+            suffix=args.suffix_tokens,
+            warm=args.warm_requests,
+            turns=args.chat_turns,
+            system=args.chat_system_tokens,
+            user=args.chat_user_tokens,
+            answer=args.chat_answer_tokens,
+            batch=args.prefix_batch,
+            prompt_tokens=args.prompt_tokens,
+            tokens=args.tokens,
+            repeats=args.repeats,
+            parts=tuple(p for p in PREFIX_PARTS if p in chosen),
+        )
+
+    @property
+    def max_tokens_cap(self) -> int:
+        """The daemons' ``--max-tokens-cap``: the largest budget any part asks for."""
+        return max(
+            TTFT_TOKENS if "ttft" in self.parts else 1,
+            self.answer if "chat" in self.parts else 1,
+            self.tokens if "throughput" in self.parts else 1,
+        )
+
+    def too_long(self, context: int) -> str | None:
+        """Why a part does not fit the model's context (the daemon refuses prompt + max_tokens past
+        it), with the largest setting that does; ``None`` when every part fits."""
+        ttft = self.prefix + self.suffix + TTFT_TOKENS
+        if "ttft" in self.parts and ttft > context:
+            room = context - self.suffix - TTFT_TOKENS
+            return (
+                f"--prefix-tokens {self.prefix} + --suffix-tokens {self.suffix} + {TTFT_TOKENS} generated tokens "
+                f"exceed the model's context ({context}); use --prefix-tokens {room} or less"
+            )
+        chat = self.system + self.turns * (self.user + self.answer)
+        if "chat" in self.parts and chat > context:
+            return (
+                f"a {self.turns}-turn chat ({self.system} + {self.turns} x ({self.user} + {self.answer}) = {chat} "
+                f"tokens) exceeds the model's context ({context}); shorten --chat-* or use fewer --chat-turns"
+            )
+        if "throughput" in self.parts and self.prompt_tokens + self.tokens > context:
+            return f"--prompt-tokens + --tokens exceed the model's context ({context})"
+        return None
+
+    def steps(self) -> int:
+        """Timed requests and runs, for the progress lines: TTFT requests, chat conversations (one per
+        daemon), throughput runs (one per daemon)."""
+        per_repeat = {"ttft": 1 + self.warm, "chat": 2, "throughput": 2}
+        return self.repeats * sum(per_repeat[p] for p in self.parts)
+
+
+def _random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(4, min(vocab, 256)) for _ in range(n)]
+
+
+def prefix_counters(client: Any) -> dict[str, int]:
+    """What the prefix scenario reads from a daemon's ``stats``: the prompt tokens every tenant was
+    served (every prompt token, cached or not) and the prefix cache's counters (0 without a cache)."""
+    stats = client.stats()
+    cache = stats["engine"].get("prefix_cache") or {}
+    served = sum(int(t.get("served_prompt_tokens", 0)) for t in (stats.get("tenants") or {}).values())
+    counts = {k: int(cache.get(k, 0)) for k in ("queries", "hits", "hit_tokens", "lookup_tokens", "evictions")}
+    return {"served_prompt_tokens": served, **counts}
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def timed_request(client: Any, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy request: the client's time to its first token (submit to the first token
+    event), the daemon's own ``ttft_s``, the tokens, and what the request moved in ``stats``."""
+    from clients.events import EndEvent, TokenEvent
+
+    before = prefix_counters(client)
+    out: list[int] = []
+    first: float | None = None
+    end: EndEvent | None = None
+    sent = time.perf_counter()
+    for ev in client.stream(tokens=tokens, max_tokens=max_tokens):
+        if isinstance(ev, TokenEvent):
+            if ev.tokens and first is None:
+                first = time.perf_counter() - sent
+            out.extend(ev.tokens)
+        else:
+            end = ev
+    seconds = time.perf_counter() - sent
+    if end is None or end.error is not None:
+        raise RuntimeError(f"a prefix scenario request failed: {end.error if end else 'no end event'}")
+    moved = _delta(prefix_counters(client), before)
+    return {
+        "prompt_tokens": len(tokens),
+        "ttft_s": first if first is not None else seconds,
+        "daemon_ttft_s": end.timings.get("ttft_s"),
+        "seconds": seconds,
+        "tokens": out,
+        "hit_tokens": moved["hit_tokens"],
+        "computed_tokens": moved["served_prompt_tokens"] - moved["hit_tokens"],
+    }
+
+
+def run_chat(client: Any, system: list[int], users: list[list[int]], answer_tokens: int) -> dict[str, Any]:
+    """A chat replayed as a chat client sends it: every turn's prompt is the whole conversation so far
+    (the first message, each earlier user message and the model's answer to it) and a new user
+    message. Per turn: prompt tokens, tokens taken from the cache and prefilled (from ``stats``)."""
+    convo = list(system)
+    turns = []
+    tic = time.perf_counter()
+    for i, user in enumerate(users):
+        prompt = convo + user
+        r = timed_request(client, prompt, answer_tokens)
+        turns.append({"turn": i + 1, **{k: v for k, v in r.items() if k != "tokens"}, "answer": r["tokens"]})
+        convo = prompt + r["tokens"]
+    return {
+        "seconds": time.perf_counter() - tic,
+        "turns": turns,
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "hit_tokens": sum(t["hit_tokens"] for t in turns),
+        "computed_tokens": sum(t["computed_tokens"] for t in turns),
+    }
+
+
+def _ratio_cell(value: float, lohi: list[float], suffix: str = "") -> str:
+    return f"{value:.3f}{suffix} ({lohi[0]:.3f}-{lohi[1]:.3f}{suffix})"
+
+
+def prefix_ttft_rows(requests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Cold (the first request of each new prefix) and warm (the later ones, new suffixes) TTFT:
+    medians, spreads, their ratio with the range the samples allow, hit tokens."""
+    cold = [r["ttft_s"] for r in requests if r["kind"] == "cold"]
+    warm = [r["ttft_s"] for r in requests if r["kind"] == "warm"]
+    if not cold or not warm:
+        return None
+    ratio = statistics.median(cold) / statistics.median(warm)
+    return {
+        "cold_ms": statistics.median(cold) * 1e3,
+        "cold_spread_ms": [x * 1e3 for x in spread(cold)],
+        "cold_requests": len(cold),
+        "warm_ms": statistics.median(warm) * 1e3,
+        "warm_spread_ms": [x * 1e3 for x in spread(warm)],
+        "warm_requests": len(warm),
+        "cold_over_warm": ratio,
+        "cold_over_warm_spread": ratio_spread(cold, warm),
+        "cold_hit_tokens": [r["hit_tokens"] for r in requests if r["kind"] == "cold"],
+        "warm_hit_tokens": [r["hit_tokens"] for r in requests if r["kind"] == "warm"],
+        "cold_daemon_ms": statistics.median(r["daemon_ttft_s"] or 0.0 for r in requests if r["kind"] == "cold") * 1e3,
+        "warm_daemon_ms": statistics.median(r["daemon_ttft_s"] or 0.0 for r in requests if r["kind"] == "warm") * 1e3,
+    }
+
+
+def prefix_chat_rows(chats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per conversation: prompt tokens sent (every one a cache-less daemon prefills), what the
+    cache-less daemon prefilled and what the cache daemon prefilled, the fraction, and whether the
+    two daemons answered alike (else the two conversations differ after the first differing answer)."""
+    rows = []
+    for i, c in enumerate(chats):
+        with_cache, without = c["cache"], c["no_cache"]
+        same = [t["answer"] for t in with_cache["turns"]] == [t["answer"] for t in without["turns"]]
+        rows.append(
+            {
+                "conversation": i + 1,
+                "turns": len(with_cache["turns"]),
+                "prompt_tokens": with_cache["prompt_tokens"],
+                "no_cache_computed": without["computed_tokens"],
+                "cache_computed": with_cache["computed_tokens"],
+                "hit_tokens": with_cache["hit_tokens"],
+                "fraction": with_cache["computed_tokens"] / with_cache["prompt_tokens"],
+                "answers_identical": same,
+                "cache_seconds": with_cache["seconds"],
+                "no_cache_seconds": without["seconds"],
+            }
+        )
+    return rows
+
+
+def prefix_throughput_row(samples: dict[str, list[float]], batch: int, hits: dict[str, int]) -> dict[str, Any]:
+    """Cache on (no hit) over no cache at ``batch``: medians, spreads, the ratio and its range."""
+    on, off = samples["cache"], samples["no_cache"]
+    return {
+        "batch": batch,
+        "no_cache_tok_s": statistics.median(off),
+        "no_cache_spread": spread(off),
+        "cache_tok_s": statistics.median(on),
+        "cache_spread": spread(on),
+        "ratio": statistics.median(on) / statistics.median(off),
+        "ratio_spread": ratio_spread(on, off),
+        **hits,
+    }
+
+
+def _target(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def prefix_markdown(result: dict[str, Any]) -> str:
+    """The prefix scenario's tables, for the parts finished so far."""
+    meta = result["meta"]
+    parts = []
+    cache = meta.get("prefix_cache") or {}
+    if not cache.get("serving", True):
+        parts.append(
+            f"warning: the cache daemon's prefix cache is not serving ({(cache.get('verdict') or {}).get('reason')}): "
+            "every figure below is of a daemon without reuse"
+        )
+    t = result.get("ttft")
+    if t:
+        target = PREFIX_TARGETS["ttft_ratio"]
+        parts.append(
+            "\n".join(
+                [
+                    f"TTFT, a {meta['prefix_tokens']}-token shared prefix + {meta['suffix_tokens']}-token suffixes "
+                    f"(client side, submit to first token; {t['cold_requests']} prefixes, {meta['warm_requests']} warm "
+                    "requests each):",
+                    "",
+                    "| request | requests | TTFT median (ms) | min-max (ms) | daemon's ttft_s median (ms) | tokens from the cache |",
+                    "|---|---|---|---|---|---|",
+                    f"| cold (first of a new prefix) | {t['cold_requests']} | {t['cold_ms']:.1f} | "
+                    f"{t['cold_spread_ms'][0]:.1f}-{t['cold_spread_ms'][1]:.1f} | {t['cold_daemon_ms']:.1f} | "
+                    f"{min(t['cold_hit_tokens'])}-{max(t['cold_hit_tokens'])} |",
+                    f"| warm (same prefix, new suffix) | {t['warm_requests']} | {t['warm_ms']:.1f} | "
+                    f"{t['warm_spread_ms'][0]:.1f}-{t['warm_spread_ms'][1]:.1f} | {t['warm_daemon_ms']:.1f} | "
+                    f"{min(t['warm_hit_tokens'])}-{max(t['warm_hit_tokens'])} |",
+                    f"| cold / warm | | {t['cold_over_warm']:.2f}x | "
+                    f"{t['cold_over_warm_spread'][0]:.2f}-{t['cold_over_warm_spread'][1]:.2f}x | | |",
+                    "",
+                    f"cold / warm: ratio of the medians (the range the samples allow); target >= {target:g}x: "
+                    f"{_target(t['cold_over_warm'] >= target)}.",
+                ]
+            )
+        )
+    chat = result.get("chat_rows")
+    if chat:
+        target = PREFIX_TARGETS["chat_fraction"]
+        lines = [
+            f"A {meta['chat_turns']}-turn chat replayed through the client ({meta['chat_system_tokens']}-token first "
+            f"message, {meta['chat_user_tokens']}-token user messages, answers of up to {meta['chat_answer_tokens']} "
+            "greedy tokens; every turn sends the whole conversation), prefill tokens from each daemon's `stats`:",
+            "",
+            "| conversation | prompt tokens sent | prefilled, no cache | prefilled, cache | from the cache | "
+            "prefilled / cache-less | answers identical | seconds, cache / no cache |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in chat:
+            lines.append(
+                f"| {r['conversation']} | {r['prompt_tokens']} | {r['no_cache_computed']} | {r['cache_computed']} | "
+                f"{r['hit_tokens']} | {r['fraction'] * 100:.1f} % | {'yes' if r['answers_identical'] else 'no'} | "
+                f"{r['cache_seconds']:.2f} / {r['no_cache_seconds']:.2f} |"
+            )
+        fractions = [r["fraction"] for r in chat]
+        mid = statistics.median(fractions)
+        lines += [
+            "",
+            f"prefilled / cache-less: median {mid * 100:.1f} % ({min(fractions) * 100:.1f}-{max(fractions) * 100:.1f} %) "
+            f"over {len(chat)} conversation(s); target <= {target * 100:g} %: {_target(max(fractions) <= target)}.",
+        ]
+        parts.append("\n".join(lines))
+    row = result.get("throughput")
+    if row:
+        target = PREFIX_TARGETS["throughput_ratio"]
+        lo, hi = row["ratio_spread"]
+        parts.append(
+            "\n".join(
+                [
+                    f"Throughput at B = {row['batch']}, distinct random {meta['prompt_tokens']}-token prompts, "
+                    f"{meta['tokens']} tokens each (tok/s: median of {meta['repeats']} (min-max)):",
+                    "",
+                    "| B | no cache tok/s | cache on tok/s | cache on / no cache | cache hits (tokens) during the runs |",
+                    "|---|---|---|---|---|",
+                    f"| {row['batch']} | {_with_spread(row['no_cache_tok_s'], row['no_cache_spread'], '.1f')} | "
+                    f"{_with_spread(row['cache_tok_s'], row['cache_spread'], '.1f')} | "
+                    f"{_ratio_cell(row['ratio'], row['ratio_spread'])} | {row['hits']} ({row['hit_tokens']} of "
+                    f"{row['lookup_tokens']} looked up) |",
+                    "",
+                    f"cache on / no cache: target >= {target:g}: median {_target(row['ratio'] >= target)}; the range "
+                    f"{lo:.3f}-{hi:.3f} {'lies above' if lo >= target else 'lies below' if hi < target else 'includes'} it.",
+                ]
+            )
+        )
+    if not meta.get("complete", False):
+        parts.append(f"incomplete run: parts done {meta.get('parts_done')}.")
+    return "\n\n".join(parts) + "\n"
+
+
+def write_prefix(result: dict[str, Any], out: Path) -> str:
+    """The prefix scenario's JSON, Markdown and PNG for the parts finished so far; returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_whole(out / "prefix_cache.json", json.dumps(result, indent=2))
+    md = prefix_markdown(result)
+    write_whole(out / "prefix_cache.md", md)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    ttft, chats, row = result.get("ttft"), result.get("chats") or [], result.get("throughput")
+    if ttft:
+        mids = [ttft["cold_ms"], ttft["warm_ms"]]
+        lohi = [ttft["cold_spread_ms"], ttft["warm_spread_ms"]]
+        axes[0].bar(
+            ["cold", "warm"],
+            mids,
+            yerr=[[m - s[0] for m, s in zip(mids, lohi)], [s[1] - m for m, s in zip(mids, lohi)]],
+            capsize=4,
+        )
+        axes[0].set(ylabel="TTFT ms (median, whiskers min-max)", title=f"cold / warm = {ttft['cold_over_warm']:.1f}x")
+    if chats:
+        turns = chats[0]["cache"]["turns"]
+        xs = [t["turn"] for t in turns]
+        axes[1].bar(
+            xs, [t["prompt_tokens"] for t in turns], label="prompt tokens (cache-less prefill)", color="lightgrey"
+        )
+        axes[1].bar(xs, [t["computed_tokens"] for t in turns], label="prefilled with the cache")
+        axes[1].set(xlabel="turn (first conversation)", ylabel="tokens", title="multi-turn chat", xticks=xs)
+        axes[1].legend(fontsize=8)
+    if row:
+        mids = [row["no_cache_tok_s"], row["cache_tok_s"]]
+        lohi = [row["no_cache_spread"], row["cache_spread"]]
+        axes[2].bar(
+            ["no cache", "cache on, 0 % hits"],
+            mids,
+            yerr=[[m - s[0] for m, s in zip(mids, lohi)], [s[1] - m for m, s in zip(mids, lohi)]],
+            capsize=4,
+        )
+        axes[2].set(ylabel="generated tok/s (median, whiskers min-max)", title=f"B = {row['batch']}")
+    fig.suptitle(f"prefix cache: {result['meta']['model']} on {result['meta']['device']}")
+    save_png(fig, out / "prefix_cache.png")
+    return md
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    """``bench --prefix-scenario``: TTFT cold vs warm, a multi-turn chat's prefill, throughput at no hit
+    (``--prefix-parts``, each written to the tables as it finishes).
+
+    Two daemons: ``cache`` (``--prefix-cache-mb``) and ``no_cache``, started alike. Every TTFT request
+    runs alone on an idle daemon; the first request of each new prefix is the cold one, the next
+    ``--warm-requests`` send the same prefix with new suffixes. Each conversation runs on both daemons
+    (order rotated), so the cache-less prefill is read from a daemon that has no cache, and the two
+    daemons' answers are compared token for token. The throughput arms rotate like the matrix's."""
+    import mlx.core as mx
+
+    from clients.sync import Client
+    from scheduler.cli import CommandError
+    from scheduler.spawn import DaemonProcess
+
+    plan = PrefixPlan.from_args(args)
+    out = Path(args.out)
+    tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
+    common = ["--max-tokens-cap", str(plan.max_tokens_cap), "--max-batch", str(max(32, plan.batch))]
+    daemons = {"no_cache": common, "cache": [*common, "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]}
+    meta: dict[str, Any] = {
+        "model": args.model,
+        "device": str(mx.default_device()),
+        "mlx": str(getattr(mx, "__version__", "unknown")),
+        "prefix_cache_mb": args.prefix_cache_mb,
+        "prefix_tokens": plan.prefix,
+        "suffix_tokens": plan.suffix,
+        "ttft_tokens": TTFT_TOKENS,
+        "warm_requests": plan.warm,
+        "chat_turns": plan.turns,
+        "chat_system_tokens": plan.system,
+        "chat_user_tokens": plan.user,
+        "chat_answer_tokens": plan.answer,
+        "batch": plan.batch,
+        "prompt_tokens": plan.prompt_tokens,
+        "tokens": plan.tokens,
+        "repeats": plan.repeats,
+        "targets": PREFIX_TARGETS,
+        "parts": list(plan.parts),
+        "parts_done": [],
+        "complete": False,
+    }
+    result: dict[str, Any] = {"meta": meta}
+    done = 0
+    total = plan.steps()
+
+    def step(line: str) -> None:
+        nonlocal done
+        done += 1
+        progress(f"bench prefix [{done}/{total}] {line}")
+
+    def finished(part: str) -> None:
+        meta["parts_done"].append(part)
+        meta["complete"] = tuple(meta["parts_done"]) == plan.parts
+        write_prefix(result, out)
+        progress(f"bench prefix: {part} done, tables in {out}")
+
+    with contextlib.ExitStack() as stack:
+        progress(f"bench prefix: starting 2 daemons: {', '.join(daemons)}")
+        procs = {
+            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{name}.sock'}", *extra))
+            for name, extra in daemons.items()
+        }
+        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
+        model = clients["cache"].health()["model"]
+        context, vocab = int(model["context_length"]), int(model["vocab_size"])
+        meta["context_length"] = context
+        if (why := plan.too_long(context)) is not None:
+            raise CommandError(why)
+        snapshot = clients["cache"].stats()["engine"].get("prefix_cache") or {}
+        meta["prefix_cache"] = {k: snapshot.get(k) for k in ("serving", "max_bytes", "verdict")}
+        if not snapshot.get("serving"):
+            print(
+                f"warning: the cache daemon's prefix cache is not serving: {snapshot.get('verdict')}", file=sys.stderr
+            )
+        wait_idle(clients)
+        for part in plan.parts:
+            PREFIX_RUNNERS[part](plan, clients, vocab, result, step)
+            finished(part)
+    exit_codes = {name: proc.proc.returncode for name, proc in procs.items()}
+    for name, code in exit_codes.items():
+        if code != 0:
+            print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
+    meta["daemon_exit_codes"] = exit_codes
+    print(write_prefix(result, out))
+    print(f"results in {out.resolve()}", flush=True)
+    return 0
+
+
+def _prefix_ttft(
+    plan: PrefixPlan, clients: dict[str, Any], vocab: int, result: dict[str, Any], step: Callable[[str], None]
+) -> None:
+    """TTFT through the cache daemon, one request at a time: the first request of each new prefix
+    (cold), then ``plan.warm`` with new suffixes (warm). An untimed prefix first: its cold and one
+    warm request pay first-use costs."""
+    cache = clients["cache"]
+    rng = random.Random(17)
+    progress("bench prefix: TTFT warm-up (untimed)")
+    warm_up = _random_tokens(rng, plan.prefix, vocab)
+    for _ in range(2):
+        timed_request(cache, warm_up + _random_tokens(rng, plan.suffix, vocab), TTFT_TOKENS)
+    requests: list[dict[str, Any]] = []
+    for rep in range(plan.repeats):
+        prefix = _random_tokens(rng, plan.prefix, vocab)
+        for i in range(1 + plan.warm):
+            wait_idle(clients)
+            r = timed_request(cache, prefix + _random_tokens(rng, plan.suffix, vocab), TTFT_TOKENS)
+            kind = "cold" if i == 0 else "warm"
+            requests.append({"repeat": rep, "kind": kind, **{k: v for k, v in r.items() if k != "tokens"}})
+            step(
+                f"TTFT prefix {rep + 1}/{plan.repeats}, {kind}: {r['ttft_s'] * 1e3:.1f} ms "
+                f"({r['hit_tokens']} of {r['prompt_tokens']} tokens from the cache)"
+            )
+    result["ttft_requests"] = requests
+    result["ttft"] = prefix_ttft_rows(requests)
+
+
+def _prefix_chat(
+    plan: PrefixPlan, clients: dict[str, Any], vocab: int, result: dict[str, Any], step: Callable[[str], None]
+) -> None:
+    """Each conversation on both daemons, in an order rotated per repeat; a first message and user
+    messages of their own per conversation, so no conversation starts from another's entries."""
+    progress("bench prefix: chat warm-up (untimed)")
+    for arm in PREFIX_ARMS:
+        timed_request(clients[arm], _random_tokens(random.Random(98), plan.system + plan.user, vocab), plan.answer)
+    chats = []
+    for rep in range(plan.repeats):
+        crng = random.Random(1700 + rep)
+        system = _random_tokens(crng, plan.system, vocab)
+        users = [_random_tokens(crng, plan.user, vocab) for _ in range(plan.turns)]
+        chat: dict[str, Any] = {}
+        for arm in rotated(list(PREFIX_ARMS), rep):
+            wait_idle(clients)
+            chat[arm] = run_chat(clients[arm], system, users, plan.answer)
+            step(
+                f"chat {rep + 1}/{plan.repeats}, {arm}: {chat[arm]['computed_tokens']} of "
+                f"{chat[arm]['prompt_tokens']} prompt tokens prefilled in {chat[arm]['seconds']:.2f} s"
+            )
+        chats.append(chat)
+    result["chats"] = chats
+    result["chat_rows"] = prefix_chat_rows(chats)
+
+
+def _prefix_throughput(
+    plan: PrefixPlan, clients: dict[str, Any], vocab: int, result: dict[str, Any], step: Callable[[str], None]
+) -> None:
+    """The matrix's workload at ``plan.batch`` (distinct random prompts: nothing to reuse) on both
+    daemons, rotated per repeat; the cache daemon's hits during the timed runs are counted."""
+    progress(f"bench prefix: throughput warm-up at B = {plan.batch} (untimed)")
+    for arm in PREFIX_ARMS:
+        run_daemon(clients[arm], _prompts(plan.batch, plan.prompt_tokens, vocab, seed=99), min(8, plan.tokens))
+    samples: dict[str, list[float]] = {}
+    runs = []
+    before = prefix_counters(clients["cache"])
+    for rep in range(plan.repeats):
+        prompts = _prompts(plan.batch, plan.prompt_tokens, vocab, seed=17_000 + rep)
+        for position, arm in enumerate(rotated(list(PREFIX_ARMS), rep)):
+            wait_idle(clients)
+            n, wall = run_daemon(clients[arm], prompts, plan.tokens)
+            samples.setdefault(arm, []).append(n / wall)
+            runs.append({"repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall})
+            step(f"B = {plan.batch}, repeat {rep + 1}/{plan.repeats}, {arm}: {n / wall:.1f} tok/s")
+    moved = _delta(prefix_counters(clients["cache"]), before)
+    result["throughput_runs"] = runs
+    result["throughput"] = prefix_throughput_row(
+        samples, plan.batch, {k: moved[k] for k in ("hits", "hit_tokens", "lookup_tokens")}
+    )
+
+
+#: ``--prefix-parts`` -> the function that runs it and stores its results.
+PREFIX_RUNNERS: dict[str, Callable[[PrefixPlan, dict[str, Any], int, dict[str, Any], Callable[[str], None]], None]] = {
+    "ttft": _prefix_ttft,
+    "chat": _prefix_chat,
+    "throughput": _prefix_throughput,
+}

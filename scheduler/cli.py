@@ -1074,6 +1074,41 @@ def _add_local_tools(sub: argparse._SubParsersAction[Parser]) -> None:
         default=None,
         help="run the raw BatchGenerator arm only up to this B (it is the slowest arm at large B); default: every B",
     )
+    g = p.add_argument_group(
+        "prefix cache scenario",
+        "--prefix-scenario runs these instead of the matrix, through a daemon with --prefix-cache-mb and one "
+        "without: TTFT of a long shared prefix cold vs warm, a multi-turn chat's prefill tokens computed, "
+        "and throughput with no hit (--prefix-batch sequences of --prompt-tokens, --tokens each)",
+    )
+    g.add_argument("--prefix-scenario", action="store_true", help="run the prefix cache scenario (issue 17)")
+
+    def prefix_parts(text: str) -> str:
+        """A comma list of the scenario's parts, kept in their running order."""
+        parts = ("ttft", "chat", "throughput")
+        chosen = [x.strip() for x in text.split(",")]
+        if not chosen or any(x not in parts for x in chosen):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(parts)}, got {text!r}")
+        return ",".join(x for x in parts if x in chosen)
+
+    g.add_argument(
+        "--prefix-parts",
+        type=prefix_parts,
+        default="ttft,chat,throughput",
+        help="which parts to run (comma list of ttft, chat, throughput; default all)",
+    )
+    g.add_argument("--prefix-cache-mb", type=positive_float, default=512.0, help="the cache daemon's --prefix-cache-mb")
+    g.add_argument("--prefix-tokens", type=positive_int, default=2000, help="the shared prefix's length")
+    g.add_argument("--suffix-tokens", type=positive_int, default=50, help="each request's own suffix after it")
+    g.add_argument(
+        "--warm-requests", type=positive_int, default=4, help="requests with new suffixes after each cold one"
+    )
+    g.add_argument("--chat-turns", type=positive_int, default=10)
+    g.add_argument("--chat-system-tokens", type=positive_int, default=200, help="the chat's first message")
+    g.add_argument("--chat-user-tokens", type=positive_int, default=40, help="each new user message")
+    g.add_argument("--chat-answer-tokens", type=positive_int, default=60, help="max_tokens of each answer")
+    g.add_argument(
+        "--prefix-batch", type=positive_int, default=16, help="B of the throughput arms (distinct random prompts)"
+    )
     p.set_defaults(func=local_command("bench", lambda a: __import__("scheduler.bench", fromlist=["main"]).main(a)))
 
 

@@ -2,8 +2,9 @@
 
 ``mlx-batchd stats`` prints one summary; this polls the same reply every ``--interval`` seconds and
 redraws it, adding what only two snapshots can give: tokens per second (split into batched decode
-and B = 1 speculative bursts) and the burst acceptance over the last interval. Like the other client
-subcommands it imports no MLX, so it starts fast and runs anywhere the client library does.
+and B = 1 speculative bursts), and the burst acceptance and the prefix cache's hit rate over the last
+interval. Like the other client subcommands it imports no MLX, so it starts fast and runs anywhere
+the client library does.
 
 The drawing is the pure function :func:`render`, so it can be tested on synthetic snapshots without
 a daemon. Every key is read defensively: a daemon that is still loading (an empty ``engine``), one
@@ -119,6 +120,7 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) ->
         _tenants(stats),
         _outcomes(stats),
         _bursts(engine, prev_engine),
+        _prefix_cache(engine, prev_engine),
         _pins(engine),
     )
 
@@ -252,6 +254,30 @@ def _bursts(engine: Mapping[str, Any], prev_engine: Mapping[str, Any] | None) ->
     return t
 
 
+def _prefix_cache(engine: Mapping[str, Any], prev_engine: Mapping[str, Any] | None) -> Table:
+    """The prefix cache (``serve --prefix-cache-mb``): the share of looked-up prompt tokens it served,
+    over the daemon's life and over the last interval (a workload change shows there first), and the
+    KV bytes it holds against its bound."""
+    pc: Mapping[str, Any] = engine.get("prefix_cache") or {}
+    t = _kv_table("prefix cache")
+    if not pc.get("enabled"):
+        t.add_row("state", "off")
+        return t
+    prev: Mapping[str, Any] = (prev_engine.get("prefix_cache") or {}) if prev_engine is not None else {}
+    looked_up = _delta(pc, prev, ("lookup_tokens",)) if prev_engine is not None else None
+    hit = _delta(pc, prev, ("hit_tokens",)) if prev_engine is not None else None
+    verdict: Mapping[str, Any] = pc.get("verdict") or {}
+    t.add_row("state", "serving" if pc.get("serving") else f"declined ({verdict.get('reason') or MISSING})")
+    t.add_row("hit rate", _percent(_num(pc, "hit_rate")))
+    t.add_row("hit rate (interval)", _percent(_ratio(hit, looked_up)))
+    t.add_row("hits / queries", f"{_int(pc, 'hits')} / {_int(pc, 'queries')}")
+    t.add_row("tokens from the cache", f"{_int(pc, 'hit_tokens')} of {_int(pc, 'lookup_tokens')}")
+    t.add_row("bytes", f"{_mib1(_num(pc, 'bytes'))} / {_mib1(_num(pc, 'max_bytes'))} MiB")
+    t.add_row("entries", _int(pc, "entries"))
+    t.add_row("evictions", _int(pc, "evictions"))
+    return t
+
+
 def _pins(engine: Mapping[str, Any]) -> Table:
     """Kernel-level pin accounting: forwards that asked for a level, and collateral ones that ran
     pinned without asking (nonzero only under a process-wide pin), plus the measured tax if any."""
@@ -340,3 +366,11 @@ def _fixed(v: float | None, digits: int) -> str:
 
 def _mib(v: float | None) -> str:
     return MISSING if v is None else f"{v / 2**20:.0f}"
+
+
+def _mib1(v: float | None) -> str:
+    return MISSING if v is None else f"{v / 2**20:.1f}"
+
+
+def _percent(v: float | None) -> str:
+    return MISSING if v is None else f"{v * 100:.1f} %"

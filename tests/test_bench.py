@@ -431,3 +431,107 @@ def test_bench_via_http_without_httpx_says_so_before_loading_the_model(
     captured = capsys.readouterr()
     assert captured.err == "mlx-batchd bench: --via http needs httpx, the HTTP arms' client: pip install httpx\n"
     assert "loading" not in captured.out
+
+
+PREFIX_FLAGS = (
+    *("--prefix-tokens", "48", "--suffix-tokens", "8", "--warm-requests", "2", "--chat-turns", "3"),
+    *("--chat-system-tokens", "24", "--chat-user-tokens", "8", "--chat-answer-tokens", "6"),
+    *("--prefix-batch", "3", "--prompt-tokens", "8", "--tokens", "6", "--prefix-cache-mb", "64"),
+)
+
+
+def test_bench_prefix_scenario_runs_and_lands_in_the_tables(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prefix-scenario``: warm requests are served from the cache and cold ones are not, every
+    chat turn after the first reuses the previous turn's prompt, the cache-less daemon prefills every
+    token and answers alike, the throughput arms hit nothing; the tables carry what the JSON holds."""
+    import statistics
+
+    out = tmp_path / "prefix"
+    args = build_parser().parse_args(
+        ["bench", "--prefix-scenario", "--model", str(tiny_model), *PREFIX_FLAGS, "--repeats", "2", "--out", str(out)]
+    )
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    total = 2 * (1 + 2) + 2 * 2 + 2 * 2  # TTFT requests, a conversation and a run per daemon per repeat
+    steps = [x for x in printed if x.startswith("bench prefix [")]
+    assert len(steps) == total and steps[-1].startswith(f"bench prefix [{total}/{total}] B = 3, repeat 2/2")
+    assert printed[-1] == f"results in {out.resolve()}"
+    assert {"prefix_cache.json", "prefix_cache.md", "prefix_cache.png"} <= {p.name for p in out.iterdir()}
+    assert (out / "prefix_cache.png").stat().st_size > 0
+    report = json.loads((out / "prefix_cache.json").read_text())
+    md = (out / "prefix_cache.md").read_text()
+    meta = report["meta"]
+    assert meta["complete"] is True and meta["parts_done"] == ["ttft", "chat", "throughput"]
+    assert meta["prefix_cache"]["serving"] is True and meta["daemon_exit_codes"] == {"no_cache": 0, "cache": 0}
+    assert "warning" not in md and "incomplete" not in md
+
+    requests = report["ttft_requests"]
+    cold = [r for r in requests if r["kind"] == "cold"]
+    warm = [r for r in requests if r["kind"] == "warm"]
+    assert len(cold) == 2 and len(warm) == 4
+    assert {r["hit_tokens"] for r in cold} == {0} and all(r["hit_tokens"] >= 48 for r in warm)
+    assert all(r["computed_tokens"] == r["prompt_tokens"] - r["hit_tokens"] for r in requests)
+    t = report["ttft"]
+    assert t["cold_ms"] == pytest.approx(statistics.median(r["ttft_s"] for r in cold) * 1e3)
+    assert t["warm_ms"] == pytest.approx(statistics.median(r["ttft_s"] for r in warm) * 1e3)
+    assert t["cold_over_warm"] == pytest.approx(t["cold_ms"] / t["warm_ms"])
+    assert t["cold_over_warm_spread"] == pytest.approx(
+        bench.ratio_spread([r["ttft_s"] for r in cold], [r["ttft_s"] for r in warm])
+    )
+    assert f"| cold / warm | | {t['cold_over_warm']:.2f}x |" in md
+    assert f"| warm (same prefix, new suffix) | 4 | {t['warm_ms']:.1f} |" in md
+
+    assert len(report["chats"]) == len(report["chat_rows"]) == 2
+    for chat, row in zip(report["chats"], report["chat_rows"], strict=True):
+        with_cache, without = chat["cache"]["turns"], chat["no_cache"]["turns"]
+        assert len(with_cache) == len(without) == 3
+        assert [t["prompt_tokens"] for t in with_cache] == [t["prompt_tokens"] for t in without]
+        assert [t["computed_tokens"] for t in without] == [t["prompt_tokens"] for t in without]
+        assert with_cache[0]["hit_tokens"] == 0
+        for before, turn in zip(with_cache, with_cache[1:]):  # the conversation so far, and a new message
+            assert turn["prompt_tokens"] == before["prompt_tokens"] + len(before["answer"]) + 8
+            assert turn["hit_tokens"] >= before["prompt_tokens"], with_cache  # the previous turn's prompt is reused
+        assert row["answers_identical"] is True
+        assert row["cache_computed"] == sum(t["computed_tokens"] for t in with_cache) < row["prompt_tokens"]
+        assert row["no_cache_computed"] == row["prompt_tokens"] == sum(t["prompt_tokens"] for t in with_cache)
+        assert row["fraction"] == pytest.approx(row["cache_computed"] / row["prompt_tokens"])
+        line = (
+            f"| {row['conversation']} | {row['prompt_tokens']} | {row['no_cache_computed']} | "
+            f"{row['cache_computed']} | {row['hit_tokens']} | {row['fraction'] * 100:.1f} % | yes |"
+        )
+        assert line in md
+
+    tp = report["throughput"]
+    runs = report["throughput_runs"]
+    assert tp["batch"] == 3 and tp["hits"] == tp["hit_tokens"] == 0
+    assert tp["lookup_tokens"] == 2 * 3 * 8  # every prompt of the cache arm's timed runs, looked up
+    for arm in bench.PREFIX_ARMS:
+        xs = [r["tokens"] / r["seconds"] for r in runs if r["arm"] == arm]
+        assert len(xs) == 2 and tp[f"{arm}_tok_s"] == pytest.approx(statistics.median(xs))
+        assert tp[f"{arm}_spread"] == pytest.approx(bench.spread(xs))
+    assert {r["arm"] for r in runs if r["position"] == 0} == set(bench.PREFIX_ARMS)  # rotated
+    assert tp["ratio"] == pytest.approx(tp["cache_tok_s"] / tp["no_cache_tok_s"])
+    assert f"| 3 | {tp['no_cache_tok_s']:.1f} (" in md and f"| {tp['ratio']:.3f} (" in md
+
+
+def test_prefix_plan_says_what_fits_the_context() -> None:
+    """A shape the daemon would refuse (prompt + max_tokens past the context) is named before any
+    request, with the largest prefix that fits."""
+    args = build_parser().parse_args(["bench", "--prefix-scenario", "--prefix-tokens", "2000"])
+    plan = bench.PrefixPlan.from_args(args)
+    assert plan.too_long(4096) is None
+    assert plan.too_long(1536) == (
+        "--prefix-tokens 2000 + --suffix-tokens 50 + 4 generated tokens exceed the model's context (1536); "
+        "use --prefix-tokens 1482 or less"
+    )
+    fitting = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "1482"]))
+    assert fitting.too_long(1536) is None
+    only = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-parts", "throughput,chat"]))
+    assert only.parts == ("chat", "throughput") and only.too_long(1536) is None  # the 2000-token prefix is not run
+    assert only.steps() == 3 * (2 + 2) and only.max_tokens_cap == 128
+    short = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "100"]))
+    assert "a 10-turn chat (200 + 10 x (40 + 60) = 1200 tokens) exceeds the model's context (1100)" in str(
+        short.too_long(1100)
+    )

@@ -35,26 +35,37 @@ def _row(frame: str, label: str) -> list[str]:
 
 
 def test_top_once_against_a_daemon(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    daemon = start_daemon(tiny_model, tmp_path, "--draft", "prompt-lookup", "-k", "2")
+    daemon = start_daemon(tiny_model, tmp_path, "--draft", "prompt-lookup", "-k", "2", "--prefix-cache-mb", "16")
     try:
         with Client(daemon.address, timeout=120) as c:
             verdict = wait_for_verdict(c)
             result = c.generate(tokens=[5, 6, 7, 5, 6, 7], max_tokens=6)
             assert result.finish_reason in ("length", "stop")
             [pairing] = c.stats()["engine"]["verdicts"]
+            shared = [(7 * i + 3) % 250 + 4 for i in range(40)]  # a prefix the cache serves the second time
+            reasons = [result.finish_reason] + [
+                c.generate(tokens=shared + tail, max_tokens=2).finish_reason for tail in ([11], [12])
+            ]
+            cache = c.stats()["engine"]["prefix_cache"]
+            assert cache["serving"] and cache["hit_tokens"] >= 16, cache
         capsys.readouterr()
         args = build_parser().parse_args(["top", "--addr", daemon.address, "--once", "--timeout", "60"])
         assert args.func(args) == 0
         frame = capsys.readouterr().out
     finally:
         assert daemon.stop() == 0
-    assert _row(frame, "requests completed")[1] == "1"
+    assert _row(frame, "requests completed")[1] == "3"
+    assert _row(frame, "state")[1] == "serving"
+    assert _row(frame, "hit rate")[1] == f"{cache['hit_rate'] * 100:.1f} %"
+    assert _row(frame, "tokens from the cache")[1] == f"{cache['hit_tokens']} of {cache['lookup_tokens']}"
+    assert _row(frame, "bytes")[1] == f"{cache['bytes'] / 2**20:.1f} / 16.0 MiB" and cache["bytes"] > 0
     assert _row(frame, "requests in flight")[1] == "0"
     row = _row(frame, pairing)
     assert row[1] == verdict["level"]
     assert row[2] == ("exact" if verdict["exact"] else "inexact")
-    assert _row(frame, "local")[2] == "1"  # the default tenant's one request
-    assert _row(frame, result.finish_reason)[1] == "1"
+    assert _row(frame, "local")[2] == "3"  # the default tenant's requests
+    for reason in set(reasons):
+        assert _row(frame, reason)[1] == str(reasons.count(reason))
     assert _row(frame, "drafter")[1].startswith("prompt-lookup k=2")
     # One frame, no previous snapshot: rates cannot be known yet.
     assert _row(frame, "tokens/s total")[1] == top.MISSING
@@ -80,7 +91,17 @@ def test_unreachable_daemon_is_one_line_and_exit_1(
     assert err == f"mlx-batchd {command[0]}: no reply from {address} within 0.5s (is the daemon running?)\n"
 
 
-def _snapshot(uptime: float, generated: int, emitted: int, drafted: int, accepted: int) -> dict[str, Any]:
+def _snapshot(
+    uptime: float,
+    generated: int,
+    emitted: int,
+    drafted: int,
+    accepted: int,
+    queries: int = 4,
+    hits: int = 2,
+    hit_tokens: int = 300,
+    lookup_tokens: int = 1000,
+) -> dict[str, Any]:
     return {
         "uptime_s": uptime,
         "requests_in_flight": 1,
@@ -122,6 +143,20 @@ def _snapshot(uptime: float, generated: int, emitted: int, drafted: int, accepte
                 "audit_failures": 0,
             },
             "pin_tax": {},
+            "prefix_cache": {
+                "enabled": True,
+                "serving": True,
+                "max_bytes": 64 * 2**20,
+                "bytes": 3 * 2**20 + 2**19,
+                "entries": 5,
+                "queries": queries,
+                "hits": hits,
+                "hit_tokens": hit_tokens,
+                "lookup_tokens": lookup_tokens,
+                "hit_rate": hit_tokens / lookup_tokens,
+                "evictions": 2,
+                "verdict": {"exact": True, "reason": "every draw equal"},
+            },
         },
     }
 
@@ -149,3 +184,27 @@ def test_render_tolerates_a_loading_daemon() -> None:
     assert _row(frame, "requests completed")[1] == top.MISSING
     assert _row(frame, "drafter")[1] == "none (bursts off)"
     assert _row(frame, "(none)")[4] == "engine not ready"
+
+
+def test_render_prefix_cache_hit_rate_and_bytes() -> None:
+    """Over the daemon's life (the daemon's ``hit_rate``) and over the interval (token deltas), and the
+    bytes held against the bound; a declined cache says why, and a daemon without one says off."""
+    before = _snapshot(10.0, 0, 0, 0, 0, queries=4, hits=2, hit_tokens=300, lookup_tokens=1000)
+    after = _snapshot(12.0, 0, 0, 0, 0, queries=6, hits=4, hit_tokens=1200, lookup_tokens=2000)
+    frame = _text(top.render(after, before, 2.0))
+    assert _row(frame, "state")[1] == "serving"
+    assert _row(frame, "hit rate")[1] == "60.0 %"  # 1200 / 2000
+    assert _row(frame, "hit rate (interval)")[1] == "90.0 %"  # 900 / 1000 since the last poll
+    assert _row(frame, "hits / queries")[1] == "4 / 6"
+    assert _row(frame, "tokens from the cache")[1] == "1200 of 2000"
+    assert _row(frame, "bytes")[1] == "3.5 / 64.0 MiB"
+    assert _row(frame, "entries")[1] == "5" and _row(frame, "evictions")[1] == "2"
+    assert _row(_text(top.render(after, None, 0.0)), "hit rate (interval)")[1] == top.MISSING
+
+    declined = _snapshot(12.0, 0, 0, 0, 0)
+    declined["engine"]["prefix_cache"] |= {"serving": False, "verdict": {"exact": False, "reason": "draw 3 differs"}}
+    assert _row(_text(top.render(declined, None, 0.0)), "state")[1] == "declined (draw 3 differs)"
+    off = _snapshot(12.0, 0, 0, 0, 0)
+    off["engine"]["prefix_cache"] = {"enabled": False}
+    assert _row(_text(top.render(off, None, 0.0)), "state")[1] == "off"
+    assert _row(_text(top.render({"engine": {}}, None, 0.0)), "state")[1] == "off"
