@@ -120,7 +120,7 @@ def llama_config(
     quant_bits: int | None = None,
 ) -> dict[str, Any]:
     """A llama config; the defaults are the tiny placeholder demo, ``llama_config(4096, 32,
-    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape FACTS.md measures."""
+    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape the H200 benchmarks use (docs/benchmarks.md)."""
     config: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": hidden,
