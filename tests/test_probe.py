@@ -38,14 +38,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     """Every test leaves the kernel module as it found it: no seam, wide, the measured widths."""
-    widths, measured = dict(kernels._widths), dict(kernels._measured)
-    yield
+    with kernels.saved_widths():
+        yield
     kernels.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
-    kernels._widths.clear()
-    kernels._widths.update(widths)
-    kernels._measured.clear()
-    kernels._measured.update(measured)
 
 
 def _load(path: Path) -> Any:

@@ -34,6 +34,7 @@ The projection and attention entry points of MLX and mlx-lm are patched once (``
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import threading
@@ -471,18 +472,36 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
                 _widths[mid] = _measured[mid] = width
     for _, module in model.named_modules():
         if id(module) in _measured and id(module) not in _tracked:
-            _tracked.add(id(module))
+            _tracked[id(module)] = next(_serials)
             weakref.finalize(module, _untrack, id(module))
     return report
 
 
-#: Module ids whose entries are dropped when the module is collected (``_forget``).
-_tracked: set[int] = set()
+#: Live measured modules: id -> a serial number that no later module with the same id shares.
+#: Their entries are dropped when they are collected (``_forget``).
+_tracked: dict[int, int] = {}
+_serials = itertools.count()
 
 
 def _untrack(mid: int) -> None:
-    _tracked.discard(mid)
+    _tracked.pop(mid, None)
     _forget(mid)
+
+
+@contextmanager
+def saved_widths() -> Iterator[None]:
+    """Widths as they were before the block, for the modules that are still the same modules after
+    it (tests that narrow widths): a module collected meanwhile leaves nothing behind, and a new
+    module that Python gave its id does not get its width."""
+    widths, measured, serials = dict(_widths), dict(_measured), dict(_tracked)
+    try:
+        yield
+    finally:
+        same = {mid for mid, serial in serials.items() if _tracked.get(mid) == serial}
+        _widths.clear()
+        _widths.update({mid: w for mid, w in widths.items() if mid in same})
+        _measured.clear()
+        _measured.update({mid: w for mid, w in measured.items() if mid in same})
 
 
 # --------------------------------------------------------------------------- calibrating widths
