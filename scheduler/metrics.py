@@ -18,6 +18,60 @@ from prometheus_client.registry import Collector
 PREFIX = "mlx_batchd"
 
 
+#: One-number families read from the stats snapshot: (family, name, help, snapshot part, key).
+_SCALARS: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, str, str], ...] = (
+    (
+        GaugeMetricFamily,
+        "clients_paused",
+        "Connections whose sequences are paused because their unsent messages reached the bound",
+        "front",
+        "clients_paused",
+    ),
+    (
+        GaugeMetricFamily,
+        "unsent_messages",
+        "Messages waiting in the daemon's per-connection outboxes (beyond ZeroMQ's queue)",
+        "front",
+        "unsent_messages",
+    ),
+    (
+        CounterMetricFamily,
+        "clients_dropped",
+        "Connections that went away (or fell silent past the heartbeat timeout) with requests in flight",
+        "front",
+        "clients_dropped",
+    ),
+    (
+        CounterMetricFamily,
+        "messages_dropped",
+        "Messages not answered because their connection's outbox was full (it was not reading)",
+        "front",
+        "messages_dropped",
+    ),
+    (GaugeMetricFamily, "paused_sequences", "Sequences paused for a slow reader", "engine", "paused"),
+    (GaugeMetricFamily, "active_sequences", "Sequences in the engine", "engine", "active_sequences"),
+    (GaugeMetricFamily, "batch_size", "Sequences in the decode batch", "engine", "batch_size"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompts looked up in the prefix cache", "prefix", "queries"),
+    (
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prompt tokens served from the prefix cache (not prefilled)",
+        "prefix",
+        "hit_tokens",
+    ),
+    (GaugeMetricFamily, "prefix_cache_bytes", "Bytes of KV held by the prefix cache", "prefix", "bytes"),
+    (
+        CounterMetricFamily,
+        "prefix_cache_evictions",
+        "Prefix cache entries dropped to stay under its byte bound",
+        "prefix",
+        "evictions",
+    ),
+    (CounterMetricFamily, "decode_steps", "Batched decode steps", "engine", "decode_steps"),
+    (CounterMetricFamily, "decode_seconds", "Seconds spent in batched decode steps", "engine", "decode_seconds"),
+)
+
+
 class StatsCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
@@ -56,32 +110,7 @@ class StatsCollector(Collector):
             active.add_metric([tenant], t["active"])
         yield from (tokens, waiting, active)
 
-        yield GaugeMetricFamily(
-            f"{PREFIX}_clients_paused",
-            "Connections whose sequences are paused because their unsent messages reached the bound",
-            value=s.get("clients_paused", 0),
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_unsent_messages",
-            "Messages waiting in the daemon's per-connection outboxes (beyond ZeroMQ's queue)",
-            value=s.get("unsent_messages", 0),
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_clients_dropped",
-            "Connections that went away (or fell silent past the heartbeat timeout) with requests in flight",
-            value=s.get("clients_dropped", 0),
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_messages_dropped",
-            "Messages not answered because their connection's outbox was full (it was not reading)",
-            value=s.get("messages_dropped", 0),
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_paused_sequences", "Sequences paused for a slow reader", value=engine.get("paused", 0)
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_active_sequences", "Sequences in the engine", value=engine.get("active_sequences", 0)
-        )
+        prefix = engine.get("prefix_cache") or {}
         memory = GaugeMetricFamily(
             f"{PREFIX}_mlx_memory_bytes",
             "The engine's MLX memory: active (in arrays), cache (freed buffers kept for reuse), peak",
@@ -89,31 +118,10 @@ class StatsCollector(Collector):
         )
         for kind in ("active", "cache", "peak"):
             memory.add_metric([kind], engine.get("memory", {}).get(f"{kind}_bytes", 0))
+        sources = {"front": s, "engine": engine, "prefix": prefix}
+        for make, name, help_, source, key in _SCALARS:
+            yield make(f"{PREFIX}_{name}", help_, value=sources[source].get(key, 0))
         yield memory
-        yield GaugeMetricFamily(
-            f"{PREFIX}_batch_size", "Sequences in the decode batch", value=engine.get("batch_size", 0)
-        )
-        prefix = engine.get("prefix_cache") or {}
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_queries", "Prompts looked up in the prefix cache", value=prefix.get("queries", 0)
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_hits",
-            "Prompt tokens served from the prefix cache (not prefilled)",
-            value=prefix.get("hit_tokens", 0),
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_prefix_cache_bytes", "Bytes of KV held by the prefix cache", value=prefix.get("bytes", 0)
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_evictions",
-            "Prefix cache entries dropped to stay under its byte bound",
-            value=prefix.get("evictions", 0),
-        )
-        yield CounterMetricFamily(f"{PREFIX}_decode_steps", "Batched decode steps", value=engine.get("decode_steps", 0))
-        yield CounterMetricFamily(
-            f"{PREFIX}_decode_seconds", "Seconds spent in batched decode steps", value=engine.get("decode_seconds", 0.0)
-        )
 
         bursts = engine.get("bursts", {})
         drafter = bursts.get("drafter") or "none"
