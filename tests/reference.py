@@ -32,3 +32,15 @@ def greedy_reference(path: Path, prompt: list[int], max_tokens: int) -> tuple[li
         tokens.append(t)
         logprobs.append(lps[t].item())
     return tokens, logprobs
+
+
+def load_measured(path: Path) -> Any:
+    """A model from ``path`` (mlx-lm's loader) with its row-exact widths measured, as the daemon's
+    loader leaves it."""
+    from mlx_lm import load
+
+    from workers.kernels import measure_widths
+
+    model = load(str(path))[0]
+    measure_widths(model)
+    return model

@@ -16,15 +16,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from tests.reference import load_measured
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
@@ -58,19 +58,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("ladder") / "tiny-llama", PRESETS["tiny-llama"], seed=5)
 
 
-@pytest.fixture(autouse=True)
-def clean_kernel_state() -> Iterator[None]:
-    """Every test leaves the kernel module as it found it: no seam, wide, the measured widths."""
-    with kernels.saved_widths():
-        yield
-    kernels.divergence_seam = None
-    kernels.set_process_level(Level.WIDE)
-
-
-def _load(path: Path) -> Any:
-    model = load(str(path))[0]
-    measure_widths(model)
-    return model
+pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 
 
 def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, **kw: Any) -> Verdict:
@@ -113,7 +101,7 @@ def test_injected_divergence_on_real_rows_only_is_caught_by_calibration_and_memo
     load-time measurement (random rows) says every width is 16; the probe's calibration narrows
     the modules that see such rows to 2 and narrow is exact. The widths are in the verdict, serve
     after it, and come back with it from the store."""
-    model = _load(llama)
+    model = load_measured(llama)
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return _perturb(out) if kind == "projection" and rows > 2 and _real_like() else out
@@ -149,7 +137,7 @@ def test_injected_divergence_in_layer_2_mlp_narrows_that_layer_only(llama: Path)
     divergence at layer 2's MLP, position 0): layer 2's MLP projections on several real-like rows
     differ from one-row calls. Calibration narrows exactly those modules, not the modules of
     the same shape in other layers."""
-    model = _load(llama)
+    model = load_measured(llama)
     layer2 = model.model.layers[2].mlp
     targets = {id(layer2.gate_proj), id(layer2.up_proj), id(layer2.down_proj)}
 
@@ -174,7 +162,7 @@ def test_injected_divergence_found_on_a_later_draw_reruns_the_rungs_earlier_draw
     3 or 4 real-like rows (a block's, never a prefill's, so the chains computed before arming
     stay valid) differs. The first draw passed narrow at width 16; the second narrows widths to 2,
     so the rung starts over and every draw is checked at the widths the verdict carries."""
-    model = _load(llama)
+    model = load_measured(llama)
     armed = False
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
@@ -206,7 +194,7 @@ def test_injected_divergence_found_on_a_later_draw_reruns_the_rungs_earlier_draw
 def test_calibration_captures_the_blocks_projection_calls_not_the_prefills(llama: Path) -> None:
     """Only the block's own rows are checked: under a process-wide pin the prefill runs at narrow
     too, and its many rows are not the verify's."""
-    model = _load(llama)
+    model = load_measured(llama)
     kernels.set_process_level(Level.NARROW)
     draw = make_draws(3, VOCAB, 4096, None)[0]
     calls: list[kernels.CapturedCall] = []
@@ -227,7 +215,7 @@ def test_injected_divergence_in_every_multi_row_call_wins_the_per_query_1_rung(l
     """Injected after load (so load-time widths are 16): every multi-row call differs. Calibration
     narrows every projection to one row, so per-query would be per-query-1 and is skipped as that;
     per-query-1, one row per projection call and one query per attention call, is exact."""
-    model = _load(llama)
+    model = load_measured(llama)
     kernels.divergence_seam = _every_multi_row_call
     verdict = _probe(model)
 
@@ -255,7 +243,7 @@ def test_injected_divergence_calibration_cannot_see_falls_through_to_per_query_1
     result depends on what surrounds it in the forward), so the calibration's own comparisons see
     row-exact kernels and keep every width at 16. narrow and per-query then
     differ, and the rung that takes no width on trust is exact."""
-    model = _load(llama)
+    model = load_measured(llama)
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return _perturb(out) if rows > 1 and kernels.in_scoped_pin() else out
@@ -276,7 +264,7 @@ def test_per_query_1_pin_reaches_only_its_forward_while_batched_decode_interleav
     """A verify at per-query-1: every projection of the block on one row, attention one query at
     a time; a batched step built inside the pin runs wide (all rows in one call) and the ledger's
     collateral stays 0."""
-    model = _load(llama)
+    model = load_measured(llama)
     engine = Engine(model, eos_token_ids=(0,), vocab_size=VOCAB)
     for seq in range(3):
         engine.submit(Job(seq=seq, prompt=[5 + seq, 6, 7], max_tokens=50))
@@ -341,7 +329,7 @@ def test_injected_divergence_bursts_at_per_query_1_match_classic_decode_with_lay
     """Injected: every multi-row call differs (only per-query-1 is exact). Bursts then run their
     verify at per-query-1 and emit exactly classic decode's tokens, every round audited clean, on a
     burst cache that grows in ``LAYOUT_STEP`` tokens; batched caches keep mlx-lm's step."""
-    model = _load(llama)
+    model = load_measured(llama)
     kernels.divergence_seam = _every_multi_row_call
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     classic = _generate(Engine(model, eos_token_ids=(0,), vocab_size=VOCAB), prompt, 40)
@@ -367,7 +355,7 @@ def test_injected_divergence_bursts_at_per_query_1_match_classic_decode_with_lay
 def test_probe_caches_keep_one_layout_through_every_draw_including_the_capacity_boundary(llama: Path) -> None:
     """Every cache the probe builds (chains and blocks) allocates its KV buffer once per draw, also
     on the draw whose keys run 255 -> 256 -> 257 (with mlx-lm's step of 256 it is re-allocated there)."""
-    model = _load(llama)
+    model = load_measured(llama)
     made: list[list[Any]] = []
 
     def make_cache() -> list[Any]:
@@ -385,7 +373,7 @@ def test_probe_caches_keep_one_layout_through_every_draw_including_the_capacity_
 
 
 def test_single_sequence_forwards_get_layout_stable_caches_and_batched_ones_keep_theirs(llama: Path) -> None:
-    model = _load(llama)
+    model = load_measured(llama)
     counted = CountedModel(model, PinLedger())
     single = make_prompt_cache(model)
     counted(mx.array([[1, 2, 3]]), cache=single)
@@ -406,7 +394,7 @@ def test_single_sequence_forwards_get_layout_stable_caches_and_batched_ones_keep
 def stored_narrow(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     """A verdict at a calibrated rung (narrow, pinned by the operator) as the store writes it:
     (fingerprint, its JSON), widths included."""
-    model = _load(llama)
+    model = load_measured(llama)
     store = VerdictStore(tmp_path_factory.mktemp("verdicts"))
     draws = make_draws(2, VOCAB, 4096, None)[:1]
     policy = ProbePolicy(pinned_level=Level.NARROW)
@@ -487,7 +475,7 @@ def test_a_collected_models_widths_are_forgotten(llama: Path) -> None:
     leave no width behind for a later module to inherit."""
     import gc
 
-    model = _load(llama)
+    model = load_measured(llama)
     ids = [id(m) for _, m in model.named_modules() if id(m) in kernels._measured]
     assert ids
     del model
@@ -501,7 +489,7 @@ def test_saved_widths_does_not_bring_back_a_collected_models_widths(llama: Path)
     once failed this way, depending on when the garbage collector ran)."""
     import gc
 
-    model = _load(llama)
+    model = load_measured(llama)
     ids = [id(m) for _, m in model.named_modules() if id(m) in kernels._measured]
     with kernels.saved_widths():
         del model

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from tests.reference import load_measured
 from workers import kernels
 from workers.engine import Engine, Job
-from workers.kernels import Level, measure_widths
+from workers.kernels import Level
 from workers.probe import ProbePolicy, VerdictStore, make_draws, model_fingerprint, probe, sliding_window
 from workers.synthetic import PRESETS, write_model
 
@@ -35,19 +35,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(autouse=True)
-def clean_kernel_state() -> Iterator[None]:
-    """Every test leaves the kernel module as it found it: no seam, wide, the measured widths."""
-    with kernels.saved_widths():
-        yield
-    kernels.divergence_seam = None
-    kernels.set_process_level(Level.WIDE)
-
-
-def _load(path: Path) -> Any:
-    model = load(str(path))[0]
-    measure_widths(model)
-    return model
+pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 
 
 def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, window: int | None = None, **kw: Any) -> Any:
@@ -58,7 +46,7 @@ def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, window: in
 
 @pytest.mark.parametrize("name", ["tiny-llama", "qwen3-tiny", "qwen3-moe-tiny", "mistral-tiny"])
 def test_pairings_pass_at_wide_on_cpu(models: dict[str, Path], name: str) -> None:
-    verdict = _probe(_load(models[name]))
+    verdict = _probe(load_measured(models[name]))
     assert (verdict.level, verdict.exact) == ("wide", True), verdict.reason
     names = [d.draw for d in verdict.ladder[0].draws]
     assert names[:3] == ["short-1", "short-2", "short-3"]
@@ -68,7 +56,7 @@ def test_pairings_pass_at_wide_on_cpu(models: dict[str, Path], name: str) -> Non
 def test_sliding_window_f32_fails_wide_and_per_query_buys_it_back(models: dict[str, Path]) -> None:
     """A real CPU divergence: the rotating cache keeps decode's keys in ring order, the block sees
     them in time order. Recorded result: wide and narrow differ, per-query is exact."""
-    model = _load(models["gemma3-sliding-f32"])
+    model = load_measured(models["gemma3-sliding-f32"])
     config = json.loads((models["gemma3-sliding-f32"] / "config.json").read_text())
     verdict = _probe(model, k=4, window=sliding_window(config), policy=ProbePolicy(localize=True))
     by_level = {lr.level: lr for lr in verdict.ladder}
@@ -89,7 +77,7 @@ def _perturb(out: mx.array) -> mx.array:
 def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: projections on more than 2 rows at once differ from single rows."""
     kernels.divergence_seam = lambda kind, out, rows: _perturb(out) if kind == "projection" and rows > 2 else out
-    model = _load(models["qwen3-tiny"])  # widths measured with the divergent kernel: W = 2
+    model = load_measured(models["qwen3-tiny"])  # widths measured with the divergent kernel: W = 2
     verdict = _probe(model, k=4)
     assert [lr.level for lr in verdict.ladder] == ["wide", "narrow"]
     assert not verdict.ladder[0].exact and verdict.ladder[0].draws[0].first_position == 0
@@ -99,7 +87,7 @@ def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[
 def test_injected_multi_query_attention_divergence_gets_a_per_query_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: attention over more than one query at once differs from decode's."""
     kernels.divergence_seam = lambda kind, out, rows: _perturb(out) if kind == "attention" and rows > 1 else out
-    verdict = _probe(_load(models["qwen3-tiny"]), k=2)
+    verdict = _probe(load_measured(models["qwen3-tiny"]), k=2)
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("narrow", False), ("per-query", True)]
     assert (verdict.level, verdict.exact) == ("per-query", True)
 
@@ -113,7 +101,7 @@ def _block_only_divergence(kind: str, out: mx.array, rows: int) -> mx.array:
 
 def test_injected_divergence_no_level_fixes_is_declined(models: dict[str, Path]) -> None:
     kernels.divergence_seam = _block_only_divergence
-    model = _load(models["qwen3-tiny"])
+    model = load_measured(models["qwen3-tiny"])
     verdict = _probe(model)
     assert verdict.level is None and not verdict.exact and verdict.reason.startswith("declined")
     assert [lr.level for lr in verdict.ladder] == ["wide", "narrow", "per-query", "per-query-1"]
@@ -138,7 +126,7 @@ def _flaky_second_chain(k: int) -> Callable[[str, mx.array, int], mx.array]:
 
 
 def test_injected_nondeterministic_classic_decode_is_reported_and_declined_by_default(models: dict[str, Path]) -> None:
-    model = _load(models["qwen3-tiny"])
+    model = load_measured(models["qwen3-tiny"])
     kernels.divergence_seam = _flaky_second_chain(3)
     verdict = _probe(model)
     first = verdict.ladder[0].draws[0]
@@ -155,7 +143,7 @@ def test_verdicts_are_memoised_persisted_and_reprobed_on_fingerprint_change(
 ) -> None:
     src = models["qwen3-tiny"]
     copy = Path(shutil.copytree(src, tmp_path / "copy"))
-    model = _load(copy)
+    model = load_measured(copy)
     store = VerdictStore(tmp_path / "verdicts")
     pairing = {"model": model_fingerprint(copy, tmp_path / "hashes"), "drafter": "none"}
     draws = make_draws(2, VOCAB, 4096, None)
@@ -180,7 +168,7 @@ def test_verdicts_are_memoised_persisted_and_reprobed_on_fingerprint_change(
 
 
 def _engine(path: Path, **kw: Any) -> Engine:
-    model = _load(path)
+    model = load_measured(path)
     return Engine(model, eos_token_ids=(0,), vocab_size=VOCAB, **kw)
 
 
