@@ -7,7 +7,6 @@ so these tests load exactly the committed artifacts under ``workers/demo/weights
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,8 +15,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 
 from workers import mtp
+from workers.demo import SHIPPED
 
-WEIGHTS = Path(__file__).resolve().parents[1] / "workers" / "demo" / "weights"
+WEIGHTS = SHIPPED
 PROMPT = "def fibonacci(n):"
 
 

@@ -6,35 +6,14 @@ something only if its speculative loop emits exactly the target's greedy tokens.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from mlx_lm import load
 
+from tests.test_demo_models import PROMPT, draft, head, target  # noqa: F401  (the shipped set's fixtures)
 from tools.demo import evaluate
-from workers import mtp
-
-WEIGHTS = Path(__file__).resolve().parents[2] / "workers" / "demo" / "weights"
-PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load(str(WEIGHTS / "target"))
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return load(str(WEIGHTS / "draft"))
-
-
-@pytest.fixture(scope="module")
-def head(target):
-    return mtp.load_mtp(WEIGHTS / "mtp", target[0])
 
 
 @pytest.mark.parametrize("kind", ["draft model", "MTP head"])
-def test_speculative_decoding_equals_greedy(target, draft, head, kind):
+def test_speculative_decoding_equals_greedy(target, draft, head, kind):  # noqa: F811  (fixtures)
     model, tokenizer = target
     eos = set(tokenizer.eos_token_ids)
     drafter = evaluate.DraftModelDrafter(draft[0]) if kind == "draft model" else evaluate.MTPDrafter(head)
