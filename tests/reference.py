@@ -44,3 +44,35 @@ def load_measured(path: Path) -> Any:
     model = load(str(path))[0]
     measure_widths(model)
     return model
+
+
+def probed_bursts(
+    engine: Any,
+    target: Any,
+    drafter: Any,
+    settings: Any,
+    name: str,
+    vocab: int,
+    draws: int = 3,
+    policy: Any = None,
+) -> Any:
+    """Gate ``drafter`` on ``engine`` as serving does: probe the pairing (its first ``draws`` draws)
+    to the end, then configure bursts under that verdict, which is returned."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from workers.probe import ProbePolicy, make_draws, probe_steps
+
+    steps = probe_steps(
+        engine.counted,
+        lambda: make_prompt_cache(target),
+        {"t": name},
+        make_draws(settings.k, vocab, 4096, None)[:draws],
+        settings.k,
+        None,
+        policy or ProbePolicy(),
+    )
+    engine.start_probe(name, steps)
+    while engine.probing:
+        engine.probe_step()
+    engine.configure_bursts(drafter, settings, name)
+    return engine.verdicts[name]

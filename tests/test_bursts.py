@@ -16,13 +16,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from tests.reference import probed_bursts
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, DraftModel, PromptLookup
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
 from workers.params import SamplingParams
-from workers.probe import ProbePolicy, make_draws, probe_steps
+from workers.probe import ProbePolicy
 from workers.synthetic import llama_config, write_model
 
 VOCAB = 260
@@ -71,23 +72,7 @@ def make_engine(
     """An engine whose drafter is gated by a real probe of the pairing (run to its end here)."""
     engine = Engine(target, eos_token_ids=EOS, vocab_size=VOCAB, max_batch=8)
     if drafter is not None:
-        name = f"test+{drafter.name}"
-        draws = make_draws(settings.k, VOCAB, 4096, None)[:4]
-        engine.start_probe(
-            name,
-            probe_steps(
-                engine.counted,
-                lambda: make_prompt_cache(target),
-                {"t": name},
-                draws,
-                settings.k,
-                None,
-                policy or ProbePolicy(),
-            ),
-        )
-        while engine.probing:
-            engine.probe_step()
-        engine.configure_bursts(drafter, settings, name)
+        probed_bursts(engine, target, drafter, settings, f"test+{drafter.name}", VOCAB, draws=4, policy=policy)
     return engine
 
 

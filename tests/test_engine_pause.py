@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
+from tests.reference import probed_bursts
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
@@ -26,7 +26,6 @@ from workers.kernels import Level, measure_widths
 from workers.loop import EngineSettings, EngineThread, Ready, Signal
 from workers.models import load as load_model
 from workers.params import SamplingParams
-from workers.probe import ProbePolicy, make_draws, probe_steps
 
 VOCAB = 260
 EOS = (0,)
@@ -50,15 +49,7 @@ def make_engine(target: Any, bursts: bool = False, **kw: Any) -> Engine:
     """An engine; with ``bursts``, a drafter that drafts the target itself, gated by a real probe."""
     engine = Engine(target, eos_token_ids=EOS, vocab_size=VOCAB, max_batch=8, **kw)
     if bursts:
-        name = "pause+self"
-        draws = make_draws(BURSTS.k, VOCAB, 4096, None)[:3]
-        steps = probe_steps(
-            engine.counted, lambda: make_prompt_cache(target), {"t": name}, draws, BURSTS.k, None, ProbePolicy()
-        )
-        engine.start_probe(name, steps)
-        while engine.probing:
-            engine.probe_step()
-        engine.configure_bursts(DraftModel(target, name="self"), BURSTS, name)
+        probed_bursts(engine, target, DraftModel(target, name="self"), BURSTS, "pause+self", VOCAB)
     return engine
 
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from tests.reference import load_measured
+from tests.reference import load_measured, probed_bursts
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
@@ -41,7 +41,6 @@ from workers.probe import (
     make_draws,
     narrowed_widths,
     probe,
-    probe_steps,
     run_block,
 )
 from workers.synthetic import PRESETS, write_model
@@ -300,14 +299,8 @@ def _engine_with_bursts(model: Any, verdict_level: str | None) -> Engine:
     of the pairing run to its end; every round audited."""
     engine = Engine(model, eos_token_ids=(0,), vocab_size=VOCAB, max_batch=8)
     settings = BurstSettings(k=3, audit_fraction=1.0, profile_steps=0, min_rounds=10**9)
-    draws = make_draws(settings.k, VOCAB, 4096, None)[:4]
-    name = "ladder+self"
-    steps = probe_steps(engine.counted, lambda: make_prompt_cache(model), {"t": name}, draws, settings.k)
-    engine.start_probe(name, steps)
-    while engine.probing:
-        engine.probe_step()
-    assert engine.verdicts[name].level == verdict_level, engine.verdicts[name].reason
-    engine.configure_bursts(DraftModel(model, name="self"), settings, name)
+    verdict = probed_bursts(engine, model, DraftModel(model, name="self"), settings, "ladder+self", VOCAB, draws=4)
+    assert verdict.level == verdict_level, verdict.reason
     return engine
 
 

@@ -19,18 +19,17 @@ from typing import Any
 
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.metrics import StatsCollector
+from tests.reference import probed_bursts
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.loop import EngineSettings, EngineThread, Ready, Signal
 from workers.models import load as load_model
 from workers.prefix_cache import PrefixCache, ReuseVerdict, checked, salt_for
-from workers.probe import ProbePolicy, make_draws, probe_steps
 from workers.synthetic import BYTE_VOCAB, build_model, gemma3_config, qwen3_config
 
 VOCAB = BYTE_VOCAB
@@ -256,15 +255,7 @@ def test_a_burst_starts_from_a_cached_prefix_and_leaves_its_own(models: dict[str
     target = models["llama"]
     settings = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)
     engine = engine_for(target)
-    name = "prefix+self"
-    draws = make_draws(settings.k, VOCAB, 4096, None)[:3]
-    steps = probe_steps(
-        engine.counted, lambda: make_prompt_cache(target), {"t": name}, draws, settings.k, None, ProbePolicy()
-    )
-    engine.start_probe(name, steps)
-    while engine.probing:
-        engine.probe_step()
-    engine.configure_bursts(DraftModel(target, name="self"), settings, name)
+    probed_bursts(engine, target, DraftModel(target, name="self"), settings, "prefix+self", VOCAB)
     first = tokens(180, 60)
     out1 = run(engine, Job(seq=1, prompt=first, max_tokens=30, cache_salt=A))[1]
     second = first + ids(out1) + tokens(8, 61)

@@ -17,7 +17,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 from clients import Client, TokenEvent
 from clients.events import event_from_message
@@ -32,7 +31,7 @@ from clients.protocol import (
     unpack,
 )
 from tests.conftest import Daemon, start_daemon, wait_for_verdict
-from tests.reference import load_reference
+from tests.reference import load_reference, probed_bursts
 from workers import engine as engine_module
 from workers import kernels
 from workers.arrays import as_float
@@ -41,7 +40,6 @@ from workers.drafters import PromptLookup
 from workers.engine import Engine, Event, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
 from workers.params import SamplingParams
-from workers.probe import ProbePolicy, make_draws, probe_steps
 
 Top = list[tuple[int, float]]
 #: A prompt the tiny model continues in loops, so a prompt-lookup drafter's drafts are accepted.
@@ -95,15 +93,7 @@ def make_engine(target: Any, eos: tuple[int, ...], bursts: bool = False) -> Engi
     """An engine; with ``bursts``, a prompt-lookup drafter gated by a real probe of the pairing."""
     engine = Engine(target, eos_token_ids=eos, vocab_size=260, max_batch=8)
     if bursts:
-        name = "top+prompt-lookup"
-        draws = make_draws(BURSTS.k, 260, 4096, None)[:3]
-        steps = probe_steps(
-            engine.counted, lambda: make_prompt_cache(target), {"t": name}, draws, BURSTS.k, None, ProbePolicy()
-        )
-        engine.start_probe(name, steps)
-        while engine.probing:
-            engine.probe_step()
-        engine.configure_bursts(PromptLookup(), BURSTS, name)
+        probed_bursts(engine, target, PromptLookup(), BURSTS, "top+prompt-lookup", 260)
     return engine
 
 
