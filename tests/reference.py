@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -17,21 +18,23 @@ def load_reference(path: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def greedy_reference(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Token ids and their logprobs from ``mlx_lm.generate.generate_step``, stopping at EOS
+def reference_steps(path: Path, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, mx.array]]:
+    """(token, its step's log-probability row) from ``mlx_lm.generate.generate_step``, stopping at EOS
     (which, as in the daemon, is not part of the output)."""
     from mlx_lm.generate import generate_step
 
     model, tokenizer = load_reference(str(path))
-    tokens: list[int] = []
-    logprobs: list[float] = []
     for token, lps in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         t = int(token)
         if t in tokenizer.eos_token_ids:
-            break
-        tokens.append(t)
-        logprobs.append(lps[t].item())
-    return tokens, logprobs
+            return
+        yield t, lps
+
+
+def greedy_reference(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs from ``mlx_lm.generate.generate_step``, stopping at EOS."""
+    steps = list(reference_steps(path, prompt, max_tokens))
+    return [t for t, _ in steps], [row[t].item() for t, row in steps]
 
 
 def load_measured(path: Path) -> Any:

@@ -16,7 +16,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from clients import Client, TokenEvent
 from clients.events import event_from_message
@@ -31,7 +30,7 @@ from clients.protocol import (
     unpack,
 )
 from tests.conftest import Daemon, start_daemon, wait_for_verdict
-from tests.reference import load_reference, probed_bursts
+from tests.reference import load_reference, probed_bursts, reference_steps
 from workers import engine as engine_module
 from workers import kernels
 from workers.arrays import as_float
@@ -57,18 +56,8 @@ def canonical_top(row: mx.array, k: int) -> Top:
 
 def reference(path: Path, prompt: list[int], n: int, k: int) -> tuple[list[int], list[float], list[Top]]:
     """Tokens, their logprobs and their top-k from ``generate_step`` alone, stopping at EOS."""
-    model, tokenizer = load_reference(str(path))
-    tokens: list[int] = []
-    lps: list[float] = []
-    tops: list[Top] = []
-    for token, row in generate_step(mx.array(prompt), model, max_tokens=n):
-        t = int(token)
-        if t in tokenizer.eos_token_ids:
-            break
-        tokens.append(t)
-        lps.append(as_float(row[t]))
-        tops.append(canonical_top(row, k))
-    return tokens, lps, tops
+    steps = list(reference_steps(path, prompt, n))
+    return [t for t, _ in steps], [as_float(row[t]) for t, row in steps], [canonical_top(row, k) for _, row in steps]
 
 
 @pytest.fixture(scope="module")
