@@ -12,8 +12,7 @@ import pytest
 from rich.console import Console
 
 from clients import Client
-from scheduler import top
-from scheduler.cli import build_parser
+from scheduler.cli import build_parser, top_view
 from tests.conftest import start_daemon, wait_for_verdict
 
 
@@ -68,7 +67,7 @@ def test_top_once_against_a_daemon(tiny_model: Path, tmp_path: Path, capsys: pyt
         assert _row(frame, reason)[1] == str(reasons.count(reason))
     assert _row(frame, "drafter")[1].startswith("prompt-lookup k=2")
     # One frame, no previous snapshot: rates cannot be known yet.
-    assert _row(frame, "tokens/s total")[1] == top.MISSING
+    assert _row(frame, "tokens/s total")[1] == top_view.MISSING
 
 
 @pytest.mark.parametrize(
@@ -164,7 +163,7 @@ def _snapshot(
 def test_render_rates_and_acceptance() -> None:
     before = _snapshot(uptime=10.0, generated=1000, emitted=100, drafted=100, accepted=50)
     after = _snapshot(uptime=12.0, generated=1600, emitted=500, drafted=400, accepted=300)
-    frame = _text(top.render(after, before, 2.0))
+    frame = _text(top_view.render(after, before, 2.0))
     assert _row(frame, "tokens/s total")[1] == "300.0"  # (1600 - 1000) / 2
     assert _row(frame, "tokens/s burst")[1] == "200.0"  # (500 - 100) / 2
     assert _row(frame, "tokens/s batched")[1] == "100.0"  # the rest
@@ -176,12 +175,12 @@ def test_render_rates_and_acceptance() -> None:
 
     # A restart between polls (counters went back) gives no rate rather than a negative one.
     restarted = _snapshot(uptime=1.0, generated=5, emitted=0, drafted=0, accepted=0)
-    assert _row(_text(top.render(restarted, after, 1.0)), "tokens/s total")[1] == top.MISSING
+    assert _row(_text(top_view.render(restarted, after, 1.0)), "tokens/s total")[1] == top_view.MISSING
 
 
 def test_render_tolerates_a_loading_daemon() -> None:
-    frame = _text(top.render({"uptime_s": 0.5, "engine": {}}, None, 0.0))
-    assert _row(frame, "requests completed")[1] == top.MISSING
+    frame = _text(top_view.render({"uptime_s": 0.5, "engine": {}}, None, 0.0))
+    assert _row(frame, "requests completed")[1] == top_view.MISSING
     assert _row(frame, "drafter")[1] == "none (bursts off)"
     assert _row(frame, "(none)")[4] == "engine not ready"
 
@@ -191,7 +190,7 @@ def test_render_prefix_cache_hit_rate_and_bytes() -> None:
     bytes held against the bound; a declined cache says why, and a daemon without one says off."""
     before = _snapshot(10.0, 0, 0, 0, 0, queries=4, hits=2, hit_tokens=300, lookup_tokens=1000)
     after = _snapshot(12.0, 0, 0, 0, 0, queries=6, hits=4, hit_tokens=1200, lookup_tokens=2000)
-    frame = _text(top.render(after, before, 2.0))
+    frame = _text(top_view.render(after, before, 2.0))
     assert _row(frame, "state")[1] == "serving"
     assert _row(frame, "hit rate")[1] == "60.0 %"  # 1200 / 2000
     assert _row(frame, "hit rate (interval)")[1] == "90.0 %"  # 900 / 1000 since the last poll
@@ -199,12 +198,12 @@ def test_render_prefix_cache_hit_rate_and_bytes() -> None:
     assert _row(frame, "tokens from the cache")[1] == "1200 of 2000"
     assert _row(frame, "bytes")[1] == "3.5 / 64.0 MiB"
     assert _row(frame, "entries")[1] == "5" and _row(frame, "evictions")[1] == "2"
-    assert _row(_text(top.render(after, None, 0.0)), "hit rate (interval)")[1] == top.MISSING
+    assert _row(_text(top_view.render(after, None, 0.0)), "hit rate (interval)")[1] == top_view.MISSING
 
     declined = _snapshot(12.0, 0, 0, 0, 0)
     declined["engine"]["prefix_cache"] |= {"serving": False, "verdict": {"exact": False, "reason": "draw 3 differs"}}
-    assert _row(_text(top.render(declined, None, 0.0)), "state")[1] == "declined (draw 3 differs)"
+    assert _row(_text(top_view.render(declined, None, 0.0)), "state")[1] == "declined (draw 3 differs)"
     off = _snapshot(12.0, 0, 0, 0, 0)
     off["engine"]["prefix_cache"] = {"enabled": False}
-    assert _row(_text(top.render(off, None, 0.0)), "state")[1] == "off"
-    assert _row(_text(top.render({"engine": {}}, None, 0.0)), "state")[1] == "off"
+    assert _row(_text(top_view.render(off, None, 0.0)), "state")[1] == "off"
+    assert _row(_text(top_view.render({"engine": {}}, None, 0.0)), "state")[1] == "off"

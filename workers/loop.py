@@ -19,7 +19,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -29,7 +28,8 @@ from workers.burst import BurstSettings
 from workers.engine import Engine, Event, Job, PinScope
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelError, ModelInfo
-from workers.probe import ProbePolicy, VerdictStore, make_draws, probe_steps, serving_pairing, sliding_window
+from workers.probe import ProbePolicy, sliding_window
+from workers.probe_setup import probe_setup
 
 log = logging.getLogger("mlx_batchd.engine")
 
@@ -347,19 +347,8 @@ class EngineThread:
 
 def start_probe(engine: Engine, loaded: LoadedModel, s: EngineSettings, drafter: str, k: int) -> str:
     """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from workers.demo import cache_dir
-
-    def make_cache() -> list[Any]:
-        return make_prompt_cache(loaded.model)
-
-    root = cache_dir()
-    pairing = serving_pairing(Path(loaded.info.path), loaded.config, drafter, make_cache(), root / "probe")
-    draws = make_draws(k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
     name = f"{loaded.info.name}+{drafter} k={k}"
-    store = VerdictStore(root / "verdicts")
-    engine.start_probe(name, probe_steps(engine.counted, make_cache, pairing, draws, k, store, s.probe_policy))
+    engine.start_probe(name, probe_setup(loaded, drafter).steps(engine.counted, k, s.probe_policy))
     return name
 
 

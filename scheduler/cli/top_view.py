@@ -1,112 +1,22 @@
-"""``mlx-batchd top``: a live view of a running daemon's ``stats`` reply.
+"""What ``mlx-batchd top`` draws: one frame of tables from a ``stats`` reply, and the rates that only
+two snapshots give (tokens per second split into batched decode and B = 1 bursts, and the burst
+acceptance and prefix cache hit rate over the last interval).
 
-``mlx-batchd stats`` prints one summary; this polls the same reply every ``--interval`` seconds and
-redraws it, adding what only two snapshots can give: tokens per second (split into batched decode
-and B = 1 speculative bursts), and the burst acceptance and the prefix cache's hit rate over the last
-interval. Like the other client subcommands it imports no MLX, so it starts fast and runs anywhere
-the client library does.
-
-The drawing is the pure function :func:`render`, so it can be tested on synthetic snapshots without
-a daemon. Every key is read defensively: a daemon that is still loading (an empty ``engine``), one
+:func:`render` is a pure function of the snapshots, so it is tested on synthetic ones without a
+daemon. Every key is read defensively: a daemon that is still loading (an empty ``engine``), one
 without a drafter, or an older daemon missing a counter shows ``-`` there instead of failing.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
+from rich.console import Group, RenderableType
 from rich.table import Table
 
 #: What a missing or not-yet-computable value shows as.
 MISSING = "-"
-
-
-# ---------------------------------------------------------------------------------------------- parser
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``top`` on ``mlx-batchd``'s subparsers, with the same address, timeout and CURVE
-    options as ``stats`` so the two commands are interchangeable on the command line."""
-    # lazy: cli imports this module from build_parser
-    from scheduler.cli import _add_client_auth, daemon_command, non_negative_int, positive_float
-
-    p = sub.add_parser("top", help="a live view of a running daemon's counters (polls `stats`)")
-    p.add_argument("--addr", default=None, help="daemon address (default: the local ipc socket)")
-    p.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for each stats reply")
-    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds between polls (default 1.0)")
-    p.add_argument("--once", action="store_true", help="print one frame to stdout and exit (for scripts)")
-    p.add_argument("--iterations", type=non_negative_int, default=0, help="stop after N frames (0 = until Ctrl-C)")
-    _add_client_auth(p)
-    p.set_defaults(func=daemon_command("top", run))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Poll and draw until ``--iterations`` frames are shown or Ctrl-C (exit 0). A daemon that does
-    not answer within ``--timeout`` is an error (exit 1) with a message, not a traceback: ``top``
-    is often the first thing run to see whether the daemon is up at all."""
-    from clients import Client
-    from scheduler.cli import _client_kwargs
-
-    console = Console()
-    try:
-        with Client(args.addr, timeout=args.timeout, **_client_kwargs(args)) as client:
-            if args.once:
-                console.print(render(client.stats(), None, 0.0))
-                return 0
-            return _live(client, console, args.interval, max(0, args.iterations))
-    except KeyboardInterrupt:
-        return 0  # the usual way to leave a live view
-
-
-def _live(client: Any, console: Console, interval: float, iterations: int) -> int:
-    """Redraw in place every ``interval`` seconds. The interval between frames is taken from the
-    daemon's own ``uptime_s`` when both snapshots carry it, so rates are not skewed by how long the
-    reply took to arrive; a daemon restart (uptime going back) starts the rates over. When stdout is
-    not a terminal (piped to a file or a log) each frame is printed in turn instead, since a
-    non-terminal ``Live`` would only show the last one."""
-    previous: dict[str, Any] | None = None
-    previous_at = 0.0
-    frames = 0
-    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
-    try:
-        if live is not None:
-            live.start()
-        while True:
-            stats = client.stats()
-            now = time.monotonic()
-            dt = _interval(stats, previous, now - previous_at)
-            frame = render(stats, previous if dt > 0 else None, dt)
-            if live is not None:
-                live.update(frame, refresh=True)
-            else:
-                console.print(frame)
-            previous, previous_at = stats, now
-            frames += 1
-            if iterations and frames >= iterations:
-                return 0
-            time.sleep(interval)
-    finally:
-        if live is not None:
-            live.stop()
-
-
-def _interval(stats: Mapping[str, Any], previous: Mapping[str, Any] | None, wall: float) -> float:
-    """Seconds between two snapshots: the daemon's uptime delta, else the local wall delta; 0 when
-    there is no usable previous snapshot (first frame, or the daemon restarted)."""
-    if previous is None:
-        return 0.0
-    now, before = _num(stats, "uptime_s"), _num(previous, "uptime_s")
-    if now is not None and before is not None:
-        return now - before if now > before else 0.0
-    return wall
-
-
-# ---------------------------------------------------------------------------------------------- render
 
 
 def render(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> RenderableType:
@@ -123,6 +33,18 @@ def render(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) ->
         _prefix_cache(engine, prev_engine),
         _pins(engine),
     )
+
+
+def between(stats: Mapping[str, Any], previous: Mapping[str, Any] | None, wall: float) -> float:
+    """Seconds between two snapshots: the daemon's uptime delta, else the local wall delta ``wall``;
+    0 when there is no usable previous snapshot (first frame, or the daemon restarted). The daemon's
+    own clock keeps rates from being skewed by how long a reply took to arrive."""
+    if previous is None:
+        return 0.0
+    now, before = _num(stats, "uptime_s"), _num(previous, "uptime_s")
+    if now is not None and before is not None:
+        return now - before if now > before else 0.0
+    return wall
 
 
 def _overview(

@@ -1,0 +1,189 @@
+"""``mlx-batchd serve``: run the daemon.
+
+The parser holds every knob of the daemon (front end, engine, bursts, prefix cache, HTTP); the
+command turns them into the daemon's settings. The address and key file are checked before MLX is
+imported, so a typo costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from clients.address import default_address
+from clients.protocol import DEFAULT_MAX_FRAME_BYTES
+from scheduler.cli.errors import address_and_source, check_address, check_key_file, local_command
+from scheduler.cli.options import (
+    Parser,
+    add_probe_policy,
+    fraction,
+    host_port,
+    http_address,
+    int_in,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    probe_policy,
+)
+
+#: The smallest ``--max-frame-bytes`` that still fits a short request with its options.
+MIN_FRAME_BYTES = 1024
+
+
+def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
+    """Register ``serve``."""
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--model", default="demo", help="a local mlx-lm model directory, or 'demo' (default)")
+    p.add_argument("--listen", default=None, help=f"ZeroMQ address to bind (default {default_address()})")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="most sequences decoded together")
+    p.add_argument("--prefill-batch", type=positive_int, default=8, help="most prompts prefilled together")
+    p.add_argument("--prefill-step", type=positive_int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask for")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens when a request gives none")
+    p.add_argument("--context-length", type=positive_int, default=None, help="override the model's context length")
+    p.add_argument(
+        "--max-frame-bytes",
+        type=int_in(MIN_FRAME_BYTES, 2**30),
+        default=DEFAULT_MAX_FRAME_BYTES,
+        help="largest request frame accepted",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=non_negative_float,
+        default=0.0,
+        help="on SIGTERM/SIGINT, let in-flight requests finish for up to this many seconds",
+    )
+    p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of the daemon instead of its own process (one GIL for both)",
+    )
+    p.add_argument(
+        "--pin-scope",
+        choices=["scoped", "process"],
+        default="scoped",
+        help="scoped: only verify forwards run pinned; process: every forward (the seed's way, for comparison)",
+    )
+    p.add_argument(
+        "--probe-k",
+        type=positive_int,
+        default=None,
+        help="without a drafter: probe the verify pairing for K drafted tokens at start-up",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="speculative drafter for B = 1 bursts: a draft model directory, 'demo' or 'prompt-lookup'",
+    )
+    p.add_argument("--mtp", default=None, help="an MTP head directory (or 'demo') as the drafter")
+    p.add_argument(
+        "-k", type=positive_int, default=4, help="drafted tokens per burst round (the verify block is K + 1)"
+    )
+    p.add_argument(
+        "--audit-fraction",
+        type=fraction,
+        default=0.02,
+        help="fraction of burst rounds re-checked against a single-token forward",
+    )
+    p.add_argument("--max-queued", type=positive_int, default=1024, help="requests waiting for a slot before `busy`")
+    p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
+    p.add_argument("--curve-secret", default=None, help="the daemon's CURVE secret key file")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow tcp:// or a non-loopback --http without authentication (not recommended)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=non_negative_float,
+        default=0.0,
+        help="keep up to this much prompt KV for reuse by later requests sharing a prefix, per tenant "
+        "(docs/prefix-cache.md); 0 = off",
+    )
+    p.add_argument(
+        "--kv-budget-mb",
+        type=non_negative_float,
+        default=0.0,
+        help="KV cache the admitted requests may reserve (prompt + max_tokens each); 0 = no cap",
+    )
+    p.add_argument(
+        "--max-inflight-per-client",
+        type=positive_int,
+        default=256,
+        help="requests one connection may have in flight before `busy`",
+    )
+    p.add_argument(
+        "--max-unsent-per-client",
+        type=positive_int,
+        default=1000,
+        help="messages queued for one slow reader before its sequences pause until it catches up",
+    )
+    p.add_argument(
+        "--metrics", type=host_port, default=None, help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)"
+    )
+    p.add_argument(
+        "--http",
+        type=http_address,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on HOST:PORT (e.g. 127.0.0.1:8000; docs/http.md)",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds an HTTP client has to send its request body (then 408)",
+    )
+    add_probe_policy(p)
+    p.set_defaults(func=local_command("serve", run))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the daemon. The address and key file are checked here, before MLX is imported; the model
+    and drafters by ``scheduler.daemon.serve``, before the socket is bound."""
+    listen, source = address_and_source(args.listen, "--listen")
+    check_address(listen, source)
+    if args.curve_secret is not None:
+        check_key_file(args.curve_secret, "--curve-secret", secret=True)
+
+    from scheduler.admission import Limits
+    from scheduler.daemon import DaemonSettings, serve
+    from scheduler.frontend import FrontEndSettings
+    from workers.burst import BurstSettings
+    from workers.loop import EngineSettings
+
+    front = FrontEndSettings(
+        listen=listen,
+        limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens),
+        max_frame_bytes=args.max_frame_bytes,
+        drain_timeout=args.drain_timeout,
+        max_queued=args.max_queued,
+        tenants=Path(args.tenants) if args.tenants else None,
+        curve_secret=Path(args.curve_secret) if args.curve_secret else None,
+        insecure=args.insecure,
+        metrics=args.metrics,
+        kv_budget_bytes=int(args.kv_budget_mb * 2**20),
+        max_inflight_per_client=args.max_inflight_per_client,
+        max_unsent_per_client=args.max_unsent_per_client,
+        http=args.http,
+        http_body_timeout_s=args.http_body_timeout,
+    )
+    engine = EngineSettings(
+        max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch,
+        prefill_step=args.prefill_step,
+        pin_scope=args.pin_scope,
+        probe_k=args.probe_k,
+        probe_policy=probe_policy(args),
+        draft=args.draft,
+        mtp=args.mtp,
+        bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+    )
+    settings = DaemonSettings(
+        front,
+        model=args.model,
+        context_length=args.context_length,
+        engine=engine,
+        engine_process=not args.engine_thread,
+    )
+    return serve(settings)
