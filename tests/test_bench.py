@@ -13,7 +13,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from scheduler import bench
+from scheduler.bench.arms import HTTP_ARMS, drafter_args, http_generate, run_engine
+from scheduler.bench.b1 import b1_markdown, b1_rows
+from scheduler.bench.batched import Setup, batched_markdown, batched_rows
+from scheduler.bench.matrix import write_tables
+from scheduler.bench.prefix import PREFIX_ARMS, PrefixPlan
+from scheduler.bench.reference import reference_line, reference_tok_s
+from scheduler.bench.spreads import ratio_spread, spread
 from scheduler.cli import build_parser
 from workers import kernels
 
@@ -23,15 +29,15 @@ NO_ROUNDS = dict.fromkeys(COUNTS, 0)
 
 
 def test_drafter_args_map_specs_to_daemon_flags() -> None:
-    assert bench.drafter_args("mtp:demo") == ["--mtp", "demo"]
-    assert bench.drafter_args("mtp:/m/head") == ["--mtp", "/m/head"]
-    assert bench.drafter_args("prompt-lookup") == ["--draft", "prompt-lookup"]
-    assert bench.drafter_args("/models/draft") == ["--draft", "/models/draft"]
+    assert drafter_args("mtp:demo") == ["--mtp", "demo"]
+    assert drafter_args("mtp:/m/head") == ["--mtp", "/m/head"]
+    assert drafter_args("prompt-lookup") == ["--draft", "prompt-lookup"]
+    assert drafter_args("/models/draft") == ["--draft", "/models/draft"]
 
 
 def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
     samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [150.0, 160.0, 140.0]}
-    rows = bench.b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}})
+    rows = b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}})
     classic, pl = rows
     assert classic["drafter"] == "classic (no drafter)" and classic["tok_s"] == 100.0
     assert classic["tok_s_spread"] == [90.0, 110.0] and classic["status"] == "classic"
@@ -41,7 +47,7 @@ def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
     assert pl["status"] == "bursts" and pl["speedup"] == pl["vs_classic"] == 1.5 and pl["alike"] is None
     assert pl["vs_classic_spread"] == pytest.approx([140 / 110, 160 / 90])
     assert (pl["rounds"], pl["acceptance"], pl["tokens_per_round"], pl["verdict"]) == (10, 0.75, 4.0, "wide")
-    md = bench.b1_markdown(rows)
+    md = b1_markdown(rows)
     assert "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 10 | 0.750 | 4.00 | wide |" in md
 
 
@@ -59,39 +65,37 @@ def test_a_declined_arm_is_never_reported_as_a_speedup(
     """An arm whose bursts did not run, measured faster than classic: its ratio and spread are shown,
     labelled declined, and the mismatch is flagged as arms not measured alike."""
     samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [140.0, 150.0, 160.0]}
-    declined = bench.b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
+    declined = b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
     assert declined["status"] == status and declined["speedup"] is None
     assert declined["vs_classic"] == 1.5 and declined["alike"] is False
-    md = bench.b1_markdown(bench.b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict}))
+    md = b1_markdown(b1_rows(samples, {"bursts:pl": counts}, {"bursts:pl": verdict}))
     (line,) = [x for x in md.splitlines() if x.startswith("| pl |")]
     assert f"| {status} (ratio 1.500) | 1.273-1.778 |" in line and "x |" not in line
     assert "warning: pl decoded classically" in md and "not measured alike" in md
     same = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [95.0, 105.0, 100.0]}
-    alike = bench.b1_rows(same, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
-    assert alike["alike"] is True and "warning" not in bench.b1_markdown([alike])
+    alike = b1_rows(same, {"bursts:pl": counts}, {"bursts:pl": verdict})[1]
+    assert alike["alike"] is True and "warning" not in b1_markdown([alike])
 
 
 def test_physical_reference_row_math() -> None:
     """Weight bytes plus each sequence's KV (bytes per token x context) per step at the bandwidth."""
     weights, kv, context = 4_500_000_000, 131_072, 96
     step = weights + kv * context
-    assert bench.reference_tok_s(weights, kv, context, 1, 4800) == pytest.approx(4800e9 / step)
-    assert bench.reference_tok_s(weights, kv, context, 8, 4800) == pytest.approx(
-        8 * 4800e9 / (weights + 8 * kv * context)
-    )
-    line = bench.reference_line(weights, kv, context, 1, 4800)
+    assert reference_tok_s(weights, kv, context, 1, 4800) == pytest.approx(4800e9 / step)
+    assert reference_tok_s(weights, kv, context, 8, 4800) == pytest.approx(8 * 4800e9 / (weights + 8 * kv * context))
+    line = reference_line(weights, kv, context, 1, 4800)
     assert line == (
         "physical limit at B = 1: 4.500 GB of weights + 12.583 MB of KV (96 tokens of context) read per step "
         f"at 4800 GB/s = {4800e9 / step:.1f} tok/s"
     )
-    setup = bench.Setup((1,), ("raw", "engine", "daemon"), ("bursts:pl",), 3, weights, kv, context, 4800.0)
+    setup = Setup((1,), ("raw", "engine", "daemon"), ("bursts:pl",), 3, weights, kv, context, 4800.0)
     ref = setup.reference(1)
     assert ref == pytest.approx(4800e9 / step) and setup.reference_line(1) == line
-    assert bench.Setup((1,), ("daemon",), weight_bytes=weights).reference(1) is None  # no bandwidth: omitted
+    assert Setup((1,), ("daemon",), weight_bytes=weights).reference(1) is None  # no bandwidth: omitted
     samples = {("daemon", 1): CLASSIC, ("bursts:pl", 1): [150.0, 160.0, 140.0]}
-    rows = bench.b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}}, ref)
+    rows = b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}}, ref)
     assert ref is not None and [r["of_limit"] for r in rows] == pytest.approx([100 / ref, 150 / ref])
-    md = bench.b1_markdown(rows, setup.reference_line(1))
+    md = b1_markdown(rows, setup.reference_line(1))
     assert "tok/s / physical limit |" in md and line in md
 
 
@@ -102,14 +106,14 @@ def _samples(batches: dict[int, list[str]], repeats: int) -> dict[tuple[str, int
 def test_tables_are_written_with_the_batch_sizes_finished_so_far(tmp_path: Path) -> None:
     """What a run killed by an outer timeout leaves: every finished B, and the B = 1 table."""
     arms = ["raw", "engine", "daemon"]
-    setup = bench.Setup((1, 4, 8), tuple(arms), ("bursts:pl",), repeats=2)
+    setup = Setup((1, 4, 8), tuple(arms), ("bursts:pl",), repeats=2)
     samples = _samples({1: [*arms, "bursts:pl"]}, 2)
     samples[("raw", 4)] = [400.0, 410.0]  # B = 4 under way: not a row yet
     samples[("daemon", 4)] = [390.0]
     meta = {"model": "m", "device": "cpu"}
     counts = {"bursts:pl": NO_ROUNDS}
     verdicts = {"bursts:pl": {"level": None, "exact": False}}
-    md = bench.write_tables(samples, setup, meta, tmp_path, counts, verdicts)
+    md = write_tables(samples, setup, meta, tmp_path, counts, verdicts)
     report = json.loads((tmp_path / "daemon_vs_raw.json").read_text())
     assert [r["batch"] for r in report["rows"]] == [1]
     assert report["meta"]["batches_done"] == [1] and report["meta"]["complete"] is False
@@ -118,7 +122,7 @@ def test_tables_are_written_with_the_batch_sizes_finished_so_far(tmp_path: Path)
     b1 = json.loads((tmp_path / "b1_bursts.json").read_text())["rows"]
     assert [r["status"] for r in b1] == ["classic", "declined: verdict"]
     samples.update(_samples({4: arms, 8: arms}, 2))
-    bench.write_tables(samples, setup, meta, tmp_path, counts, verdicts)
+    write_tables(samples, setup, meta, tmp_path, counts, verdicts)
     report = json.loads((tmp_path / "daemon_vs_raw.json").read_text())
     assert [r["batch"] for r in report["rows"]] == [1, 4, 8] and report["meta"]["complete"] is True
 
@@ -128,16 +132,14 @@ def test_batched_rows_give_every_ratio_its_spread(tmp_path: Path) -> None:
     arms' samples allow, in the JSON and the Markdown; the physical limit and KV bytes per step."""
     arms = ("raw", "engine", "daemon", "daemon_process_pin")
     weights, kv, context = 1_000_000_000, 1000, 50
-    setup = bench.Setup(
-        (4,), arms, repeats=3, weight_bytes=weights, kv_bytes_per_token=kv, context=context, gb_per_s=100.0
-    )
+    setup = Setup((4,), arms, repeats=3, weight_bytes=weights, kv_bytes_per_token=kv, context=context, gb_per_s=100.0)
     samples = {
         ("raw", 4): [100.0, 80.0, 120.0],
         ("engine", 4): [200.0, 190.0, 210.0],
         ("daemon", 4): [196.0, 180.0, 200.0],
         ("daemon_process_pin", 4): [98.0, 90.0, 100.0],
     }
-    (row,) = bench.batched_rows(samples, setup)
+    (row,) = batched_rows(samples, setup)
     assert row["ratio"] == pytest.approx(196 / 100) and row["ratio_spread"] == pytest.approx([180 / 120, 200 / 80])
     assert row["vs_engine"] == pytest.approx(196 / 200) and row["vs_engine_spread"] == pytest.approx(
         [180 / 210, 200 / 190]
@@ -145,9 +147,9 @@ def test_batched_rows_give_every_ratio_its_spread(tmp_path: Path) -> None:
     assert row["process_pin_vs_scoped"] == pytest.approx(98 / 196)
     assert row["process_pin_vs_scoped_spread"] == pytest.approx([90 / 200, 100 / 180])
     assert row["kv_bytes_per_step"] == 4 * kv * context
-    assert row["reference_tok_s"] == pytest.approx(bench.reference_tok_s(weights, kv, context, 4, 100.0))
+    assert row["reference_tok_s"] == pytest.approx(reference_tok_s(weights, kv, context, 4, 100.0))
     meta = {"model": "m", "device": "cpu", "repeats": 3, "weight_bytes": weights, "bandwidth_gb_s": 100.0}
-    md = bench.write_tables(samples, setup, {**meta, "kv_bytes_per_token": kv, "context": context}, tmp_path)
+    md = write_tables(samples, setup, {**meta, "kv_bytes_per_token": kv, "context": context}, tmp_path)
     (line,) = [x for x in md.splitlines() if x.startswith("| 4 |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:6] == [
@@ -166,14 +168,14 @@ def test_raw_runs_only_up_to_its_max_batch_and_its_cells_read_not_run(tmp_path: 
     """``--raw-max-batch``: above it the raw arm is not scheduled, the row still finishes, and the
     table shows ``-`` for raw and daemon / raw instead of a figure from nowhere."""
     arms = ("raw", "engine", "daemon")
-    setup = bench.Setup((4, 8), arms, repeats=1, raw_max_batch=4)
+    setup = Setup((4, 8), arms, repeats=1, raw_max_batch=4)
     assert setup.arms_at(4) == ["raw", "engine", "daemon"] and setup.arms_at(8) == ["engine", "daemon"]
     samples = {("raw", 4): [100.0], ("engine", 4): [200.0], ("daemon", 4): [190.0]}
     samples.update({("engine", 8): [300.0], ("daemon", 8): [290.0]})
-    rows = bench.batched_rows(samples, setup)
+    rows = batched_rows(samples, setup)
     assert [r["batch"] for r in rows] == [4, 8]
     assert "ratio" not in rows[1] and "raw_tok_s" not in rows[1] and rows[1]["vs_engine"] == pytest.approx(290 / 300)
-    md = bench.write_tables(samples, setup, {"model": "m", "device": "cpu", "raw_max_batch": 4}, tmp_path)
+    md = write_tables(samples, setup, {"model": "m", "device": "cpu", "raw_max_batch": 4}, tmp_path)
     (line,) = [x for x in md.splitlines() if x.startswith("| 8 |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1] == "-" and cells[4] == "-" and cells[5].startswith("0.967")
@@ -181,8 +183,8 @@ def test_raw_runs_only_up_to_its_max_batch_and_its_cells_read_not_run(tmp_path: 
 
 
 def test_nothing_is_written_before_a_batch_size_finishes(tmp_path: Path) -> None:
-    setup = bench.Setup((1,), ("raw", "daemon"), repeats=3)
-    assert bench.write_tables(_samples({1: ["raw", "daemon"]}, 2), setup, {}, tmp_path) == ""
+    setup = Setup((1,), ("raw", "daemon"), repeats=3)
+    assert write_tables(_samples({1: ["raw", "daemon"]}, 2), setup, {}, tmp_path) == ""
     assert not tmp_path.joinpath("daemon_vs_raw.json").exists()
 
 
@@ -297,7 +299,7 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    engine_arm = bench.run_engine
+    engine_arm = run_engine
 
     def interrupted(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
         if len(prompts) == 3:
@@ -305,7 +307,7 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
         return engine_arm(engine, prompts, max_tokens)
 
     monkeypatch.setattr(spawn, "DaemonProcess", Recorded)
-    monkeypatch.setattr(bench, "run_engine", interrupted)
+    monkeypatch.setattr("scheduler.bench.matrix.run_engine", interrupted)
     out = tmp_path / "bench"
     args = build_parser().parse_args(
         [
@@ -337,7 +339,7 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
 def test_http_arms_are_reported_beside_the_zeromq_arm_with_their_ratios(tmp_path: Path) -> None:
     """HTTP / ZeroMQ for whole answers and streams: ratios of medians over the daemon arm, with the
     range the two arms' samples allow, as columns of the batched table and keys of its JSON."""
-    setup = bench.Setup((16,), ("raw", "engine", "daemon", *bench.HTTP_ARMS), repeats=3)
+    setup = Setup((16,), ("raw", "engine", "daemon", *HTTP_ARMS), repeats=3)
     samples = {
         ("raw", 16): [100.0, 90.0, 110.0],
         ("engine", 16): [200.0, 190.0, 210.0],
@@ -345,12 +347,12 @@ def test_http_arms_are_reported_beside_the_zeromq_arm_with_their_ratios(tmp_path
         ("http", 16): [190.0, 185.0, 195.0],
         ("http_stream", 16): [150.0, 140.0, 160.0],
     }
-    (row,) = bench.batched_rows(samples, setup)
+    (row,) = batched_rows(samples, setup)
     assert row["http_vs_zeromq"] == pytest.approx(190 / 200)
     assert row["http_vs_zeromq_spread"] == pytest.approx([185 / 220, 195 / 180])
     assert row["http_stream_vs_zeromq"] == pytest.approx(150 / 200)
     assert row["http_stream_vs_zeromq_spread"] == pytest.approx([140 / 220, 160 / 180])
-    md = bench.write_tables(samples, setup, {"model": "m", "device": "cpu", "repeats": 3}, tmp_path)
+    md = write_tables(samples, setup, {"model": "m", "device": "cpu", "repeats": 3}, tmp_path)
     head, _, line = md.splitlines()[:3]
     cols = [c.strip() for c in head.strip("|").split("|")]
     cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|")), strict=True))
@@ -360,9 +362,7 @@ def test_http_arms_are_reported_beside_the_zeromq_arm_with_their_ratios(tmp_path
     assert cells["daemon via HTTP, streamed / ZeroMQ"] == f"0.750 ({140 / 220:.3f}-{160 / 180:.3f})"
     saved = json.loads((tmp_path / "daemon_vs_raw.json").read_text())["rows"][0]
     assert saved["http_stream_vs_zeromq_spread"] == row["http_stream_vs_zeromq_spread"]
-    assert "daemon via HTTP" not in bench.batched_markdown(
-        bench.batched_rows(samples, bench.Setup((16,), ("daemon",))), {}
-    )
+    assert "daemon via HTTP" not in batched_markdown(batched_rows(samples, Setup((16,), ("daemon",))), {})
 
 
 def test_bench_via_http_measures_the_daemon_through_its_http_door(
@@ -372,13 +372,13 @@ def test_bench_via_http_measures_the_daemon_through_its_http_door(
     streams) send it the ZeroMQ arm's token ids; each run is the same work as the ZeroMQ arm's (the same
     greedy tokens, counted by the daemon's engine), rotated with the other arms, and lands in the tables."""
     sent: list[tuple[bool, int]] = []
-    generate = bench.http_generate
+    generate = http_generate
 
     def recorded(http: Any, model: str, prompt: list[int], max_tokens: int, stream: bool) -> int:
         sent.append((stream, len(prompt)))
         return generate(http, model, prompt, max_tokens, stream)
 
-    monkeypatch.setattr(bench, "http_generate", recorded)
+    monkeypatch.setattr("scheduler.bench.arms.http_generate", recorded)
     out = tmp_path / "bench"
     args = build_parser().parse_args(
         [
@@ -400,14 +400,14 @@ def test_bench_via_http_measures_the_daemon_through_its_http_door(
         for arm, key in (("http", "http_vs_zeromq"), ("http_stream", "http_stream_vs_zeromq")):
             xs = [x["tokens"] / x["seconds"] for x in runs if x["arm"] == arm and x["batch"] == r["batch"]]
             base = [x["tokens"] / x["seconds"] for x in runs if x["arm"] == "daemon" and x["batch"] == r["batch"]]
-            assert r[f"{arm}_spread"] == pytest.approx(bench.spread(xs))
+            assert r[f"{arm}_spread"] == pytest.approx(spread(xs))
             assert r[key] == pytest.approx(r[f"{arm}_tok_s"] / r["daemon_tok_s"])
-            assert r[f"{key}_spread"] == pytest.approx(bench.ratio_spread(xs, base))
+            assert r[f"{key}_spread"] == pytest.approx(ratio_spread(xs, base))
     for b in (1, 2):
         for rep in range(2):
             same = {x["arm"]: x for x in runs if x["batch"] == b and x["repeat"] == rep}
             assert same["http"]["tokens"] == same["http_stream"]["tokens"] == same["daemon"]["tokens"] > 0
-            for arm in bench.HTTP_ARMS:  # the daemon's engine decoded them: one step per token after the first
+            for arm in HTTP_ARMS:  # the daemon's engine decoded them: one step per token after the first
                 steps = same[arm]["engine_steps"]
                 assert steps["decode_steps"] >= same[arm]["tokens"] / b - 1 and steps["decode_seconds"] > 0, steps
     assert {x["arm"] for x in runs if x["batch"] == 1 and x["position"] == 0} == {"raw", "engine"}
@@ -478,7 +478,7 @@ def test_bench_prefix_scenario_runs_and_lands_in_the_tables(
     assert t["warm_ms"] == pytest.approx(statistics.median(r["ttft_s"] for r in warm) * 1e3)
     assert t["cold_over_warm"] == pytest.approx(t["cold_ms"] / t["warm_ms"])
     assert t["cold_over_warm_spread"] == pytest.approx(
-        bench.ratio_spread([r["ttft_s"] for r in cold], [r["ttft_s"] for r in warm])
+        ratio_spread([r["ttft_s"] for r in cold], [r["ttft_s"] for r in warm])
     )
     assert f"| cold / warm | | {t['cold_over_warm']:.2f}x |" in md
     assert f"| warm (same prefix, new suffix) | 4 | {t['warm_ms']:.1f} |" in md
@@ -507,11 +507,11 @@ def test_bench_prefix_scenario_runs_and_lands_in_the_tables(
     runs = report["throughput_runs"]
     assert tp["batch"] == 3 and tp["hits"] == tp["hit_tokens"] == 0
     assert tp["lookup_tokens"] == 2 * 3 * 8  # every prompt of the cache arm's timed runs, looked up
-    for arm in bench.PREFIX_ARMS:
+    for arm in PREFIX_ARMS:
         xs = [r["tokens"] / r["seconds"] for r in runs if r["arm"] == arm]
         assert len(xs) == 2 and tp[f"{arm}_tok_s"] == pytest.approx(statistics.median(xs))
-        assert tp[f"{arm}_spread"] == pytest.approx(bench.spread(xs))
-    assert {r["arm"] for r in runs if r["position"] == 0} == set(bench.PREFIX_ARMS)  # rotated
+        assert tp[f"{arm}_spread"] == pytest.approx(spread(xs))
+    assert {r["arm"] for r in runs if r["position"] == 0} == set(PREFIX_ARMS)  # rotated
     assert tp["ratio"] == pytest.approx(tp["cache_tok_s"] / tp["no_cache_tok_s"])
     assert f"| 3 | {tp['no_cache_tok_s']:.1f} (" in md and f"| {tp['ratio']:.3f} (" in md
 
@@ -520,18 +520,18 @@ def test_prefix_plan_says_what_fits_the_context() -> None:
     """A shape the daemon would refuse (prompt + max_tokens past the context) is named before any
     request, with the largest prefix that fits."""
     args = build_parser().parse_args(["bench", "--prefix-scenario", "--prefix-tokens", "2000"])
-    plan = bench.PrefixPlan.from_args(args)
+    plan = PrefixPlan.from_args(args)
     assert plan.too_long(4096) is None
     assert plan.too_long(1536) == (
         "--prefix-tokens 2000 + --suffix-tokens 50 + 4 generated tokens exceed the model's context (1536); "
         "use --prefix-tokens 1482 or less"
     )
-    fitting = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "1482"]))
+    fitting = PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "1482"]))
     assert fitting.too_long(1536) is None
-    only = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-parts", "throughput,chat"]))
+    only = PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-parts", "throughput,chat"]))
     assert only.parts == ("chat", "throughput") and only.too_long(1536) is None  # the 2000-token prefix is not run
     assert only.steps() == 3 * (2 + 2) and only.max_tokens_cap == 128
-    short = bench.PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "100"]))
+    short = PrefixPlan.from_args(build_parser().parse_args(["bench", "--prefix-tokens", "100"]))
     assert "a 10-turn chat (200 + 10 x (40 + 60) = 1200 tokens) exceeds the model's context (1100)" in str(
         short.too_long(1100)
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from scheduler import bench_bursts
+from scheduler.bench import bursts
 from scheduler.cli import build_parser
 
 CLASSIC = [100.0, 90.0, 110.0]
@@ -25,10 +25,10 @@ RAN = {"rounds": 10, "drafted": 40, "accepted": 30, "emitted": 40}
     ],
 )
 def test_a_declined_drafter_is_never_a_speedup(verdict: dict[str, Any], counts: dict[str, int], status: str) -> None:
-    row = bench_bursts.b1_row("pl", [150.0, 140.0, 160.0], CLASSIC, verdict, counts, 0.01)
+    row = bursts.b1_row("pl", [150.0, 140.0, 160.0], CLASSIC, verdict, counts, 0.01)
     assert row["status"] == status and row["speedup"] is None and row["round_cost_steps"] is None
     assert row["vs_classic"] == 1.5 and row["vs_classic_spread"] == pytest.approx([140 / 110, 160 / 90])
-    ran = bench_bursts.b1_row("pl", [150.0, 140.0, 160.0], CLASSIC, {"level": "wide", "exact": True}, RAN, 0.01)
+    ran = bursts.b1_row("pl", [150.0, 140.0, 160.0], CLASSIC, {"level": "wide", "exact": True}, RAN, 0.01)
     assert ran["status"] == "bursts" and ran["speedup"] == 1.5 and ran["round_cost_steps"] == pytest.approx(1.0)
     assert (ran["acceptance"], ran["tokens_per_round"], ran["level"]) == (0.75, 4.0, "wide")
 
@@ -74,7 +74,7 @@ def test_bench_bursts_keeps_the_tables_it_finished(
     def stopped(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bench_bursts, "batched_rows", stopped)
+    monkeypatch.setattr(bursts, "batched_rows", stopped)
     out = tmp_path / "bursts"
     args = _args(tiny_model, out)
     assert args.func(args) == 130

@@ -30,7 +30,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from scheduler.bench import b1_status, progress, ratio_spread, rotated, save_png, spread, write_whole
+from scheduler.bench.b1 import b1_status
+from scheduler.bench.output import progress, save_png, write_whole
+from scheduler.bench.spreads import ratio_spread, rotated, spread
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, load_drafter, load_mtp_drafter
 from workers.engine import Engine, Finished, Job, Tokens

@@ -1,0 +1,321 @@
+"""``mlx-batchd bench``: the workload matrix, one command.
+
+Batched decode throughput vs B through the daemon (scoped pins), through a daemon with a process-wide
+pin (``--process-pin``), through the same daemon's OpenAI-compatible HTTP door (``--via http``: whole
+answers and SSE streams), through the engine alone and through raw ``BatchGenerator``; B = 1 classic vs
+bursts per drafter (``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token
+percentiles; the start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in
+``--out``, rewritten after every batch size, so a run stopped by an outer timeout keeps what it finished.
+``--prefix-scenario`` runs the prefix cache scenario instead (``run_prefix``: TTFT of a shared prefix
+cold vs warm, a multi-turn chat's prefill, throughput with no hit, each through a daemon with the cache
+and one without).
+
+Every arm runs the same workload: B greedy sequences with the same random prompts, every request
+submitted at once, timed from the first submit to the last token. The raw and engine arms run in
+this process; the daemon arms drive daemon child processes through the client library, and the HTTP
+arms the daemon arm's own daemon through ``httpx`` with the same token ids, as a user would. Arms
+are measured alike, so that an arm that does the same work as another reads 1.00 of it:
+
+- one arm works at a time, and before each timed run every daemon is idle (start-up probe done,
+  no sequence in its engine), checked by asking it rather than assumed;
+- every B = 1 arm first runs one untimed request of the measured shape (prompt and output length),
+  so kernel compilation, allocator growth and the KV cache's growth steps are paid before timing in
+  every daemon alike, not by whichever daemon had no start-up probe to pay them;
+- the arms' order rotates by one each repeat, so no arm always runs first or right after this
+  process's own GPU work, and drift in the machine's speed hits every arm alike.
+
+Each figure is the median of the repeats with its spread (min-max); a ratio's spread is the range
+its two arms' samples allow. A drafter arm whose bursts did not run (declined verdict, or no round)
+is reported as declined, with its ratio and spread, never as a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import signal
+import sys
+import tempfile
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+from scheduler.bench.arms import (
+    HTTP_ARMS,
+    STEP_COUNTERS,
+    burst_counts,
+    drafter_args,
+    free_port,
+    memory_gib,
+    open_http,
+    random_prompts,
+    run_daemon,
+    run_engine,
+    run_http,
+    run_raw,
+    served_model,
+    step_counters,
+    wait_idle,
+)
+from scheduler.bench.b1 import b1_rows, write_b1
+from scheduler.bench.batched import Setup, batched_rows, write_report
+from scheduler.bench.output import progress
+from scheduler.bench.poisson import run_poisson, write_poisson
+from scheduler.bench.prefix import run_prefix
+from scheduler.bench.spreads import rotated
+
+
+def write_tables(
+    samples: dict[tuple[str, int], list[float]],
+    setup: Setup,
+    meta: dict[str, Any],
+    out: Path,
+    counts: dict[str, dict[str, int]] | None = None,
+    verdicts: dict[str, dict[str, Any]] | None = None,
+    runs: list[dict[str, Any]] | None = None,
+) -> str:
+    """Write every table with the batch sizes finished so far and return their Markdown.
+
+    Called after each batch size, so a run that an outer timeout stops keeps the rows it finished
+    (``meta['complete']`` says whether every batch size is in). The B = 1 table needs the burst
+    ``counts`` of its arms, taken when B = 1 finished."""
+    done = setup.finished(samples)
+    meta = {**meta, "batches": list(setup.batches), "batches_done": done, "complete": done == list(setup.batches)}
+    rows = batched_rows(samples, setup)
+    if not rows:
+        return ""
+    md = write_report(rows, meta, out, runs)
+    if 1 in done and setup.b1_arms and counts is not None:
+        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1))
+        b1_runs = [r for r in runs or [] if r["batch"] == 1]
+        md += "\n" + write_b1(b1, meta, out, setup.reference_line(1), b1_runs)
+    return md
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """An outer timeout's SIGTERM unwinds like Ctrl-C would: the daemons are stopped, and the tables
+    written after each finished batch size stay."""
+    raise SystemExit(128 + signum)
+
+
+def main(args: argparse.Namespace) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from clients.sync import Client
+    from scheduler.spawn import DaemonProcess
+    from workers import fastpath
+    from workers.engine import Engine
+    from workers.models import load
+
+    if getattr(args, "prefix_scenario", False):
+        return run_prefix(args)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    via_http = getattr(args, "via", "zeromq") == "http"
+    if via_http and importlib.util.find_spec("httpx") is None:
+        from scheduler.cli import CommandError
+
+        # Said before the model loads: the HTTP arms' client is not one of the daemon's dependencies.
+        raise CommandError("--via http needs httpx, the HTTP arms' client: pip install httpx")
+    progress(f"bench: loading {args.model}")
+    # One model for the in-process arms: the raw arm runs it with the project's patches lifted.
+    loaded = load(args.model)
+    path = Path(loaded.info.path)
+    model = loaded.model
+    eos = list(loaded.info.eos_token_ids)
+    max_batch = max(32, *batches)  # the daemons' and the engine's, so that no B queues
+    engine = Engine(
+        model,
+        eos_token_ids=loaded.info.eos_token_ids,
+        vocab_size=loaded.info.vocab_size,
+        max_batch=max_batch,
+    )
+    weight_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
+    vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
+    drafters = [d for d in (args.drafters or "").split(",") if d]
+    samples: dict[tuple[str, int], list[float]] = {}
+    runs: list[dict[str, Any]] = []
+    poisson: dict[str, Any] | None = None
+    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max_batch)]
+    http_url = f"http://127.0.0.1:{free_port()}" if via_http else None
+    # The HTTP arms measure the daemon arm's own daemon: one process, one engine, two doors.
+    http_flags = ["--http", http_url.removeprefix("http://")] if http_url else []
+    daemons: dict[str, list[str]] = {"daemon": [*cap, *http_flags]}
+    if args.process_pin:
+        daemons["daemon_process_pin"] = [
+            *cap,
+            "--probe-k",
+            "4",
+            "--pin-level",
+            args.process_pin,
+            "--pin-scope",
+            "process",
+        ]
+    b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
+    for arm, d in zip(b1_arms, drafters):
+        daemons[arm] = [*cap, *drafter_args(d)]
+    gb_per_s = getattr(args, "bandwidth_gbs", None) or None
+    setup = Setup(
+        batches=tuple(batches),
+        arms=(
+            "raw",
+            "engine",
+            "daemon",
+            *(("daemon_process_pin",) if args.process_pin else ()),
+            *(HTTP_ARMS if via_http else ()),
+        ),
+        b1_arms=tuple(b1_arms),
+        repeats=args.repeats,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=loaded.info.kv_bytes_per_token,
+        context=args.prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
+        gb_per_s=gb_per_s,
+        raw_max_batch=getattr(args, "raw_max_batch", None),
+    )
+    meta: dict[str, Any] = {
+        "raw_max_batch": setup.raw_max_batch,
+        "model": args.model,
+        "model_path": str(path),
+        "device": str(mx.default_device()),
+        "mlx": str(getattr(mx, "__version__", "unknown")),
+        "tokens": args.tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+        "context": setup.context,
+        "drafters": drafters,
+        "process_pin": args.process_pin,
+        "via": "http" if via_http else "zeromq",
+        "http_url": http_url,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
+        "bandwidth_gb_s": gb_per_s,
+        "fastpath": fastpath.active().name,
+    }
+    out = Path(args.out)
+    counts: dict[str, dict[str, int]] | None = None
+    verdicts: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
+        procs = {
+            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
+            for i, (name, extra) in enumerate(daemons.items())
+        }
+        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
+        http = stack.enter_context(open_http(http_url)) if http_url else None
+        model_id = served_model(http) if http else ""
+        progress("bench: waiting for the daemons' start-up probes")
+        wait_idle(clients)  # every start-up probe has finished before anything is timed
+        probe_seconds: dict[str, float] = {}
+        for name, c in clients.items():
+            for pairing, v in c.stats()["engine"]["verdicts"].items():
+                if "probe_seconds" in v:
+                    probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
+                verdicts[name] = v
+        meta["probe_seconds"] = probe_seconds
+
+        def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
+            if arm == "raw":
+                return run_raw(model, eos, prompts, tokens)
+            if arm == "engine":
+                return run_engine(engine, prompts, tokens)
+            if arm in HTTP_ARMS:
+                return run_http(http, model_id, prompts, tokens, HTTP_ARMS[arm])
+            return run_daemon(clients[arm], prompts, tokens)
+
+        def counters(arm: str) -> dict[str, float] | None:
+            """The arm's engine step counters (``None`` for raw: mlx-lm keeps its own)."""
+            if arm == "raw":
+                return None
+            if arm == "engine":
+                return step_counters(asdict(engine.counters))
+            return step_counters(clients["daemon" if arm in HTTP_ARMS else arm].stats()["engine"])
+
+        progress("bench: warming every arm up (untimed)")
+        warm = random_prompts(2, args.prompt_tokens, vocab, seed=99)
+        for arm in setup.arms:
+            run(arm, warm, min(8, args.tokens))  # the daemons refuse more than --tokens
+        if 1 in batches:
+            # The measured shape, once, in every B = 1 arm (see the module's docstring).
+            shape = random_prompts(1, args.prompt_tokens, vocab, seed=98)
+            for arm in setup.arms_at(1):
+                wait_idle(clients)
+                run(arm, shape, args.tokens)
+                mx.clear_cache()
+        before = {name: burst_counts(clients[name]) for name in b1_arms}
+        total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
+        done = 0
+        for b in batches:
+            for rep in range(args.repeats):
+                prompts = random_prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
+                for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
+                    wait_idle(clients)
+                    before_steps = counters(arm)
+                    n, wall = run(arm, prompts, args.tokens)
+                    after_steps = counters(arm)
+                    samples.setdefault((arm, b), []).append(n / wall)
+                    runs.append(
+                        {
+                            "batch": b,
+                            "repeat": rep,
+                            "position": position,
+                            "arm": arm,
+                            "tokens": n,
+                            "seconds": wall,
+                            # This process's MLX memory (raw and engine arms run here), for a run
+                            # that ends out of memory on a shared GPU.
+                            "bench_process_gib": memory_gib(),
+                            # How the engine spent the run (steps, decode steps, their seconds): a
+                            # daemon slower than the engine alone shows here as more or slower steps.
+                            "engine_steps": None
+                            if before_steps is None or after_steps is None
+                            else {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS},
+                        }
+                    )
+                    mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
+                    done += 1
+                    progress(
+                        f"bench [{done}/{total}] B = {b}, repeat {rep + 1}/{args.repeats}, {arm}: "
+                        f"{n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s"
+                    )
+            if b == 1 and b1_arms:
+                counts = {
+                    name: {k: v - before[name][k] for k, v in burst_counts(clients[name]).items()} for name in b1_arms
+                }
+            write_tables(samples, setup, meta, out, counts, verdicts, runs)
+            progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
+        if args.poisson_rate > 0:
+            # The production shape: the first drafter's daemon (bursts whenever one request is alone).
+            target = b1_arms[0] if b1_arms else "daemon"
+            progress(f"bench: {args.poisson_requests} Poisson arrivals at {args.poisson_rate:g}/s on '{target}'")
+            wait_idle(clients)
+            poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+            poisson["daemon"] = target
+            write_poisson(poisson, meta, out)
+    # Every daemon got SIGTERM when the stack closed; anything but 0 is a shutdown bug worth seeing.
+    exit_codes = {name: proc.proc.returncode for name, proc in procs.items()}
+    for name, code in exit_codes.items():
+        if code != 0:
+            print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
+    meta["daemon_exit_codes"] = exit_codes
+    print(write_tables(samples, setup, meta, out, counts, verdicts, runs))
+    if poisson is not None:
+        print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
+        print(write_poisson(poisson, meta, out))
+    if probe_seconds:
+        print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
+    print(f"results in {out.resolve()}", flush=True)
+    return 0
