@@ -1,0 +1,111 @@
+"""Engine events, on the event loop: tokens and ends become wire messages for their connections.
+
+The engine thread hands its events to the loop through a memory stream (``EngineEvents.emit``).
+One task reads it (``consume``): steps that arrived while the loop was busy are handled as one, so
+a connection's events from them cost one frame, not one per step. ``Tokens`` and ``Finished`` turn
+into messages (``scheduler.outputs``) for the connection that sent the request; a ``Finished``
+frees its slot in ``Flight``. ``Ready`` gives ``Flight`` the model and tokenizer and tells the
+front end to start reading messages; ``Stopped`` and ``Dead`` end whatever is left and set ``done``,
+after which nothing more is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+
+import anyio
+
+from clients.protocol import ErrorCode
+from scheduler.flight import Flight
+from scheduler.transport import Transport
+from workers.engine import Finished, StepInfo, Tokens
+from workers.loop import Dead, Ready, Signal, Stopped
+
+log = logging.getLogger("mlx_batchd")
+
+
+class EngineEvents:
+    """Reads the engine's events and answers them. Made on the event loop (it holds an event)."""
+
+    def __init__(self, flight: Flight, transport: Transport, on_ready: Callable[[Ready], None]) -> None:
+        self._flight = flight
+        self._transport = transport
+        self._on_ready = on_ready
+        #: Set once the engine stopped or died; ``exit_code`` is then the daemon's.
+        self.done = anyio.Event()
+        self.exit_code = 0
+        # anyio's task APIs (which ``on_ready`` uses) need a task's context, never a bare
+        # ``call_soon_threadsafe`` callback: the loop only puts events in a stream a task reads.
+        self._in, self._out = anyio.create_memory_object_stream[list[Signal]](math.inf)
+        self._loop = asyncio.get_running_loop()
+
+    def emit(self, signals: list[Signal]) -> None:
+        """The engine's callback; runs on the engine thread."""
+        self._loop.call_soon_threadsafe(self._in.send_nowait, signals)
+
+    async def consume(self) -> None:
+        """Handle the engine's events until cancelled."""
+        stream = self._out
+        async with stream:
+            async for signals in stream:
+                while True:
+                    try:
+                        signals = signals + stream.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                self.dispatch(signals)
+
+    def dispatch(self, signals: list[Signal]) -> None:
+        """One batch of engine events; their messages for a connection leave as one step."""
+        if self.done.is_set():
+            return
+        self._transport.begin_step()
+        try:
+            self._handle(signals)
+        finally:
+            self._transport.end_step()
+
+    def _handle(self, signals: list[Signal]) -> None:
+        flight = self._flight
+        for sig in signals:
+            if isinstance(sig, Tokens):
+                self._on_tokens(sig)
+            elif isinstance(sig, StepInfo):
+                flight.outputs.step(sig)
+            elif isinstance(sig, Finished):
+                self._on_finished(sig)
+            elif isinstance(sig, Ready):
+                flight.info, flight.tokenizer = sig.info, sig.tokenizer
+                flight.status = "ready"
+                self._on_ready(sig)
+            elif isinstance(sig, Stopped):
+                flight.end_all(ErrorCode.SHUTDOWN, "the daemon is shutting down")
+                self.done.set()
+            elif isinstance(sig, Dead):
+                log.error("engine died:\n%s", sig.error)
+                self.exit_code = 1
+                flight.end_all(ErrorCode.ENGINE_DEAD, "the engine failed; the daemon is exiting")
+                self.done.set()
+
+    def _on_tokens(self, ev: Tokens) -> None:
+        flight = self._flight
+        t = flight.requests.by_seq(ev.seq)
+        if t is None or t.stopped or t.muted or t.detached:
+            return
+        msg, hit = flight.outputs.tokens(t, ev)
+        if hit:
+            flight.engine.cancel(t.seq, "stop")
+        tenant = flight.table.tenants.get(t.tenant)
+        if tenant is not None:
+            flight.fair.generated(tenant, len(ev.tokens))
+        self._transport.send(t.client, msg)
+
+    def _on_finished(self, ev: Finished) -> None:
+        t = self._flight.release(ev.seq)
+        if t is None:
+            return
+        for msg in self._flight.outputs.finished(t, ev):
+            self._transport.send(t.client, msg)
