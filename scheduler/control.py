@@ -25,8 +25,10 @@ from scheduler.stats import (
     stats_message,
     visible_tenant,
 )
+from scheduler.stats_types import StatsReply, TaxAnswer
 from scheduler.tenants import Tenant, TenantsError, load_tenants
 from scheduler.transport import Transport
+from workers.snapshot import read_engine
 
 log = logging.getLogger("mlx_batchd")
 
@@ -129,19 +131,24 @@ class Control:
         only = visible_tenant(self._flight.table, tenant)
         if req.measure_tax and only is not None:
             raise measure_tax_forbidden(req.id)
-        stats = self.stats(only)
+        stats = self.reply(only)
         if req.measure_tax:
             stats["measure_tax"] = self._ask_for_tax()
         return stats_message(req.id, stats)
 
-    def _ask_for_tax(self) -> str:
+    def _ask_for_tax(self) -> TaxAnswer:
         """``queued`` (a measurement is asked of the engine) or ``skipped`` (``TaxGate``)."""
         answer = self._tax.ask(time.monotonic())
-        if answer == "queued":
+        if answer is TaxAnswer.QUEUED:
             self._flight.engine.measure_tax()
         return answer
 
     def stats(self, only: str | None = None) -> dict[str, Any]:
+        """``reply`` as the plain map ``FrontEnd.stats`` declares (the metrics read its published
+        copy back with ``scheduler.stats_types.read_stats``)."""
+        return dict(self.reply(only))
+
+    def reply(self, only: str | None = None) -> StatsReply:
         """Counters for the ``stats`` reply and the metrics. ``only`` limits the per-tenant tables
         (``tenants``, ``outcomes``) to that tenant: what a tenant that is not an admin may see."""
         flight = self._flight
@@ -158,5 +165,5 @@ class Control:
             kv_budget_bytes=self.settings.kv_budget_bytes,
             clients_paused=self._transport.paused_count,
             unsent_messages=self._transport.unsent,
-            engine=flight.engine.snapshot(),
+            engine=read_engine(flight.engine.snapshot()),
         )

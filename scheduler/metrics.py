@@ -8,79 +8,108 @@ purposes and decline reasons from fixed sets in the code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler.stats_types import BurstSummary, EngineSnapshot, StatsReply, engine_of, read_stats
+
 PREFIX = "mlx_batchd"
 
 
-#: One-number families read from the stats snapshot: (family, name, help, snapshot part, key).
-_SCALARS: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, str, str], ...] = (
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+
+#: One-number families of the front end's counters: (family, name, help, read).
+_FRONT: tuple[tuple[_Family, str, str, Callable[[StatsReply], float]], ...] = (
     (
         GaugeMetricFamily,
         "clients_paused",
         "Connections whose sequences are paused because their unsent messages reached the bound",
-        "front",
-        "clients_paused",
+        lambda s: s["clients_paused"],
     ),
     (
         GaugeMetricFamily,
         "unsent_messages",
         "Messages waiting in the daemon's per-connection outboxes (beyond ZeroMQ's queue)",
-        "front",
-        "unsent_messages",
+        lambda s: s["unsent_messages"],
     ),
     (
         CounterMetricFamily,
         "clients_dropped",
         "Connections that went away (or fell silent past the heartbeat timeout) with requests in flight",
-        "front",
-        "clients_dropped",
+        lambda s: s["clients_dropped"],
     ),
     (
         CounterMetricFamily,
         "messages_dropped",
         "Messages not answered because their connection's outbox was full (it was not reading)",
-        "front",
-        "messages_dropped",
+        lambda s: s["messages_dropped"],
     ),
-    (GaugeMetricFamily, "paused_sequences", "Sequences paused for a slow reader", "engine", "paused"),
-    (GaugeMetricFamily, "active_sequences", "Sequences in the engine", "engine", "active_sequences"),
-    (GaugeMetricFamily, "batch_size", "Sequences in the decode batch", "engine", "batch_size"),
-    (CounterMetricFamily, "prefix_cache_queries", "Prompts looked up in the prefix cache", "prefix", "queries"),
+)
+
+#: One-number families of the engine's part, 0 before the model is loaded: (family, name, help, read).
+_ENGINE: tuple[tuple[_Family, str, str, Callable[[EngineSnapshot], float]], ...] = (
+    (GaugeMetricFamily, "paused_sequences", "Sequences paused for a slow reader", lambda e: e["paused"]),
+    (GaugeMetricFamily, "active_sequences", "Sequences in the engine", lambda e: e["active_sequences"]),
+    (GaugeMetricFamily, "batch_size", "Sequences in the decode batch", lambda e: e["batch_size"]),
+    (
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prompts looked up in the prefix cache",
+        lambda e: e["prefix_cache"].get("queries", 0),
+    ),
     (
         CounterMetricFamily,
         "prefix_cache_hits",
         "Prompt tokens served from the prefix cache (not prefilled)",
-        "prefix",
-        "hit_tokens",
+        lambda e: e["prefix_cache"].get("hit_tokens", 0),
     ),
-    (GaugeMetricFamily, "prefix_cache_bytes", "Bytes of KV held by the prefix cache", "prefix", "bytes"),
+    (
+        GaugeMetricFamily,
+        "prefix_cache_bytes",
+        "Bytes of KV held by the prefix cache",
+        lambda e: e["prefix_cache"].get("bytes", 0),
+    ),
     (
         CounterMetricFamily,
         "prefix_cache_evictions",
         "Prefix cache entries dropped to stay under its byte bound",
-        "prefix",
-        "evictions",
+        lambda e: e["prefix_cache"].get("evictions", 0),
     ),
-    (CounterMetricFamily, "decode_steps", "Batched decode steps", "engine", "decode_steps"),
-    (CounterMetricFamily, "decode_seconds", "Seconds spent in batched decode steps", "engine", "decode_seconds"),
+    (CounterMetricFamily, "decode_steps", "Batched decode steps", lambda e: e["decode_steps"]),
+    (
+        CounterMetricFamily,
+        "decode_seconds",
+        "Seconds spent in batched decode steps",
+        lambda e: e["decode_seconds"],
+    ),
+)
+
+#: Burst counters, labelled by drafter: (name, help, read).
+_BURSTS: tuple[tuple[str, str, Callable[[BurstSummary], int]], ...] = (
+    ("rounds", "Speculative burst rounds", lambda b: b["rounds"]),
+    ("drafted_tokens", "Tokens proposed by the drafter", lambda b: b["drafted_tokens"]),
+    ("accepted_tokens", "Drafted tokens the target accepted", lambda b: b["accepted_tokens"]),
+    ("audits", "Burst rounds re-checked against a single-token forward", lambda b: b["audits"]),
+    ("audit_failures", "Audits that found the verify diverging from classic decode", lambda b: b["audit_failures"]),
 )
 
 
 class StatsCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    """Families from the latest published ``stats`` reply (nothing before the first one)."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
-        if not s:
+        published = self._snapshot()
+        if not published:
             return
-        engine = s.get("engine", {})
+        s = read_stats(published)
+        engine = engine_of(s)
         yield GaugeMetricFamily(
             f"{PREFIX}_requests_in_flight", "Requests admitted and not ended", value=s["requests_in_flight"]
         )
@@ -91,7 +120,7 @@ class StatsCollector(Collector):
         requests = CounterMetricFamily(
             f"{PREFIX}_requests", "Requests that ended, by tenant and outcome", labels=["tenant", "outcome"]
         )
-        for tenant, outcomes in s.get("outcomes", {}).items():
+        for tenant, outcomes in s["outcomes"].items():
             for outcome, n in outcomes.items():
                 requests.add_metric([tenant, outcome], n)
         yield requests
@@ -103,88 +132,87 @@ class StatsCollector(Collector):
         active = GaugeMetricFamily(
             f"{PREFIX}_tenant_active_sequences", "Sequences decoding, by tenant", labels=["tenant"]
         )
-        for tenant, t in s.get("tenants", {}).items():
+        for tenant, t in s["tenants"].items():
             tokens.add_metric([tenant, "prompt"], t["served_prompt_tokens"])
             tokens.add_metric([tenant, "generated"], t["served_generated_tokens"])
             waiting.add_metric([tenant], t["waiting"])
             active.add_metric([tenant], t["active"])
         yield from (tokens, waiting, active)
 
-        prefix = engine.get("prefix_cache") or {}
+        for make, name, help_, read in _FRONT:
+            yield make(f"{PREFIX}_{name}", help_, value=read(s))
+        for make, name, help_, read_engine in _ENGINE:
+            yield make(f"{PREFIX}_{name}", help_, value=0 if engine is None else read_engine(engine))
         memory = GaugeMetricFamily(
             f"{PREFIX}_mlx_memory_bytes",
             "The engine's MLX memory: active (in arrays), cache (freed buffers kept for reuse), peak",
             labels=["kind"],
         )
-        for kind in ("active", "cache", "peak"):
-            memory.add_metric([kind], engine.get("memory", {}).get(f"{kind}_bytes", 0))
-        sources = {"front": s, "engine": engine, "prefix": prefix}
-        for make, name, help_, source, key in _SCALARS:
-            yield make(f"{PREFIX}_{name}", help_, value=sources[source].get(key, 0))
+        m = None if engine is None else engine["memory"]
+        memory.add_metric(["active"], 0 if m is None else m["active_bytes"])
+        memory.add_metric(["cache"], 0 if m is None else m["cache_bytes"])
+        memory.add_metric(["peak"], 0 if m is None else m["peak_bytes"])
         yield memory
+        yield from _engine_families(engine)
 
-        bursts = engine.get("bursts", {})
-        drafter = bursts.get("drafter") or "none"
-        for key, help_ in (
-            ("rounds", "Speculative burst rounds"),
-            ("drafted_tokens", "Tokens proposed by the drafter"),
-            ("accepted_tokens", "Drafted tokens the target accepted"),
-            ("audits", "Burst rounds re-checked against a single-token forward"),
-            ("audit_failures", "Audits that found the verify diverging from classic decode"),
-        ):
-            family = CounterMetricFamily(f"{PREFIX}_burst_{key}", help_, labels=["drafter"])
-            family.add_metric([drafter], bursts.get(key, 0))
-            yield family
-        declined = CounterMetricFamily(f"{PREFIX}_bursts_declined", "Bursts not run, by reason", labels=["reason"])
-        for reason, n in bursts.get("declined", {}).items():
-            declined.add_metric([reason], n)
-        yield declined
 
-        pins = engine.get("pins", {})
-        forwards = CounterMetricFamily(
-            f"{PREFIX}_pinned_forwards", "Forwards that asked for a kernel level", labels=["level", "purpose"]
+def _engine_families(engine: EngineSnapshot | None) -> Iterator[Metric]:
+    """Bursts, pins, the pin tax and verdicts: families with labels (zero or empty before the model
+    is loaded, so a scrape while loading shows the same families)."""
+    bursts = None if engine is None else engine["bursts"]
+    drafter = (None if bursts is None else bursts["drafter"]) or "none"
+    for key, help_, read in _BURSTS:
+        family = CounterMetricFamily(f"{PREFIX}_burst_{key}", help_, labels=["drafter"])
+        family.add_metric([drafter], 0 if bursts is None else read(bursts))
+        yield family
+    declined = CounterMetricFamily(f"{PREFIX}_bursts_declined", "Bursts not run, by reason", labels=["reason"])
+    for reason, n in ({} if bursts is None else bursts["declined"]).items():
+        declined.add_metric([reason], n)
+    yield declined
+
+    pins = None if engine is None else engine["pins"]
+    forwards = CounterMetricFamily(
+        f"{PREFIX}_pinned_forwards", "Forwards that asked for a kernel level", labels=["level", "purpose"]
+    )
+    seconds = CounterMetricFamily(f"{PREFIX}_pinned_seconds", "Seconds of pinned forwards", labels=["level", "purpose"])
+    for row in [] if pins is None else pins["pinned"]:
+        forwards.add_metric([row["level"], row["purpose"]], row["forwards"])
+        seconds.add_metric([row["level"], row["purpose"]], row["seconds"])
+    yield from (forwards, seconds)
+    yield CounterMetricFamily(
+        f"{PREFIX}_pin_collateral_forwards",
+        "Forwards that ran pinned without asking (0 with scoped pins)",
+        value=0 if pins is None else pins["collateral_forwards"],
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_pin_collateral_seconds",
+        "Seconds of collateral pinned work",
+        value=0.0 if pins is None else pins["collateral_seconds"],
+    )
+    tax = None if engine is None else engine["pin_tax"]
+    if tax:
+        ratio = GaugeMetricFamily(
+            f"{PREFIX}_pin_tax_ratio", "Batched step time pinned / wide, last measured", labels=["level", "batch"]
         )
-        seconds = CounterMetricFamily(
-            f"{PREFIX}_pinned_seconds", "Seconds of pinned forwards", labels=["level", "purpose"]
+        ratio.add_metric([tax["level"], str(tax["batch"])], tax["ratio"])
+        yield ratio
+        yield GaugeMetricFamily(
+            f"{PREFIX}_scoping_saved_seconds",
+            "Batched decode seconds a process-wide pin would have added (measured ratio x decode time)",
+            value=tax["estimated_seconds_saved_by_scoping"],
         )
-        for row in pins.get("pinned", []):
-            forwards.add_metric([row["level"], row["purpose"]], row["forwards"])
-            seconds.add_metric([row["level"], row["purpose"]], row["seconds"])
-        yield from (forwards, seconds)
-        yield CounterMetricFamily(
-            f"{PREFIX}_pin_collateral_forwards",
-            "Forwards that ran pinned without asking (0 with scoped pins)",
-            value=pins.get("collateral_forwards", 0),
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_pin_collateral_seconds",
-            "Seconds of collateral pinned work",
-            value=pins.get("collateral_seconds", 0.0),
-        )
-        tax = engine.get("pin_tax") or {}
-        if tax:
-            ratio = GaugeMetricFamily(
-                f"{PREFIX}_pin_tax_ratio", "Batched step time pinned / wide, last measured", labels=["level", "batch"]
-            )
-            ratio.add_metric([tax["level"], str(tax["batch"])], tax["ratio"])
-            yield ratio
-            yield GaugeMetricFamily(
-                f"{PREFIX}_scoping_saved_seconds",
-                "Batched decode seconds a process-wide pin would have added (measured ratio x decode time)",
-                value=tax["estimated_seconds_saved_by_scoping"],
-            )
-        verdicts = GaugeMetricFamily(
-            f"{PREFIX}_verdict_exact", "1 if the pairing's verify is exact at its level", labels=["pairing", "level"]
-        )
-        probe_s = GaugeMetricFamily(
-            f"{PREFIX}_verdict_probe_seconds", "How long the pairing's probe took", labels=["pairing"]
-        )
-        for pairing, v in engine.get("verdicts", {}).items():
-            if "level" in v:
-                verdicts.add_metric([pairing, v["level"] or "declined"], 1.0 if v["exact"] else 0.0)
-                probe_s.add_metric([pairing], v["probe_seconds"])
-        yield verdicts
-        yield probe_s
+    verdicts = GaugeMetricFamily(
+        f"{PREFIX}_verdict_exact", "1 if the pairing's verify is exact at its level", labels=["pairing", "level"]
+    )
+    probe_s = GaugeMetricFamily(
+        f"{PREFIX}_verdict_probe_seconds", "How long the pairing's probe took", labels=["pairing"]
+    )
+    for pairing, v in ({} if engine is None else engine["verdicts"]).items():
+        if "level" in v:
+            verdicts.add_metric([pairing, v["level"] or "declined"], 1.0 if v["exact"] else 0.0)
+            probe_s.add_metric([pairing], v["probe_seconds"])
+    yield verdicts
+    yield probe_s
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -197,7 +225,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def serve_metrics(address: str, snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> Any:
+def serve_metrics(address: str, snapshot: Callable[[], Mapping[str, Any]], registry: CollectorRegistry) -> Any:
     """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server.
 
     Raises ``ValueError`` for an address that does not parse and ``OSError`` for one that cannot be

@@ -15,8 +15,10 @@ from typing import Any
 from clients.protocol import PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError
 from scheduler.admission import Limits
 from scheduler.fairness import FairQueue
+from scheduler.stats_types import StatsReply, TaxAnswer, TenantRow
 from scheduler.tenants import Tenant, TenantTable
 from workers.models import ModelInfo
+from workers.snapshot import EnginePart
 
 
 @dataclass
@@ -51,15 +53,15 @@ class TaxGate:
         self.min_interval_s = min_interval_s
         self._asked_at: float | None = None
 
-    def ask(self, now: float) -> str:
+    def ask(self, now: float) -> TaxAnswer:
         """``queued`` (the caller starts a measurement), or ``skipped`` within the interval."""
         if self._asked_at is not None and now - self._asked_at < self.min_interval_s:
-            return "skipped"
+            return TaxAnswer.SKIPPED
         self._asked_at = now
-        return "queued"
+        return TaxAnswer.QUEUED
 
 
-def stats_message(rid: str, stats: dict[str, Any]) -> dict[str, Any]:
+def stats_message(rid: str, stats: StatsReply) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "type": MsgType.STATS.value, "id": rid, "stats": stats}
 
 
@@ -88,7 +90,7 @@ def health_message(
     }
 
 
-def tenant_stats(name: str, tenant: Tenant, fair: FairQueue[Any]) -> dict[str, Any]:
+def tenant_stats(name: str, tenant: Tenant, fair: FairQueue[Any]) -> TenantRow:
     state = fair.state.get(name)
     return {
         "weight": tenant.weight,
@@ -114,10 +116,10 @@ def build_stats(
     kv_budget_bytes: int,
     clients_paused: int,
     unsent_messages: int,
-    engine: dict[str, Any],
-) -> dict[str, Any]:
-    """Counters for the ``stats`` reply and the metrics. ``only`` limits the per-tenant tables
-    (``tenants``, ``outcomes``) to that tenant."""
+    engine: EnginePart,
+) -> StatsReply:
+    """The ``stats`` reply (``scheduler.stats_types.StatsReply``), also what the metrics read.
+    ``only`` limits the per-tenant tables (``tenants``, ``outcomes``) to that tenant."""
     return {
         "uptime_s": uptime_s,
         "requests_in_flight": requests_in_flight,

@@ -1,15 +1,17 @@
 """The front end's pieces on their own, without a daemon: the request table's counts, engine events
-turned into wire messages (stop strings, usage, outcomes), the stats reply as a tenant and as the
-operator, in-process sending with its outbox and pausing, and the coordinator's parts wired around an
-engine that only records: slots and the KV budget, the submit limits, cancel, disconnect, pausing,
-tenant reload, engine events and in-process connections."""
+turned into wire messages (stop strings, usage, outcomes), the stats reply as a tenant, as the
+operator and across msgpack, in-process sending with its outbox and pausing, and the coordinator's
+parts wired around an engine that only records: slots and the KV budget, the submit limits, cancel,
+disconnect, pausing, tenant reload, engine events and in-process connections."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgpack
 import pytest
 
 from clients.protocol import ErrorCode, FinishReason, MsgType, Stats, Submit
@@ -32,10 +34,13 @@ from scheduler.stats import (
     stats_message,
     visible_tenant,
 )
+from scheduler.stats_types import StatsReply
 from scheduler.stopping import StopStrings
 from scheduler.tenants import Tenant, TenantTable, load_tenants
 from scheduler.transport import Transport
+from tests.test_top import stats_snapshot
 from workers.engine import Finished, Job, StepInfo, Timings, Tokens
+from workers.jobs import EngineCounters
 from workers.loop import Dead, Ready, Stopped
 from workers.models import ModelInfo
 
@@ -199,7 +204,7 @@ def _tenants() -> TenantTable:
     )
 
 
-def _stats(only: str | None) -> dict[str, Any]:
+def _stats(only: str | None) -> StatsReply:
     table = _tenants()
     return build_stats(
         only=only,
@@ -243,6 +248,24 @@ def test_measure_tax_is_let_through_once_per_interval() -> None:
     assert gate.ask(110.0) == "skipped"
     assert gate.ask(131.0) == "queued"
     assert measure_tax_forbidden("s2").code == ErrorCode.FORBIDDEN
+
+
+def test_the_engine_counters_reach_the_reply_whole() -> None:
+    """Every counter of ``EngineCounters`` has its key in ``stats.engine``, under its own name."""
+    counters = EngineCounters(**{f.name: i + 1 for i, f in enumerate(fields(EngineCounters))})
+    assert counters.snapshot() == asdict(counters)
+
+
+def test_the_stats_reply_crosses_msgpack_as_plain_strings() -> None:
+    """Enum-valued fields (``measure_tax``, levels) leave as their plain strings: clients and the HTTP
+    door read the same map as before the reply had types."""
+    stats = _stats(None)
+    stats["measure_tax"] = TaxGate(30.0).ask(0.0)
+    stats["engine"] = stats_snapshot(1.0, 0, 0, 0, 0)["engine"]
+    wire = msgpack.unpackb(msgpack.packb(stats_message("s1", stats)))["stats"]
+    assert wire == stats
+    assert type(wire["measure_tax"]) is str and wire["measure_tax"] == "queued"
+    assert type(wire["engine"]["pins"]["pinned"][0]["level"]) is str
 
 
 def test_health_reports_limits_before_the_model_is_loaded() -> None:

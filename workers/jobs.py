@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import mlx.core as mx
 
 from workers.params import FinishReason, SamplingParams
 from workers.sampling import SeededSampler
+from workers.snapshot import CountersSnapshot
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,26 @@ def top_logprobs(rows: mx.array, k: int) -> list[TopLogprobs]:
     return [sorted(zip(i, v), key=lambda e: (-e[1], e[0])) for i, v in zip(ids, lps)]
 
 
+class TokenMode(StrEnum):
+    """How a sequence's tokens were produced (the ``mode`` label of the generated-tokens metric)."""
+
+    #: A ``BatchGenerator`` step.
+    BATCHED = "batched"
+    #: A B = 1 speculative round.
+    BURST = "burst"
+
+
+class StepKind(StrEnum):
+    """What one engine step was (the ``kind`` label of the step-time histogram)."""
+
+    #: A batched decode step, maybe carrying a prefill chunk too.
+    DECODE = "decode"
+    #: A step that only prefilled.
+    PREFILL = "prefill"
+    #: One round of a B = 1 burst.
+    BURST_ROUND = "burst_round"
+
+
 @dataclass
 class Tokens:
     """New tokens for one sequence (more than one when a step produces several)."""
@@ -75,8 +97,8 @@ class Tokens:
     seq: int
     tokens: list[int]
     logprobs: list[float] | None = None
-    #: "batched" (a BatchGenerator step) or "burst" (a speculative round).
-    mode: str = "batched"
+    #: A ``TokenMode`` value.
+    mode: str = TokenMode.BATCHED
     #: Per token, its job's ``top_logprobs`` most likely tokens (``None`` when it asked for none).
     top_logprobs: list[TopLogprobs] | None = None
 
@@ -85,7 +107,8 @@ class Tokens:
 class StepInfo:
     """What one engine step was and cost, for the step-time and batch-size histograms."""
 
-    kind: str  # "decode" (a batched decode step, maybe with a prefill chunk), "prefill", "burst_round"
+    #: A ``StepKind`` value.
+    kind: str
     seconds: float
     batch_size: int
 
@@ -169,3 +192,18 @@ class EngineCounters:
     step_seconds: float = 0.0
     step_errors: int = 0
     peak_batch_size: int = 0
+
+    def snapshot(self) -> CountersSnapshot:
+        """The counters as the ``stats`` reply carries them (``stats.engine``)."""
+        return {
+            "submitted": self.submitted,
+            "finished": self.finished,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_seconds": self.decode_seconds,
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
+            "step_errors": self.step_errors,
+            "peak_batch_size": self.peak_batch_size,
+        }

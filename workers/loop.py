@@ -18,8 +18,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -30,6 +30,15 @@ from workers.kernels import Level
 from workers.models import LoadedModel, ModelError, ModelInfo
 from workers.probe import ProbePolicy, sliding_window
 from workers.probe_setup import probe_setup
+from workers.snapshot import (
+    BurstSummary,
+    EngineSnapshot,
+    PinsSnapshot,
+    PinTax,
+    PrefixCacheSnapshot,
+    ProbingRow,
+    VerdictRow,
+)
 
 log = logging.getLogger("mlx_batchd.engine")
 
@@ -318,25 +327,35 @@ class EngineThread:
             log.exception("pin tax measurement failed")
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters and gauges for the stats reply, read from any thread.
+        """``engine_snapshot`` as the engine handle passes it on (``{}`` before the engine is
+        ready): a plain map, the type ``scheduler.engine_process.EngineHandle`` declares."""
+        snap = self.engine_snapshot()
+        return {} if snap is None else dict(snap)
+
+    def engine_snapshot(self) -> EngineSnapshot | None:
+        """Counters and gauges for the stats reply (``stats.engine``), read from any thread; ``None``
+        before the engine is ready.
 
         The engine thread only ever replaces these ints and lengths, and reading them is atomic
-        under the GIL, so no lock is taken on the hot path.
+        under the GIL, so no lock is taken on the hot path. The engine's parts return plain maps;
+        each is cast to its part of the contract (``workers.snapshot``) here.
         """
         engine = self._engine
         if engine is None:
-            return {}
+            return None
         return {
-            **asdict(engine.counters),
+            **engine.counters.snapshot(),
             "active_sequences": engine.active,
             "paused": engine.paused,
             "batch_size": engine.batch_size(),
             "pin_scope": engine.pin_scope,
-            "pins": engine.ledger.snapshot(),
-            "verdicts": engine.verdict_summary(),
-            "bursts": engine.burst_summary(),
-            "pin_tax": engine.tax_summary(),
-            "prefix_cache": {"enabled": False} if engine.prefix_cache is None else engine.prefix_cache.snapshot(),
+            "pins": cast(PinsSnapshot, engine.ledger.snapshot()),
+            "verdicts": cast(dict[str, VerdictRow | ProbingRow], engine.verdict_summary()),
+            "bursts": cast(BurstSummary, engine.burst_summary()),
+            "pin_tax": cast(PinTax, engine.tax_summary()),
+            "prefix_cache": {"enabled": False}
+            if engine.prefix_cache is None
+            else cast(PrefixCacheSnapshot, engine.prefix_cache.snapshot()),
             "memory": {
                 "active_bytes": mx.get_active_memory(),
                 "cache_bytes": mx.get_cache_memory(),

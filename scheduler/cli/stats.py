@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from scheduler.cli.errors import daemon_command
 from scheduler.cli.options import Parser, add_client_auth, non_negative_float, positive_float
 from scheduler.cli.session import open_client
+from scheduler.stats_types import EngineSnapshot, StatsReply, engine_of, read_stats
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -35,55 +37,63 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"health": health, "stats": stats}, indent=2))
     else:
-        print(format_stats(health, stats))
+        print(format_stats(health, read_stats(stats)))
     return 0
 
 
-def format_stats(health: dict[str, Any], stats: dict[str, Any]) -> str:
+def format_stats(health: Mapping[str, Any], stats: StatsReply) -> str:
     """A human summary of the ``stats`` reply."""
-    e = stats.get("engine", {})
-    b = e.get("bursts", {})
-    p = e.get("pins", {})
     model = health.get("model") or {}
     lines = [
         f"mlx-batchd {health.get('status')}: model {model.get('name')} ({model.get('type')}, context "
-        f"{model.get('context_length')}), up {stats.get('uptime_s', 0):.0f}s",
-        f"requests: {stats.get('requests_in_flight', 0)} in flight, {stats.get('requests_waiting', 0)} waiting, "
-        f"{stats.get('requests_completed', 0)} completed, {stats.get('messages_refused', 0)} refused",
-        f"engine: {e.get('active_sequences', 0)} active, batch {e.get('batch_size', 0)} (peak {e.get('peak_batch_size', 0)}), "
-        f"{e.get('generated_tokens', 0)} tokens generated, {e.get('decode_steps', 0)} decode steps",
+        f"{model.get('context_length')}), up {stats['uptime_s']:.0f}s",
+        f"requests: {stats['requests_in_flight']} in flight, {stats['requests_waiting']} waiting, "
+        f"{stats['requests_completed']} completed, {stats['messages_refused']} refused",
     ]
-    for name, t in stats.get("tenants", {}).items():
+    e = engine_of(stats)
+    if e is None:
+        lines.append("engine: not ready")
+    else:
+        lines.append(
+            f"engine: {e['active_sequences']} active, batch {e['batch_size']} (peak {e['peak_batch_size']}), "
+            f"{e['generated_tokens']} tokens generated, {e['decode_steps']} decode steps"
+        )
+    for name, t in stats["tenants"].items():
         lines.append(
             f"  tenant {name}: weight {t['weight']}, {t['active']} active, {t['waiting']} waiting, served "
             f"{t['served_prompt_tokens']} prompt + {t['served_generated_tokens']} generated tokens"
         )
-    if b.get("drafter"):
-        rate = b["accepted_tokens"] / b["drafted_tokens"] if b.get("drafted_tokens") else 0.0
+    if e is not None:
+        lines += _engine_lines(e)
+    return "\n".join(lines)
+
+
+def _engine_lines(e: EngineSnapshot) -> list[str]:
+    """Bursts, verdicts, the pin tax and the pin ledger."""
+    lines = []
+    b = e["bursts"]
+    if b["drafter"]:
+        rate = b["accepted_tokens"] / b["drafted_tokens"] if b["drafted_tokens"] else 0.0
         lines.append(
             f"bursts: {b['drafter']} k={b['k']}, {b['rounds']} rounds, acceptance {rate:.2f}, "
-            f"declined {b.get('declined') or {}}, audits {b['audits']} ({b['audit_failures']} failed)"
+            f"declined {b['declined']}, audits {b['audits']} ({b['audit_failures']} failed)"
         )
-    for name, v in e.get("verdicts", {}).items():
-        lines.append(
-            f"verdict {name}: "
-            + (
-                f"{v['level'] or 'declined'} ({'exact' if v['exact'] else 'inexact'}) - {v['reason']}"
-                if "level" in v
-                else f"probing ({v.get('at')})"
-            )
-        )
-    tax = e.get("pin_tax") or {}
+    for name, v in e["verdicts"].items():
+        if "level" in v:
+            state = f"{v['level'] or 'declined'} ({'exact' if v['exact'] else 'inexact'}) - {v['reason']}"
+        else:
+            state = f"probing ({v['at']})"
+        lines.append(f"verdict {name}: {state}")
+    tax = e["pin_tax"]
     if tax:
         lines.append(
             f"pin tax: batch {tax['batch']} at {tax['level']}: {tax['ratio']:.3f}x a wide step; scoping saved "
             f"~{tax['estimated_seconds_saved_by_scoping']:.2f}s of batched decode so far"
         )
+    p = e["pins"]
     lines.append(
-        f"pins ({e.get('pin_scope')}): "
-        + ", ".join(
-            f"{r['level']}/{r['purpose']} {r['forwards']} forwards {r['seconds']:.2f}s" for r in p.get("pinned", [])
-        )
-        + f"; collateral {p.get('collateral_forwards', 0)} forwards, {p.get('collateral_seconds', 0.0):.2f}s"
+        f"pins ({e['pin_scope']}): "
+        + ", ".join(f"{r['level']}/{r['purpose']} {r['forwards']} forwards {r['seconds']:.2f}s" for r in p["pinned"])
+        + f"; collateral {p['collateral_forwards']} forwards, {p['collateral_seconds']:.2f}s"
     )
-    return "\n".join(lines)
+    return lines
