@@ -128,6 +128,17 @@ class BurstRunner:
             return None, "verdict_declined"
         return Level(verdict.level), None
 
+    def chain_level(self) -> Level | None:
+        """The level the lone sequence's classic steps must run at for bursts to stay exact: the
+        verdict's rung when it pins the chain (``padded``), else ``None`` (classic decode as is)."""
+        level, _ = self._verdict_level()
+        return level if level is not None and level.pins_chain else None
+
+    def _classic(self, level: Level, purpose: str) -> AbstractContextManager[None]:
+        """A forward that stands for classic decode inside a burst (the audit's single token, a
+        one-token verify): unpinned, or at the verdict's rung when that rung pins the chain."""
+        return self.host.pinned(level, purpose) if level.pins_chain else unpinned(purpose)
+
     def _refusal(self, live: list[Sequence]) -> tuple[Sequence | None, str | None]:
         if len(live) != 1:  # paused sequences do not contend
             return None, "contention" if len(live) > 1 else None
@@ -208,7 +219,7 @@ class BurstRunner:
     def _verify(self, b: BurstSeq, block: list[int], level: Level) -> tuple[mx.array, mx.array | None]:
         """The verify forward: one block, pinned to ``level`` (a lone token is a plain step).
         Returns the logits rows and, for drafters that need them, the hidden states."""
-        scope = unpinned("verify") if len(block) == 1 else self.host.pinned(level, "verify")
+        scope = self._classic(level, "verify") if len(block) == 1 else self.host.pinned(level, "verify")
         hidden = None
         with scope:
             inputs = mx.array([block])
@@ -240,7 +251,7 @@ class BurstRunner:
         audit = self._auditor.pick() and len(block) > 1
         single = None
         if audit:
-            with unpinned("audit"):
+            with self._classic(level, "audit"):
                 single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
                 mx.eval(single)
             trim_prompt_cache(b.cache, 1)

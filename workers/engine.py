@@ -290,7 +290,10 @@ class Engine:
         tic = time.perf_counter()
         decoding = mlxlm.decode_batch_size(self._gen) > 0
         solo = mlxlm.decode_batch_size(self._gen) == 1 and not mlxlm.prefill_pending(self._gen)
-        with unpinned("serving"):  # batched work never sees a scoped pin
+        # Batched work never sees a scoped pin; the lone sequence's classic step runs at the
+        # verdict's rung when that rung pins classic decode too (``padded``).
+        chain = self.runner.chain_level() if solo else None
+        with unpinned("serving") if chain is None else self.pinned(chain, "classic"):
             prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()
         level = process_level()

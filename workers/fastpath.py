@@ -42,6 +42,12 @@ class FastPath:
     #: copy, at no measurable cost). Batched forwards skip it: there the copy costs up to 2.7x the
     #: attention itself at long contexts and buys nothing (no byte-identity promise).
     contiguous_kv: bool = False
+    #: Whether the probe tries the ``padded`` rung (``kernels.Level.PADDED``) right after ``wide``,
+    #: before the chunking rungs. On MLX CUDA it is the cheap exact rung: a 5-row verify chunked to
+    #: one row per call costs 4.4 classic steps, while the batched kernel at 16 rows costs about one
+    #: matrix-vector product. Elsewhere it comes after them (unmeasured there; chunks of a measured
+    #: width cost the chain nothing).
+    padded_first: bool = False
 
 
 OFF = FastPath("off")
@@ -50,7 +56,7 @@ GENERIC = FastPath("generic", flatten=True)
 #: MLX CUDA (measured on an H200, docs/benchmarks.md). Below 8 rows its batched quantized kernel costs
 #: about M matrix-vector products, and which row count is cheapest depends on the shape (a 14336 x 4096
 #: 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8, a 4096 x 14336 one 0.19 and 0.26): calibrated.
-CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True)
+CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True, padded_first=True)
 
 _POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
 _active: FastPath | None = None

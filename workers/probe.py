@@ -2,8 +2,8 @@
 
 For a pairing (target, drafter, K drafted tokens) the verify forward runs a block of ``K + 1``
 tokens (the last accepted token and K drafts). The probe compares the **chain** (``K + 1``
-single-token forwards, classic decode, always wide) with the **block** (one forward at a kernel
-level) on fresh caches built as serving builds them, with a layout-stable growth step
+single-token forwards, classic decode: wide, or the rung itself for one that pins the chain) with
+the **block** (one forward at a kernel level) on fresh caches built as serving builds them, with a layout-stable growth step
 (``kernels.LAYOUT_STEP``, as bursts get), byte for byte over every position's full logit row.
 Draws are chosen where divergences hide: short prompts, a block whose keys run 255 -> 256 -> 257
 (mlx-lm's capacity step, where kernels have shown key-length effects), and a long context past the
@@ -12,7 +12,8 @@ sliding window (or >= 1024 tokens).
 Classic decode is run twice first: a draw whose chain does not reproduce is ``nondeterministic``
 and is declined unless the operator accepts "no worse than classic's own variation".
 
-The ladder tries wide, narrow, per-query, per-query-1; the verdict is the cheapest exact rung, or
+The ladder tries wide, narrow, per-query, per-query-1 (``kernels.ladder()``; on MLX CUDA padded
+comes right after wide); the verdict is the first exact rung, or
 declined (fail closed). At narrow and per-query every draw's block is run with its projections'
 inputs captured, and each width is verified on those rows (``kernels.calibrate``): a width that
 does not hold is narrowed and the block run again, so the widths a verdict carries held on the
@@ -41,12 +42,12 @@ import mlx.nn as nn
 
 from workers import kernels
 from workers.arrays import as_int
-from workers.kernels import LADDER, LAYOUT_STEP, MAX_MEASURED_WIDTH, Level, bytes_equal, install, scoped, wrap_caches
+from workers.kernels import LAYOUT_STEP, MAX_MEASURED_WIDTH, Level, bytes_equal, install, scoped, wrap_caches
 
 log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 SHORT_PROMPT = 8
 CAPACITY_STEP = 256
 LONG_CONTEXT = 1024
@@ -300,13 +301,21 @@ def _prefill(model: Any, cache: list[Any], tokens: list[int], step: int = 2048) 
         mx.eval([c.state for c in cache])
 
 
-def run_chain(model: Any, make_cache: MakeCache, draw: Draw, width: int) -> tuple[mx.array, list[int]]:
-    """Classic decode: ``width`` single-token forwards, feeding its own argmax. Always wide."""
+def chain_level(level: Level) -> Level:
+    """The level classic decode runs at while ``level`` is the verdict: wide, except for a rung
+    that pins the chain too (``padded``)."""
+    return level if level.pins_chain else Level.WIDE
+
+
+def run_chain(
+    model: Any, make_cache: MakeCache, draw: Draw, width: int, level: Level = Level.WIDE
+) -> tuple[mx.array, list[int]]:
+    """Classic decode: ``width`` single-token forwards at ``level``, feeding its own argmax."""
     cache = make_cache()
     _prefill(model, cache, draw.prompt[:-1])
     token = draw.prompt[-1]
     fed, rows = [], []
-    with scoped(Level.WIDE):
+    with scoped(level):
         for _ in range(width):
             fed.append(token)
             logits = model(mx.array([[token]]), cache=cache)[0, -1]
@@ -450,7 +459,7 @@ def localize(
         cache = make_cache()
         _prefill(model, cache, draw.prompt[:-1])
         hooks.store.clear()
-        with scoped(Level.WIDE):
+        with scoped(chain_level(level)):
             for t in tokens:
                 model(mx.array([[t]]), cache=cache)
         chain = {k: v[:] for k, v in hooks.store.items()}
@@ -484,7 +493,7 @@ def ladder_steps(
     draws: list[Draw],
     k: int,
     policy: ProbePolicy = ProbePolicy(),
-    levels: tuple[Level, ...] = LADDER,
+    levels: tuple[Level, ...] | None = None,
 ) -> Generator[str, None, LadderOutcome]:
     """The ladder, one draw per step: yields a label before each draw and returns
     (level or None, exact, reason, per-level results). The engine drives it a step at a time
@@ -495,9 +504,12 @@ def ladder_steps(
     kernels.reset_widths(model)
     paths = {id(m): path for path, m in model.named_modules()}
     width = k + 1
-    baselines: dict[str, tuple[mx.array, list[int], int]] = {}
+    #: Classic decode per (draw, the level it runs at): run twice, the second only to see it reproduce.
+    baselines: dict[tuple[str, Level], tuple[mx.array, list[int], int]] = {}
     if policy.pinned_level is not None:
         levels = (policy.pinned_level,)
+    elif levels is None:
+        levels = kernels.ladder()
     results: list[LevelResult] = []
     for i, level in enumerate(levels):
         lr = LevelResult(level.value, exact=True)
@@ -512,11 +524,12 @@ def ladder_steps(
             yield f"{level.value}: {draw.name}" + (" (again, with narrowed widths)" if draw.name in ran else "")
             ran.add(draw.name)
             tic = time.perf_counter()
-            if draw.name not in baselines:
-                chain1, fed = run_chain(model, make_cache, draw, width)
-                chain2, _ = run_chain(model, make_cache, draw, width)
-                baselines[draw.name] = (chain1, fed, compare(chain1, chain2)[1])
-            chain, fed, classic_var = baselines[draw.name]
+            base = (draw.name, chain_level(level))
+            if base not in baselines:
+                chain1, fed = run_chain(model, make_cache, draw, width, base[1])
+                chain2, _ = run_chain(model, make_cache, draw, width, base[1])
+                baselines[base] = (chain1, fed, compare(chain1, chain2)[1])
+            chain, fed, classic_var = baselines[base]
             narrowed: dict[int, tuple[int, int]] = {}
             if level.calibrated:
                 block, narrowed = run_calibrated_block(model, make_cache, draw, fed, level)
@@ -698,6 +711,7 @@ def probe_steps(
         "policy": {k2: str(v) for k2, v in asdict(policy).items()},
         "draws": [(d.name, len(d.prompt)) for d in draws],
         "layout_step": LAYOUT_STEP,
+        "pad_rows": kernels.PAD_ROWS,
     }
     fp = pairing_fingerprint(full)
     if store is not None and not force:
@@ -706,7 +720,7 @@ def probe_steps(
             kernels.apply_widths(model, cached.widths)
             return cached
     tic = time.perf_counter()
-    rungs = (policy.pinned_level,) if policy.pinned_level is not None else LADDER
+    rungs = (policy.pinned_level,) if policy.pinned_level is not None else kernels.ladder()
     level, exact, reason, ladder = yield from ladder_steps(model, make_cache, draws, k, policy, rungs)
     verdict = Verdict(
         fp,

@@ -1,0 +1,175 @@
+"""The ``padded`` rung: every projection of the lone sequence's forwards, classic decode's included,
+on ``PAD_ROWS`` rows, so a verify block and the chain make the same kernel calls per row.
+
+MLX's CPU kernels are row-exact, so the divergence ``padded`` exists for (MLX CUDA's one-row kernel
+differs from its batched one) is injected at the named seam ``workers.kernels.divergence_seam``;
+every test that does so says it in its name. The CUDA ladder order is forced with
+``fastpath.set_active(fastpath.CUDA)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.reference import load_measured, probed_bursts
+from workers import fastpath, kernels
+from workers.burst import BurstSettings
+from workers.drafters import DraftModel
+from workers.engine import Engine, Job, Tokens
+from workers.kernels import PAD_ROWS, Level, bytes_equal, scoped
+from workers.probe import ProbePolicy, make_draws, probe
+from workers.synthetic import PRESETS, write_model
+
+VOCAB = 260
+pytestmark = pytest.mark.usefixtures("clean_kernel_state")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("padded") / "tiny-llama", PRESETS["tiny-llama"], seed=7)
+
+
+@pytest.fixture
+def cuda_ladder() -> Iterator[None]:
+    """The CUDA backend's switch (ladder order, flattened projections) on this CPU."""
+    fastpath.set_active(fastpath.CUDA)
+    try:
+        yield
+    finally:
+        fastpath.set_active(None)
+
+
+def _one_row_kernel_differs(kind: str, out: mx.array, rows: int) -> mx.array:
+    """Injected: a projection computed on one row comes out different from the same row computed
+    among others (negated, so that any one-row call reaching the output changes the tokens)."""
+    return -out if kind == "projection" and rows == 1 else out
+
+
+def test_padded_runs_every_projection_on_pad_rows_and_keeps_the_real_rows_exact(llama: Path) -> None:
+    """Chunks of ``PAD_ROWS`` (a 21-token forward is two calls, the second padded), each call on
+    exactly ``PAD_ROWS`` rows, and on this row-exact CPU the logits are byte-equal to wide's."""
+    model = load_measured(llama)
+    tokens = mx.array([[(7 * i) % 250 + 3 for i in range(21)]])
+    wide = model(tokens, cache=make_prompt_cache(model))
+    rows_seen: list[int] = []
+
+    def count(kind: str, out: mx.array, rows: int) -> mx.array:
+        if kind == "projection":
+            rows_seen.append(rows)
+        return out
+
+    kernels.divergence_seam = count
+    with scoped(Level.PADDED):
+        padded = model(tokens, cache=make_prompt_cache(model))
+        one = model(tokens[:, :1], cache=make_prompt_cache(model))
+    mx.eval(wide, padded, one)
+    assert padded.shape == wide.shape and bytes_equal(padded, wide)
+    assert bytes_equal(one[0, 0], wide[0, 0])
+    assert rows_seen and set(rows_seen) == {PAD_ROWS}
+    projections = len(rows_seen) // 3  # two calls per projection for 21 rows, one for 1 row
+    assert len(rows_seen) == 3 * projections
+
+
+def test_the_cuda_ladder_tries_padded_right_after_wide_and_others_never() -> None:
+    fastpath.set_active(fastpath.CUDA)
+    try:
+        assert kernels.ladder()[:2] == (Level.WIDE, Level.PADDED)
+    finally:
+        fastpath.set_active(fastpath.GENERIC)
+    try:
+        assert Level.PADDED not in kernels.ladder()
+    finally:
+        fastpath.set_active(None)
+
+
+@pytest.mark.usefixtures("cuda_ladder")
+def test_injected_one_row_divergence_is_exact_at_padded_because_the_chain_is_padded_too(llama: Path) -> None:
+    """Injected: one-row projection calls differ (MLX CUDA's matrix-vector kernel against its batched
+    one). Wide differs (the chain's calls are one row, the block's are not); at padded both run
+    ``PAD_ROWS`` rows per call, so every draw is exact."""
+    model = load_measured(llama)
+    kernels.divergence_seam = _one_row_kernel_differs
+    draws = make_draws(3, VOCAB, 4096, None)
+    verdict = probe(model, lambda: make_prompt_cache(model), {"test": "padded"}, draws, 3, policy=ProbePolicy())
+    assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("padded", True)]
+    assert (verdict.level, verdict.exact) == ("padded", True), verdict.reason
+    assert len(verdict.ladder[1].draws) == len(draws)
+
+
+def _generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    engine.submit(Job(seq=1, prompt=prompt, max_tokens=n))
+    out: list[int] = []
+    while engine.has_work:
+        for event in engine.step():
+            if isinstance(event, Tokens):
+                out += event.tokens
+    return out
+
+
+def _padded_engine(model: Any, policy: ProbePolicy | None = None) -> Engine:
+    """An engine whose drafter is the target itself, gated by a real probe (verdict: padded)."""
+    engine = Engine(model, eos_token_ids=(0,), vocab_size=VOCAB, max_batch=8)
+    settings = BurstSettings(k=3, audit_fraction=1.0, profile_steps=0, min_rounds=10**9)
+    drafter = DraftModel(model, name="self")
+    verdict = probed_bursts(engine, model, drafter, settings, "padded+self", VOCAB, draws=4, policy=policy)
+    assert verdict.level == "padded", verdict.reason
+    return engine
+
+
+@pytest.mark.usefixtures("cuda_ladder")
+def test_injected_one_row_divergence_bursts_at_padded_emit_the_padded_classic_decode(llama: Path) -> None:
+    """Injected: one-row projection calls differ. With the verdict at padded, the lone sequence's
+    classic steps run padded too, so bursts emit exactly what that classic decode emits, every
+    round audited clean; classic decode left at one-row calls would emit something else."""
+    model = load_measured(llama)
+    kernels.divergence_seam = _one_row_kernel_differs
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+
+    classic = _padded_engine(model)
+    classic.runner.wants = lambda live: False  # type: ignore[method-assign]  # never burst
+    reference = _generate(classic, prompt, 30)
+    assert _classic_forwards(classic) > 0
+
+    unpinned = _generate(Engine(model, eos_token_ids=(0,), vocab_size=VOCAB), prompt, 30)
+    assert unpinned != reference  # the injected one-row kernel reaches the tokens
+
+    engine = _padded_engine(model)
+    assert _generate(engine, prompt, 30) == reference
+    summary = engine.burst_summary()
+    assert summary["rounds"] > 0 and summary["audits"] == summary["rounds"] and summary["audit_failures"] == 0
+    assert engine.ledger.snapshot()["collateral_forwards"] == 0
+
+
+@pytest.mark.usefixtures("cuda_ladder")
+def test_padded_classic_steps_are_the_lone_sequences_only(llama: Path) -> None:
+    """With padded pinned by the operator: two sequences decoding together run plain batched steps;
+    once one is left alone its classic steps are pinned at padded (counted as ``classic``), and
+    batched work is never collateral."""
+    model = load_measured(llama)
+    engine = _padded_engine(model, ProbePolicy(pinned_level=Level.PADDED))
+    engine.runner.wants = lambda live: False  # type: ignore[method-assign]
+    engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=4))
+    engine.submit(Job(seq=2, prompt=[8, 9, 10], max_tokens=40))
+    while engine.batch_size() < 2:
+        engine.step()
+    while engine.active > 1:
+        engine.step()
+    before = _classic_forwards(engine)
+    steps_alone = 0
+    while engine.has_work:
+        engine.step()
+        steps_alone += 1
+    assert before == 0
+    assert steps_alone > 10 and _classic_forwards(engine) >= steps_alone - 1
+    assert engine.ledger.snapshot()["collateral_forwards"] == 0
+
+
+def _classic_forwards(engine: Engine) -> int:
+    counts = engine.ledger.requested.get(("padded", "classic"))
+    return 0 if counts is None else counts.forwards
