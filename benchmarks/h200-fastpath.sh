@@ -13,6 +13,6 @@ if [ "${PROBE:-1}" = 1 ]; then
   echo "probe rc=$?"
 fi
 timeout "${BENCH_TIMEOUT:-330}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
-  --tokens 64 --repeats 3 --poisson-rate 4 --poisson-requests 32 --bandwidth-gbs 4800 ${BENCH_ARGS:-} --out $R/bench 2>$R/bench.log
+  --tokens 64 --repeats 3 --poisson-rate "${POISSON_RATE:-4}" --poisson-requests 32 --bandwidth-gbs 4800 ${BENCH_ARGS:-} --out $R/bench 2>$R/bench.log
 echo "bench rc=$?"
 tail -3 $R/bench.log

@@ -173,3 +173,11 @@ def test_padded_classic_steps_are_the_lone_sequences_only(llama: Path) -> None:
 def _classic_forwards(engine: Engine) -> int:
     counts = engine.ledger.requested.get(("padded", "classic"))
     return 0 if counts is None else counts.forwards
+
+
+def test_every_level_can_be_pinned_from_the_command_line() -> None:
+    from scheduler.cli import build_parser
+
+    for level in Level:
+        args = build_parser().parse_args(["probe", "--pin-level", level.value])
+        assert args.pin_level == level.value

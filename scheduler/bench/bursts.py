@@ -36,7 +36,7 @@ from scheduler.bench.spreads import ratio_spread, rotated, spread
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, load_drafter, load_mtp_drafter
 from workers.engine import Engine, Finished, Job, Tokens
-from workers.kernels import LADDER, Level, set_process_level
+from workers.kernels import Level, set_process_level
 from workers.models import LoadedModel, load
 from workers.probe import ProbePolicy, make_draws, probe_steps, sliding_window
 
@@ -80,14 +80,18 @@ def _drive(engine: Engine, jobs: list[Job]) -> tuple[int, float]:
     return n, time.perf_counter() - tic
 
 
-def _classic_step_s(loaded: LoadedModel, context: int) -> float:
+def _classic_step_s(loaded: LoadedModel, context: int, level: Level = Level.WIDE) -> float:
+    """Median seconds of one classic B = 1 step at ``context`` tokens, built at ``level``."""
+    from workers.kernels import scoped
+
     cache = make_prompt_cache(loaded.model)
     loaded.model(mx.array([_prompt(context, loaded.info.vocab_size, 1)]), cache=cache)
     mx.eval([c.state for c in cache])
     times = []
     for i in range(12):
         tic = time.perf_counter()
-        mx.eval(loaded.model(mx.array([[5 + i]]), cache=cache))
+        with scoped(level):
+            mx.eval(loaded.model(mx.array([[5 + i]]), cache=cache))
         times.append(time.perf_counter() - tic)
     return statistics.median(times[2:])
 
@@ -96,10 +100,13 @@ def verify_costs(loaded: LoadedModel, ks: list[int], context: int) -> list[dict[
     from workers.kernels import scoped, wrap_caches
 
     step = _classic_step_s(loaded, context)
+    # A rung that pins the chain (padded) also costs every classic step of the lone sequence.
+    chain_tax = {lv.value: _classic_step_s(loaded, context, lv) / step for lv in Level if lv.pins_chain}
+    progress("bench-bursts classic step at " + ", ".join(f"{n} {r:.2f} steps" for n, r in chain_tax.items()))
     rows = []
     for k in ks:
-        row: dict[str, Any] = {"k": k, "block": k + 1}
-        for level in LADDER:
+        row: dict[str, Any] = {"k": k, "block": k + 1} | {f"classic step at {n}": r for n, r in chain_tax.items()}
+        for level in Level:
             times = []
             for rep in range(5):
                 cache = make_prompt_cache(loaded.model)
@@ -108,11 +115,11 @@ def verify_costs(loaded: LoadedModel, ks: list[int], context: int) -> list[dict[
                 block = mx.array([_prompt(k + 1, loaded.info.vocab_size, 3 + rep)])
                 tic = time.perf_counter()
                 with scoped(level):
-                    c = wrap_caches(cache) if level is Level.PER_QUERY else cache
+                    c = wrap_caches(cache) if level.per_query else cache
                     mx.eval(loaded.model(block, cache=c))
                 times.append(time.perf_counter() - tic)
             row[level.value] = statistics.median(times[1:]) / step
-        progress(f"bench-bursts verify K = {k}: " + ", ".join(f"{lv.value} {row[lv.value]:.2f} steps" for lv in LADDER))
+        progress(f"bench-bursts verify K = {k}: " + ", ".join(f"{lv.value} {row[lv.value]:.2f} steps" for lv in Level))
         rows.append(row)
     return rows
 
@@ -273,7 +280,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
     if report.get("verify_cost"):
         ks = [r["block"] for r in report["verify_cost"]]
-        for level in [lv.value for lv in LADDER]:
+        for level in [lv.value for lv in Level]:
             left.plot(ks, [r[level] for r in report["verify_cost"]], "o-", label=level)
         left.plot(ks, ks, ":", color="grey", label="block = that many steps")
         left.legend()

@@ -140,9 +140,10 @@ def add_probe_policy(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pin-level",
-        choices=["wide", "narrow", "per-query"],
+        choices=["wide", "narrow", "per-query", "padded", "per-query-1"],  # workers.kernels.Level (no MLX here)
         default=None,
-        help="use this kernel level for verify instead of the ladder's choice",
+        help="use this kernel level for verify instead of the ladder's choice (padded also pins the lone "
+        "sequence's classic steps)",
     )
     p.add_argument(
         "--accept-classic-variation",
