@@ -5,8 +5,8 @@ byte-equal to T single-token decode steps depends on the backend's kernels: wide
 matmuls may reduce in a different order than ``M = 1``, and multi-query masked attention differs
 from decode's single-query, mask-free call, and even from it over a differently laid-out cache.
 
-Levels (the ladder), in the order the probe tries them (``ladder()``; ``padded`` is tried only on MLX
-CUDA, right after ``wide``):
+Levels (the ladder), in the order the probe tries them (``ladder()``; ``rowwise`` and ``padded`` are
+tried only on MLX CUDA, right after ``wide``):
 
 - ``wide``: MLX's own dispatch.
 - ``narrow``: every projection on more rows than its width ``W`` runs in row chunks of at most
@@ -22,6 +22,11 @@ CUDA, right after ``wide``):
   that row, so no width is involved, measured or calibrated; what still runs on the block's rows
   together are the per-row operations between them (norms, RoPE, activations, residual adds). The
   probe verifies this rung like the others.
+- ``rowwise``: every projection of the lone sequence's forwards, the verify block's and classic
+  decode's, runs through the project's row-exact kernel (``rowkernel``: one pass over the weights
+  for up to 8 rows, each row reduced in one fixed order), attention per-query. Exact by
+  construction like ``padded``, and it pins classic decode the same way, but a block costs about
+  one pass over the weights instead of a 16-row batched call.
 - ``padded``: every projection of the lone sequence's forwards, the verify block's *and classic
   decode's*, runs on exactly ``PAD_ROWS`` rows (zero rows added), and attention is per-query. The
   rows a kernel call sees no longer depend on how many tokens the forward carries, so the chain
@@ -64,18 +69,20 @@ class Level(StrEnum):
     NARROW = "narrow"
     PER_QUERY = "per-query"
     PADDED = "padded"
+    ROWWISE = "rowwise"
     PER_QUERY_1 = "per-query-1"
 
     @property
     def per_query(self) -> bool:
         """Whether attention runs one query at a time through the cache's update path."""
-        return self in (Level.PER_QUERY, Level.PADDED, Level.PER_QUERY_1)
+        return self in (Level.PER_QUERY, Level.PADDED, Level.ROWWISE, Level.PER_QUERY_1)
 
     @property
     def pins_chain(self) -> bool:
         """Whether classic decode of the lone sequence must run at this level too for a verify at
-        it to equal classic decode (``padded``: one row and five rows both become ``PAD_ROWS``)."""
-        return self is Level.PADDED
+        it to equal classic decode (``padded``: one row and five rows both become ``PAD_ROWS``;
+        ``rowwise``: both go through the project's kernel)."""
+        return self in (Level.PADDED, Level.ROWWISE)
 
     @property
     def calibrated(self) -> bool:
@@ -87,12 +94,16 @@ LADDER: tuple[Level, ...] = (Level.WIDE, Level.NARROW, Level.PER_QUERY, Level.PE
 
 
 def ladder() -> tuple[Level, ...]:
-    """The rungs in the order the probe tries them on this backend (``fastpath``'s switch): ``padded``
-    right after ``wide`` where it is measured cheap (MLX CUDA), else not at all (an operator may
-    still pin it with ``--level padded``)."""
+    """The rungs in the order the probe tries them on this backend: ``rowwise`` right after ``wide``
+    where the project's kernel runs and passed its check (``rowkernel.usable``), then ``padded`` where it is
+    measured cheaper than chunking (MLX CUDA, ``fastpath``'s switch); elsewhere neither (an operator
+    may still pin them with ``--pin-level``)."""
+    from workers import rowkernel
+
+    first: tuple[Level, ...] = (Level.ROWWISE,) if rowkernel.usable() else ()
     if fastpath.active().padded_first:
-        return (Level.WIDE, Level.PADDED, Level.NARROW, Level.PER_QUERY, Level.PER_QUERY_1)
-    return LADDER
+        first += (Level.PADDED,)
+    return (Level.WIDE, *first, *LADDER[1:])
 
 
 #: Rows of every projection call at ``padded``. On MLX CUDA (H200, 4-bit 14336 x 4096) 16 rows reach
@@ -283,6 +294,25 @@ def _padded(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
+def _rowwise(
+    module: Any, original: Callable[..., mx.array], x: mx.array, extra: tuple[Any, ...], kwargs: dict[str, Any]
+) -> mx.array:
+    """The project's row-exact kernel over ``x``'s rows (``rowkernel``); where it does not cover the
+    module, decode's own one-row call per row (exact by construction as well)."""
+    from workers import rowkernel
+
+    rows = _rows(x)
+    lead = x.shape[:-1]
+    flat = x.reshape(rows, x.shape[-1])
+    out = None if extra or kwargs else rowkernel.project(module, flat)
+    if out is None:
+        flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
+        out = _chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))
+    else:
+        out = _seam("rowwise", out, rows, module, flat)
+    return out.reshape(*lead, *out.shape[1:])
+
+
 def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
@@ -303,6 +333,8 @@ def _pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 return out if divergence_seam is None else _seam("projection", out, rows, self, x)
             out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
             return out if divergence_seam is None else _seam("projection", out, kernel_rows, self, x)
+        if level is Level.ROWWISE:
+            return _rowwise(self, original, x, extra, kwargs)
         if level is Level.PADDED:
             lead = x.shape[:-1]
             flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)

@@ -140,7 +140,7 @@ def add_probe_policy(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pin-level",
-        choices=["wide", "narrow", "per-query", "padded", "per-query-1"],  # workers.kernels.Level (no MLX here)
+        choices=["wide", "narrow", "per-query", "padded", "rowwise", "per-query-1"],  # workers.kernels.Level
         default=None,
         help="use this kernel level for verify instead of the ladder's choice (padded also pins the lone "
         "sequence's classic steps)",

@@ -1,10 +1,13 @@
-"""The ``padded`` rung: every projection of the lone sequence's forwards, classic decode's included,
-on ``PAD_ROWS`` rows, so a verify block and the chain make the same kernel calls per row.
+"""The rungs that pin classic decode too: ``padded`` (every projection of the lone sequence's
+forwards, classic decode's included, on ``PAD_ROWS`` rows) and ``rowwise`` (every one through the
+project's row-exact kernel), so a verify block and the chain make the same kernel calls per row.
 
-MLX's CPU kernels are row-exact, so the divergence ``padded`` exists for (MLX CUDA's one-row kernel
+MLX's CPU kernels are row-exact, so the divergence these rungs exist for (MLX CUDA's one-row kernel
 differs from its batched one) is injected at the named seam ``workers.kernels.divergence_seam``;
 every test that does so says it in its name. The CUDA ladder order is forced with
-``fastpath.set_active(fastpath.CUDA)``.
+``fastpath.set_active(fastpath.CUDA)``; the row-exact kernel cannot run on this CPU, so ``rowwise``
+runs its plain-MLX reference (``MLX_BATCHD_ROWKERNEL=reference``, the same switch the CUDA kernel
+sits behind).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -36,13 +40,20 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cuda_ladder() -> Iterator[None]:
-    """The CUDA backend's switch (ladder order, flattened projections) on this CPU."""
+def cuda_ladder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The CUDA backend's switch (ladder order, flattened projections) on this CPU, row-exact
+    kernel off (tests of ``rowwise`` turn its reference on)."""
+    monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "off")
     fastpath.set_active(fastpath.CUDA)
     try:
         yield
     finally:
         fastpath.set_active(None)
+
+
+#: (level, MLX_BATCHD_ROWKERNEL): each chain-pinning rung with the row-exact kernel's switch set so
+#: that it is the first rung after wide on the CUDA ladder.
+CHAIN_RUNGS = [(Level.PADDED, "off"), (Level.ROWWISE, "reference")]
 
 
 def _one_row_kernel_differs(kind: str, out: mx.array, rows: int) -> mx.array:
@@ -76,29 +87,38 @@ def test_padded_runs_every_projection_on_pad_rows_and_keeps_the_real_rows_exact(
     assert len(rows_seen) == 3 * projections
 
 
-def test_the_cuda_ladder_tries_padded_right_after_wide_and_others_never() -> None:
+def test_the_cuda_ladder_tries_rowwise_then_padded_right_after_wide_and_others_neither(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "reference")
     fastpath.set_active(fastpath.CUDA)
     try:
-        assert kernels.ladder()[:2] == (Level.WIDE, Level.PADDED)
+        assert kernels.ladder()[:3] == (Level.WIDE, Level.ROWWISE, Level.PADDED)
+        monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "off")
+        assert kernels.ladder()[:2] == (Level.WIDE, Level.PADDED) and Level.ROWWISE not in kernels.ladder()
     finally:
         fastpath.set_active(fastpath.GENERIC)
     try:
-        assert Level.PADDED not in kernels.ladder()
+        assert Level.PADDED not in kernels.ladder() and Level.ROWWISE not in kernels.ladder()
     finally:
         fastpath.set_active(None)
 
 
 @pytest.mark.usefixtures("cuda_ladder")
-def test_injected_one_row_divergence_is_exact_at_padded_because_the_chain_is_padded_too(llama: Path) -> None:
+@pytest.mark.parametrize(("level", "rowkernel_switch"), CHAIN_RUNGS)
+def test_injected_one_row_divergence_is_exact_at_the_rung_because_the_chain_runs_at_it_too(
+    llama: Path, level: Level, rowkernel_switch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Injected: one-row projection calls differ (MLX CUDA's matrix-vector kernel against its batched
     one). Wide differs (the chain's calls are one row, the block's are not); at padded both run
-    ``PAD_ROWS`` rows per call, so every draw is exact."""
+    ``PAD_ROWS`` rows per call, at rowwise both go through the project's kernel, so every draw is exact."""
+    monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     model = load_measured(llama)
     kernels.divergence_seam = _one_row_kernel_differs
     draws = make_draws(3, VOCAB, 4096, None)
-    verdict = probe(model, lambda: make_prompt_cache(model), {"test": "padded"}, draws, 3, policy=ProbePolicy())
-    assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("padded", True)]
-    assert (verdict.level, verdict.exact) == ("padded", True), verdict.reason
+    verdict = probe(model, lambda: make_prompt_cache(model), {"test": level.value}, draws, 3, policy=ProbePolicy())
+    assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), (level.value, True)]
+    assert (verdict.level, verdict.exact) == (level.value, True), verdict.reason
     assert len(verdict.ladder[1].draws) == len(draws)
 
 
@@ -112,34 +132,38 @@ def _generate(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _padded_engine(model: Any, policy: ProbePolicy | None = None) -> Engine:
-    """An engine whose drafter is the target itself, gated by a real probe (verdict: padded)."""
+def _pinned_engine(model: Any, level: Level = Level.PADDED, policy: ProbePolicy | None = None) -> Engine:
+    """An engine whose drafter is the target itself, gated by a real probe (verdict: ``level``)."""
     engine = Engine(model, eos_token_ids=(0,), vocab_size=VOCAB, max_batch=8)
     settings = BurstSettings(k=3, audit_fraction=1.0, profile_steps=0, min_rounds=10**9)
     drafter = DraftModel(model, name="self")
-    verdict = probed_bursts(engine, model, drafter, settings, "padded+self", VOCAB, draws=4, policy=policy)
-    assert verdict.level == "padded", verdict.reason
+    verdict = probed_bursts(engine, model, drafter, settings, f"{level}+self", VOCAB, draws=4, policy=policy)
+    assert verdict.level == level.value, verdict.reason
     return engine
 
 
 @pytest.mark.usefixtures("cuda_ladder")
-def test_injected_one_row_divergence_bursts_at_padded_emit_the_padded_classic_decode(llama: Path) -> None:
-    """Injected: one-row projection calls differ. With the verdict at padded, the lone sequence's
-    classic steps run padded too, so bursts emit exactly what that classic decode emits, every
-    round audited clean; classic decode left at one-row calls would emit something else."""
+@pytest.mark.parametrize(("level", "rowkernel_switch"), CHAIN_RUNGS)
+def test_injected_one_row_divergence_bursts_at_the_rung_emit_its_classic_decode(
+    llama: Path, level: Level, rowkernel_switch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Injected: one-row projection calls differ. With the verdict at a rung that pins the chain, the
+    lone sequence's classic steps run at it too, so bursts emit exactly what that classic decode
+    emits, every round audited clean; classic decode left at one-row calls would emit something else."""
+    monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     model = load_measured(llama)
     kernels.divergence_seam = _one_row_kernel_differs
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
 
-    classic = _padded_engine(model)
+    classic = _pinned_engine(model, level)
     classic.runner.wants = lambda live: False  # type: ignore[method-assign]  # never burst
     reference = _generate(classic, prompt, 30)
-    assert _classic_forwards(classic) > 0
+    assert _classic_forwards(classic, level) > 0
 
     unpinned = _generate(Engine(model, eos_token_ids=(0,), vocab_size=VOCAB), prompt, 30)
     assert unpinned != reference  # the injected one-row kernel reaches the tokens
 
-    engine = _padded_engine(model)
+    engine = _pinned_engine(model, level)
     assert _generate(engine, prompt, 30) == reference
     summary = engine.burst_summary()
     assert summary["rounds"] > 0 and summary["audits"] == summary["rounds"] and summary["audit_failures"] == 0
@@ -152,7 +176,7 @@ def test_padded_classic_steps_are_the_lone_sequences_only(llama: Path) -> None:
     once one is left alone its classic steps are pinned at padded (counted as ``classic``), and
     batched work is never collateral."""
     model = load_measured(llama)
-    engine = _padded_engine(model, ProbePolicy(pinned_level=Level.PADDED))
+    engine = _pinned_engine(model, Level.PADDED, ProbePolicy(pinned_level=Level.PADDED))
     engine.runner.wants = lambda live: False  # type: ignore[method-assign]
     engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=4))
     engine.submit(Job(seq=2, prompt=[8, 9, 10], max_tokens=40))
@@ -170,8 +194,8 @@ def test_padded_classic_steps_are_the_lone_sequences_only(llama: Path) -> None:
     assert engine.ledger.snapshot()["collateral_forwards"] == 0
 
 
-def _classic_forwards(engine: Engine) -> int:
-    counts = engine.ledger.requested.get(("padded", "classic"))
+def _classic_forwards(engine: Engine, level: Level = Level.PADDED) -> int:
+    counts = engine.ledger.requested.get((level.value, "classic"))
     return 0 if counts is None else counts.forwards
 
 
@@ -181,3 +205,40 @@ def test_every_level_can_be_pinned_from_the_command_line() -> None:
     for level in Level:
         args = build_parser().parse_args(["probe", "--pin-level", level.value])
         assert args.pin_level == level.value
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
+    llama: Path, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At rowwise every covered projection goes through ``rowkernel.project`` (its reference here):
+    quantized, dense and tied-head calls agree with MLX's own within rounding, a 21-row forward is
+    split into calls of at most ``MAX_ROWS`` rows, and nothing falls back to one-row calls."""
+    from workers import rowkernel
+
+    monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "reference")
+    q = nn.QuantizedLinear(128, 40, bits=4, group_size=64)
+    d = nn.Linear(128, 40, bias=True)
+    e = nn.Embedding(40, 128)
+    for m in (q, d, e):
+        m.set_dtype(dtype)
+    x = mx.random.normal((21, 128), key=mx.random.key(3)).astype(dtype)
+    for call in (q.__call__, d.__call__, e.as_linear):
+        wide = call(x)
+        with scoped(Level.ROWWISE):
+            rows = call(x)
+        assert rows.shape == wide.shape and rows.dtype == wide.dtype
+        assert mx.allclose(rows.astype(mx.float32), wide.astype(mx.float32), rtol=2e-2, atol=2e-2).item()
+    calls: list[int] = []
+
+    def count(kind: str, out: mx.array, rows: int) -> mx.array:
+        if kind != "attention":
+            calls.append(rows if kind == "rowwise" else -rows)
+        return out
+
+    model = load_measured(llama)
+    kernels.divergence_seam = count
+    with scoped(Level.ROWWISE):
+        mx.eval(model(mx.array([[(5 * i) % 250 + 3 for i in range(21)]]), cache=make_prompt_cache(model)))
+    assert calls and all(c == 21 for c in calls)  # one project() per module call, never a fallback
+    assert rowkernel.MAX_ROWS < 21
