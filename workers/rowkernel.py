@@ -52,11 +52,14 @@ template <> __device__ __forceinline__ __half rk_to<__half>(float v) { return __
 """
 
 #: Quantized (affine): out[m, n] = sum_k x[m, k] * (scale[n, k / GS] * q[n, k] + bias[n, k / GS]).
-#: Template ints: M rows, K in features, N out features, GS group size, BITS (4 or 8), R outputs per warp.
+#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp; K (in) and N (out) come
+#: from the shapes at run time, so a process compiles one kernel per row count, not per layer shape.
 _QUANT_SOURCE = """
   constexpr int PER_WORD = 32 / BITS;
-  constexpr int WORDS = K / PER_WORD;
-  constexpr int GROUPS = K / GS;
+  const int K = static_cast<int>(x_shape[1]);
+  const int N = static_cast<int>(w_shape[0]);
+  const int WORDS = K / PER_WORD;
+  const int GROUPS = K / GS;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int lane = threadIdx.x & 31;
   const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
@@ -104,10 +107,12 @@ _QUANT_SOURCE = """
   }
 """
 
-#: Dense: out[m, n] = sum_k x[m, k] * w[n, k]. Template ints: M, K, N, R.
+#: Dense: out[m, n] = sum_k x[m, k] * w[n, k]. Template ints: M, R; K and N from the shapes.
 _DENSE_SOURCE = """
   constexpr int PER_STEP = 8;
-  constexpr int STEPS = K / PER_STEP;
+  const int K = static_cast<int>(x_shape[1]);
+  const int N = static_cast<int>(w_shape[0]);
+  const int STEPS = K / PER_STEP;
   const int lane = threadIdx.x & 31;
   const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (n0 >= N) return;
@@ -227,7 +232,7 @@ def _launch(kind: str, inputs: list[mx.array], m: int, k: int, n: int, extra: li
     warps = -(-n // OUTS_PER_WARP)
     out = _kernel(kind)(
         inputs=inputs,
-        template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", OUTS_PER_WARP), *extra],
+        template=[("T", x.dtype), ("M", m), ("R", OUTS_PER_WARP), *extra],
         grid=(warps * 32, 1, 1),
         threadgroup=(BLOCK, 1, 1),
         output_shapes=[(m, n)],
