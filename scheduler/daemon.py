@@ -59,7 +59,10 @@ def serve(settings: DaemonSettings) -> int:
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
 
     # The front end hands the engine at most one batch's worth of sequences at a time.
-    front = FrontEnd(replace(settings.front, capacity=settings.engine.max_batch), make_engine)
+    front_settings = replace(
+        settings.front, capacity=settings.engine.max_batch, prefix_cache_bytes=settings.engine.prefix_cache_bytes
+    )
+    front = FrontEnd(front_settings, make_engine)
     # The engine thread and the event loop share the GIL. A short switch interval keeps the
     # loop's bookkeeping from holding up the next decode step by up to the default 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

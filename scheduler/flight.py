@@ -23,7 +23,7 @@ from scheduler.engine_process import EngineHandle
 from scheduler.fairness import FairQueue
 from scheduler.outputs import Outputs
 from scheduler.requests import RequestTable, Tracked
-from scheduler.settings import FrontEndSettings
+from scheduler.settings import FrontEndSettings, request_kv_budget
 from scheduler.tenants import Tenant, local_table
 from workers.models import ModelInfo
 
@@ -97,7 +97,7 @@ class Flight:
 
     def fits(self, t: Tracked) -> bool:
         """Whether ``t`` fits in what the KV budget has left now (always, without a budget)."""
-        budget = self.settings.kv_budget_bytes
+        budget = request_kv_budget(self.settings)
         return not budget or t.job is None or self.kv_reserved + self.kv_need(t) <= budget
 
     def queue(self, tenant: Tenant, t: Tracked) -> None:

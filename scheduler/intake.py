@@ -36,7 +36,7 @@ from scheduler.control import Control
 from scheduler.flight import Flight
 from scheduler.outputs import refused_submit_end
 from scheduler.requests import Tracked
-from scheduler.settings import FrontEndSettings
+from scheduler.settings import FrontEndSettings, request_kv_budget
 from scheduler.stats import Counters
 from scheduler.stopping import StopStrings
 from scheduler.tenants import LOCAL, Tenant
@@ -274,16 +274,19 @@ class Intake:
         t.detok = flight.tokenizer.detokenizer
         t.stops = StopStrings(t.req.stop) if t.req.stop else None
         t.job = job_for(t, admitted, tenant)
-        budget = self.settings.kv_budget_bytes
+        budget = request_kv_budget(self.settings)
         if budget and flight.kv_need(t) > budget:
             need_mb, budget_mb = flight.kv_need(t) / 2**20, budget / 2**20
+            kept = self.settings.prefix_cache_bytes / 2**20
             flight.finish_here(
                 t,
                 FinishReason.ERROR,
                 (
                     ErrorCode.KV_BUDGET,
                     f"this request needs {need_mb:.1f} MiB of KV cache (prompt + max_tokens) but the daemon's whole "
-                    f"budget is {budget_mb:.1f} MiB; lower max_tokens or shorten the prompt",
+                    f"budget for requests is {budget_mb:.1f} MiB"
+                    + (f" ({kept:.1f} MiB more are kept for the prefix cache)" if kept else "")
+                    + "; lower max_tokens or shorten the prompt",
                 ),
             )
             return

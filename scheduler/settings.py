@@ -47,8 +47,12 @@ class FrontEndSettings:
     insecure: bool = False
     #: ``HOST:PORT`` for the Prometheus exposition, or ``None``.
     metrics: str | None = None
-    #: KV-cache bytes the engine may hold for admitted requests (prompt + max_tokens each); 0 = no cap.
+    #: KV-cache bytes the engine may hold, admitted requests (prompt + max_tokens each) and the prefix
+    #: cache together; 0 = no cap.
     kv_budget_bytes: int = 0
+    #: The engine's prefix-cache bound (``--prefix-cache-mb``): carved out of ``kv_budget_bytes``, so
+    #: cached prefixes and running requests together stay within the budget.
+    prefix_cache_bytes: int = 0
     #: Requests one connection may have in flight (waiting or decoding) before ``busy``.
     max_inflight_per_client: int = 256
     #: ``HOST:PORT`` for the OpenAI-compatible HTTP front door (``docs/http.md``), or ``None``.
@@ -57,9 +61,19 @@ class FrontEndSettings:
     http_body_timeout_s: float = 30.0
 
 
+def request_kv_budget(s: FrontEndSettings) -> int:
+    """KV bytes admitted requests may reserve: the budget less the prefix cache's bound (0 = no cap)."""
+    return max(0, s.kv_budget_bytes - s.prefix_cache_bytes) if s.kv_budget_bytes else 0
+
+
 def load_table(s: FrontEndSettings) -> TenantTable:
     """The tenants in force, once the settings are checked for a combination that must not start
     (tenants without a CURVE key; a network address or HTTP door open to anyone, unless insecure)."""
+    if s.kv_budget_bytes and s.prefix_cache_bytes >= s.kv_budget_bytes:
+        raise ConfigError(
+            f"--prefix-cache-mb {s.prefix_cache_bytes / 2**20:g} leaves nothing of --kv-budget-mb "
+            f"{s.kv_budget_bytes / 2**20:g} for requests: the prefix cache is counted in the KV budget"
+        )
     table = local_table() if s.tenants is None else load_tenants(s.tenants)
     tcp = not s.listen.startswith("ipc://")
     if table.authenticated and s.curve_secret is None:

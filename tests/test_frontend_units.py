@@ -24,7 +24,7 @@ from scheduler.intake import Intake
 from scheduler.local import LocalConnection
 from scheduler.outputs import Outputs, refused_submit_end
 from scheduler.requests import RequestTable, Tracked
-from scheduler.settings import FrontEndSettings
+from scheduler.settings import ConfigError, FrontEndSettings, load_table
 from scheduler.stats import (
     Counters,
     TaxGate,
@@ -447,6 +447,21 @@ def test_the_kv_budget_holds_back_what_does_not_fit_now_and_refuses_what_never_f
     [end] = p.received(b"\x00A")
     assert end["id"] == "big" and end["error"]["code"] == ErrorCode.KV_BUDGET.value
     assert ("local", b"\x00A", "big") not in p.flight.requests
+
+
+def test_the_prefix_cache_bound_is_carved_out_of_the_kv_budget() -> None:
+    """With a prefix cache, requests get the budget less the cache's bound; a bound that leaves them
+    nothing does not start."""
+    need = (3 + 2) * INFO.kv_bytes_per_token
+    p = _Parts(kv_budget_bytes=3 * need, prefix_cache_bytes=need)
+    p.connect(b"\x00A")
+    first, second, third = (p.submit(b"\x00A", "local", rid) for rid in ("1", "2", "3"))
+    assert p.engine.submitted() == [first.seq, second.seq] and not third.in_engine
+    p.intake.submit(b"\x00A", p.flight.table.tenants["local"], Submit("big", tokens=[1, 2, 3], max_tokens=8))
+    [end] = p.received(b"\x00A")
+    assert end["error"]["code"] == ErrorCode.KV_BUDGET.value and "prefix cache" in end["error"]["message"]
+    with pytest.raises(ConfigError, match="counted in the KV budget"):
+        load_table(FrontEndSettings("ipc:///unused", kv_budget_bytes=need, prefix_cache_bytes=need))
 
 
 def test_limits_refuse_a_duplicate_id_a_full_connection_and_a_closing_daemon() -> None:
