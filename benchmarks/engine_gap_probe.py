@@ -11,7 +11,14 @@ counters give milliseconds per decode step:
 - ``thread``: the same loop on a second thread;
 - ``loop``: ``EngineThread`` (the daemon's engine loop) in this process, events dropped;
 - ``process``: ``EngineProcess`` (the daemon's default: the engine loop in a child process, events
-  over ipc), events received and dropped.
+  over ipc), events received and dropped;
+- ``daemon``: a real ``mlx-batchd serve`` driven as the bench drives it (one client, a thread per
+  sequence), counters from its ``stats``;
+- ``daemon-1client``: the same daemon, all sequences from one thread with the async client (no
+  thread per sequence), to separate the clients' cost from the front end's.
+
+On the H200 (8B synth) the first four agreed within ~4 % (B = 64) while the bench's daemon arm
+took 25-40 % longer per step; the last two say whether the front end or the client side costs it.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -99,13 +109,53 @@ class Hosted:
         self.handle.join(30)
 
 
+class Served:
+    """A real daemon and a client, as ``mlx-batchd bench``'s daemon arm runs them."""
+
+    def __init__(self, model: str) -> None:
+        from clients.sync import Client
+        from scheduler.spawn import DaemonProcess
+
+        folder = Path(tempfile.mkdtemp(prefix="mlx-batchd-gap-"))
+        self.proc = DaemonProcess(model, f"ipc://{folder / 'd.sock'}", "--max-batch", "128", "--max-tokens-cap", "4096")
+        self.proc.wait_ready()
+        self.client = Client(self.proc.address, timeout=3600)
+
+    def counters(self) -> tuple[int, float]:
+        engine = self.client.stats()["engine"]
+        return int(engine.get("decode_steps", 0)), float(engine.get("decode_seconds", 0.0))
+
+    def run(self, ps: list[list[int]], tokens: int, threads: bool) -> tuple[int, float]:
+        before = self.counters()
+        if threads:
+            with ThreadPoolExecutor(len(ps)) as pool:
+                list(pool.map(lambda p: self.client.generate(tokens=p, max_tokens=tokens), ps))
+        else:
+            import anyio
+
+            from clients.client import AsyncClient
+
+            async def all_at_once() -> None:
+                async with AsyncClient(self.proc.address) as c, anyio.create_task_group() as tg:
+                    for p in ps:
+                        tg.start_soon(lambda p=p: c.generate(tokens=p, max_tokens=tokens))
+
+            anyio.run(all_at_once)
+        after = self.counters()
+        return after[0] - before[0], after[1] - before[1]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--arms", default="main,thread,loop,process")
+    ap.add_argument("--arms", default="main,thread,loop,process,daemon,daemon-1client")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     loaded = load(a.model)
@@ -113,6 +163,7 @@ def main() -> None:
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=vocab, max_batch=128)
     arms = a.arms.split(",")
     hosted = {k: Hosted(k, a.model, lambda: loaded) for k in arms if k in ("loop", "process")}
+    served = Served(a.model) if any(k.startswith("daemon") for k in arms) else None
     results: dict[str, dict[str, list[float]]] = {}
     for b in [int(x) for x in a.batches.split(",")]:
         for rep in range(a.repeats + 1):  # repeat 0 warms every arm up
@@ -123,6 +174,9 @@ def main() -> None:
                     steps, secs = drive_engine(engine, ps, a.tokens)
                 elif arm == "thread":
                     steps, secs = on_thread(engine, ps, a.tokens)
+                elif arm.startswith("daemon"):
+                    assert served is not None
+                    steps, secs = served.run(ps, a.tokens, threads=arm == "daemon")
                 else:
                     steps, secs = hosted[arm].run(ps, a.tokens)
                 mx.clear_cache()
@@ -132,6 +186,8 @@ def main() -> None:
                     results.setdefault(f"B={b}", {}).setdefault(arm, []).append(ms)
     for h in hosted.values():
         h.close()
+    if served is not None:
+        served.close()
     summary = {
         b: {arm: {"median_ms": statistics.median(v), "min": min(v), "max": max(v)} for arm, v in arms_.items()}
         for b, arms_ in results.items()
