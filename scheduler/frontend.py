@@ -34,6 +34,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from scheduler.binding import LIVE_SOCKET_TIMEOUT_S
 from scheduler.control import Control
 from scheduler.engine_events import EngineEvents
 from scheduler.engine_process import EngineHandle
@@ -49,7 +50,6 @@ from scheduler.transport import (
     HARD_FRAME_FACTOR,
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
-    LIVE_SOCKET_TIMEOUT_S,
     OUTBOX_RETRY_S,
     Transport,
 )

@@ -1,5 +1,5 @@
-"""The front end's connections: the ZeroMQ ROUTER, CURVE and ZAP, binding and unlinking the ipc
-socket file, the disconnect monitor, and sending without ever waiting.
+"""The front end's connections: the ZeroMQ ROUTER, CURVE and ZAP, the disconnect monitor, and
+sending without ever waiting (binding the address and unlinking the ipc socket file: ``binding``).
 
 Every connection is tracked by its routing id and the file descriptor its messages arrive on
 (``ZMQ_SRCFD``); a socket monitor reports disconnects by descriptor, so a connection's requests end
@@ -17,11 +17,7 @@ paused)``.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
-import socket
-import stat
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +29,9 @@ import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from zmq.utils.monitor import parse_monitor_message
 
-from clients.address import ipc_path, unsafe_reason
 from clients.protocol import batch_message, pack
-from scheduler.settings import BindError, ConfigError
+from scheduler.binding import BoundFile, bind_listen, unlink_bound
+from scheduler.settings import ConfigError
 
 log = logging.getLogger("mlx_batchd")
 
@@ -51,8 +47,6 @@ HEARTBEAT_TIMEOUT_MS = 6000
 #: outbox is retried.
 CONNECTION_POLL_S = 0.1
 OUTBOX_RETRY_S = 0.005
-#: How long an existing socket file may take to accept a connection before it counts as dead.
-LIVE_SOCKET_TIMEOUT_S = 0.5
 
 
 #: Outgoing messages waiting in an outbox: packed frames for ZeroMQ connections, the maps themselves
@@ -93,7 +87,7 @@ class Transport:
         self._step_out: dict[bytes, list[dict[str, Any]]] | None = None
         #: The ipc socket file this daemon bound, so exit removes only that file: device, inode and
         #: change time (an inode number alone is reused as soon as a file is deleted).
-        self._bound_socket: tuple[int, int, int] | None = None
+        self._bound_socket: BoundFile | None = None
 
     # ------------------------------------------------------------------ socket lifecycle
 
@@ -135,32 +129,13 @@ class Transport:
         return auth
 
     def bind(self) -> None:
-        """Take the address, or raise ``BindError``. For ``ipc://`` the socket's folder must be ours
-        and closed to others (created 0700 if missing; an existing folder's mode is never changed),
-        and an existing socket file is removed only if nothing answers on it."""
-        addr = self.listen
-        path = ipc_path(addr)
-        if path is None or str(path).startswith("@"):  # tcp, or a Linux abstract socket (no file)
-            _bind_or_refuse(self._sock, addr)
-            return
-        _own_folder(path.parent, addr)
-        _clear_dead_socket(path, addr)
-        _bind_or_refuse(self._sock, addr)
-        path.chmod(0o600)
-        st = os.stat(path)
-        self._bound_socket = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        """Take the address, or raise ``BindError`` (``binding.bind_listen``: an ipc socket's folder
+        must be ours and closed to others, and a live socket file is never taken over)."""
+        self._bound_socket = bind_listen(self._sock, self.listen)
 
     def unlink_ipc(self) -> None:
         """Remove the socket file this daemon bound, and only if it is still that file."""
-        path = ipc_path(self.listen)
-        if path is None or self._bound_socket is None:
-            return
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._bound_socket:
-            path.unlink(missing_ok=True)
+        unlink_bound(self.listen, self._bound_socket)
 
     async def receive(self) -> list[zmq.Frame]:
         """The next message's frames, after the disconnects reported so far and the sender's
@@ -363,53 +338,3 @@ class Transport:
             return
         (self._paused.add if paused else self._paused.discard)(client)
         self._on_pause(client, paused)
-
-
-def _own_folder(folder: Path, addr: str) -> None:
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        folder.mkdir(mode=0o700)
-        folder.chmod(0o700)  # ours, just made: the mode must not depend on the umask
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise BindError(f"cannot listen on {addr}: cannot create {folder}: {exc.strerror}") from None
-    reason = unsafe_reason(folder)
-    if reason is not None:
-        raise BindError(
-            f"refusing to listen on {addr}: {reason}; use a folder only you can write "
-            "(leave --listen out for the private default)"
-        )
-
-
-def _clear_dead_socket(path: Path, addr: str) -> None:
-    """Remove a socket file left by a daemon that did not exit cleanly; refuse a live one."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise BindError(f"cannot listen on {addr}: {path} exists and is not a socket; remove it or pick another path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(LIVE_SOCKET_TIMEOUT_S)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        path.unlink(missing_ok=True)  # nobody listens: a stale file
-        return
-    except TimeoutError:
-        pass  # a listener too busy to accept is still a listener
-    except OSError as exc:
-        raise BindError(f"cannot listen on {addr}: cannot check the existing {path}: {exc.strerror}") from None
-    finally:
-        probe.close()
-    raise BindError(f"address in use: a daemon is already listening on {addr}; stop it or pick another --listen")
-
-
-def _bind_or_refuse(sock: zmq.asyncio.Socket, addr: str) -> None:
-    try:
-        sock.bind(addr)
-    except zmq.ZMQError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise BindError(f"address in use: {addr}; stop what listens there or pick another --listen") from None
-        raise BindError(f"cannot listen on {addr}: {exc}") from None

@@ -124,10 +124,10 @@ def wait_for_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
 def clean_kernel_state() -> Iterator[None]:
     """The kernel module as the test found it: no seam, wide, the measured widths of the modules that
     are still alive (``kernels.saved_widths``). Test modules that inject divergence use it for every test."""
-    from workers import kernels
+    from workers import kernels, seam
     from workers.kernels import Level
 
     with kernels.saved_widths():
         yield
-    kernels.divergence_seam = None
+    seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)

@@ -1,7 +1,7 @@
 """Speculative B = 1 bursts on the engine, with real models on the CPU.
 
 Exactness is checked token for token against the same engine without a drafter. Divergence the
-CPU does not produce is injected through ``workers.kernels.divergence_seam`` and the tests that do
+CPU does not produce is injected through ``workers.seam.divergence_seam`` and the tests that do
 so say it in their names.
 """
 
@@ -17,7 +17,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.reference import probed_bursts
-from workers import kernels
+from workers import kernels, seam
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, DraftModel, PromptLookup
 from workers.engine import Engine, Finished, Job, Tokens
@@ -50,7 +50,7 @@ def target(paths: dict[str, Path]) -> Any:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     yield
-    kernels.divergence_seam = None
+    seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
 
 
@@ -160,9 +160,9 @@ def test_declined_verdict_runs_no_burst(paths: dict[str, Path], target: Any) -> 
             return (out.view(mx.uint16) ^ 1).view(out.dtype)
         return out
 
-    kernels.divergence_seam = head_diverges
+    seam.divergence_seam = head_diverges
     engine = make_engine(target, drafters(paths, target)["prompt-lookup"]())
-    kernels.divergence_seam = None
+    seam.divergence_seam = None
     assert engine.verdicts[engine.pairing].level is None  # type: ignore[index]
     j = job(0, [7, 7, 7, 7, 8, 8, 8, 8], n=30)
     assert run(engine, [j]) == classic(target, [j])
@@ -179,13 +179,13 @@ def test_injected_divergence_is_caught_by_the_audit_and_revokes_the_verdict(
     assert engine.verdicts[engine.pairing].level == "wide"  # type: ignore[index]
     j, later = job(0, [5, 6, 7], n=40), job(1, [5, 6, 7], n=20)
     want = classic(target, [j])[0]
-    kernels.divergence_seam = lambda kind, out, rows: (
+    seam.divergence_seam = lambda kind, out, rows: (
         (out.view(mx.uint16) ^ 1).view(out.dtype)
         if kind == "projection" and rows > 1 and out.shape[0] == 1 and out.ndim == 3 and out.shape[1] > 1
         else out
     )
     got = run(engine, [j])
-    kernels.divergence_seam = None
+    seam.divergence_seam = None
     assert got == {0: want}  # the diverged round was thrown away
     assert engine.bursts.audit_failures == 1 and engine.bursts.rounds == 1
     assert engine.pairing in engine.revoked

@@ -25,7 +25,8 @@ from workers.engine import Finished, Job, Tokens
 from workers.kernels import measure_widths
 from workers.loop import EngineSettings, EngineThread, Ready, Signal
 from workers.models import load as load_model
-from workers.probe import VerdictStore, make_draws, probe
+from workers.probe import make_draws, probe
+from workers.verdict_store import VerdictStore
 
 VOCAB = 260
 K = 2

@@ -15,17 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from workers.models import LoadedModel
-from workers.probe import (
-    Draw,
-    MakeCache,
-    ProbePolicy,
-    Verdict,
-    VerdictStore,
-    make_draws,
-    probe_steps,
-    serving_pairing,
-    sliding_window,
-)
+from workers.probe import ProbePolicy, Verdict, make_draws, probe_steps, sliding_window
+from workers.probe_draws import Draw, MakeCache
+from workers.verdict_store import VerdictStore, serving_pairing
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from workers.models import load
-    from workers.probe import drive, iter_table, ladder_line, narrowed_widths
+    from workers.probe import drive
+    from workers.probe_report import iter_table, ladder_line, narrowed_widths
     from workers.probe_setup import probe_setup
 
     loaded = load(args.model)

@@ -1,0 +1,82 @@
+"""Patching MLX and mlx-lm: the projection and attention entry points every pinned forward goes through.
+
+``install`` wraps each projection method mlx-lm models use (``projections.pinnable``) and every
+loaded model module's ``scaled_dot_product_attention`` (``attention.per_query_sdpa``), once; at
+``wide`` the wrappers call straight through. ``stock`` takes them off for a block (the raw peer in
+benchmarks).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.nn as nn
+
+from workers.attention import per_query_sdpa
+from workers.projections import pinnable
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Patch the projection classes and every loaded mlx-lm model module's attention entry point.
+
+    Idempotent. Model modules imported later are patched by calling ``install`` again (model
+    loading does), since each module holds its own reference to ``scaled_dot_product_attention``.
+    """
+    global _installed
+    with _install_lock:
+        if not _installed:
+            for cls, method in _projection_classes():
+                setattr(cls, method, pinnable(getattr(cls, method)))
+            _installed = True
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("mlx_lm.models.") or module is None:
+                continue
+            fn = getattr(module, "scaled_dot_product_attention", None)
+            if callable(fn) and not hasattr(fn, "__wrapped__"):
+                module.scaled_dot_product_attention = per_query_sdpa(fn)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def stock() -> Iterator[None]:
+    """Run the block on unpatched MLX and mlx-lm (the raw peer in benchmarks), then patch again."""
+    global _installed
+    with _install_lock:
+        was = _installed
+        if was:
+            for cls, method in _projection_classes():
+                setattr(cls, method, getattr(cls, method).__wrapped__)
+            _installed = False
+        patched = {}
+        for name, module in list(sys.modules.items()):
+            fn = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
+            if fn is not None and hasattr(fn, "__wrapped__"):
+                patched[name] = fn
+                module.scaled_dot_product_attention = fn.__wrapped__  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        with _install_lock:
+            for name, fn in patched.items():
+                sys.modules[name].scaled_dot_product_attention = fn  # type: ignore[attr-defined]
+        if was:
+            install()
+
+
+def _projection_classes() -> list[tuple[type, str]]:
+    """(class, method) pairs that compute every projection mlx-lm models use."""
+    from mlx_lm.models import switch_layers
+
+    return [
+        (nn.Linear, "__call__"),
+        (nn.QuantizedLinear, "__call__"),
+        (nn.Embedding, "as_linear"),  # tied output heads
+        (nn.QuantizedEmbedding, "as_linear"),
+        (switch_layers.SwitchGLU, "__call__"),  # MoE experts: chunked per token, router included
+        (switch_layers.SwitchMLP, "__call__"),
+    ]

@@ -1,0 +1,112 @@
+"""Verdicts memoised by fingerprint: what can change a verdict, hashed, and the JSON files that hold them.
+
+A pairing's fingerprint covers the weights and config (hashed by content), the drafter, the cache
+types serving builds, the backend and versions, and the probe's own method (``PROBE_VERSION``);
+a stored verdict is used only for exactly that fingerprint, and only when it reads back valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from workers.probe_results import Verdict
+
+log = logging.getLogger("mlx_batchd.probe")
+
+#: Bump when the probe's method changes, so persisted verdicts are re-measured.
+PROBE_VERSION = 3
+
+
+def _file_sha256(path: Path, memo: dict[str, Any]) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if key not in memo:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        memo[key] = h.hexdigest()
+    return str(memo[key])
+
+
+def model_fingerprint(model_dir: Path, cache_dir: Path) -> str:
+    """sha256 over the config and every weight file's content (file hashes memoised by size
+    and mtime, so a 5 GB checkpoint is read once)."""
+    memo_path = cache_dir / "file-hashes.json"
+    memo: dict[str, Any] = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+    h = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix in (".safetensors", ".json") and path.is_file():
+            h.update(path.name.encode())
+            h.update(_file_sha256(path, memo).encode())
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    memo_path.write_text(json.dumps(memo))
+    return h.hexdigest()
+
+
+def backend_fingerprint() -> dict[str, str]:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return {
+        "device": str(mx.default_device()),
+        "device_name": str(info.get("device_name", "")),
+        "architecture": str(info.get("architecture", "")),
+        "mlx": str(getattr(mx, "__version__", "unknown")),
+    }
+
+
+def pairing_fingerprint(pairing: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps({**pairing, "probe_version": PROBE_VERSION}, sort_keys=True).encode()).hexdigest()
+
+
+class VerdictStore:
+    """Verdicts as JSON files named by fingerprint."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, fingerprint: str) -> Path:
+        return self.root / f"{fingerprint}.json"
+
+    def get(self, fingerprint: str) -> Verdict | None:
+        """The stored verdict for ``fingerprint``, or ``None`` (probe again) when there is none or
+        the file does not hold a valid verdict for exactly this pairing: a damaged or forged
+        file is never trusted, and says so in the log."""
+        path = self.path(fingerprint)
+        if not path.exists():
+            return None
+        try:
+            verdict = Verdict.from_json(json.loads(path.read_text()))
+            if verdict.fingerprint != fingerprint or pairing_fingerprint(verdict.pairing) != fingerprint:
+                raise ValueError("it is the verdict of another pairing")
+        except Exception as exc:  # anything in the file, however odd, means "probe again"
+            log.warning("ignoring the stored verdict %s (%s); the pairing is probed again", path, exc)
+            return None
+        verdict.from_cache = True
+        return verdict
+
+    def put(self, verdict: Verdict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(verdict.fingerprint).with_suffix(".tmp")
+        tmp.write_text(json.dumps(verdict.to_json(), indent=2))
+        tmp.replace(self.path(verdict.fingerprint))
+
+
+def serving_pairing(
+    model_dir: Path, config: dict[str, Any], drafter: str, cache: list[Any], cache_root: Path
+) -> dict[str, Any]:
+    """Everything that can change a verdict: weights and config, dtype and quantization (both in
+    the config and the weights), drafter, the cache types serving builds, backend and versions."""
+    return {
+        "model": model_fingerprint(model_dir, cache_root),
+        "model_type": config.get("model_type"),
+        "quantization": config.get("quantization"),
+        "drafter": drafter,
+        "caches": [type(c).__name__ + (f"({c.max_size})" if hasattr(c, "max_size") else "") for c in cache],
+        "backend": backend_fingerprint(),
+    }
