@@ -124,10 +124,11 @@ def wait_for_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
 def clean_kernel_state() -> Iterator[None]:
     """The kernel module as the test found it: no seam, wide, the measured widths of the modules that
     are still alive (``kernels.saved_widths``). Test modules that inject divergence use it for every test."""
-    from workers import kernels, seam
+    import workers.seam
+    from workers import kernels
     from workers.kernels import Level
 
     with kernels.saved_widths():
         yield
-    seam.divergence_seam = None
+    workers.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)

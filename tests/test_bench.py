@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+import workers.seam
 from scheduler.bench.arms import HTTP_ARMS, drafter_args, http_generate, run_engine
 from scheduler.bench.b1 import b1_markdown, b1_rows
 from scheduler.bench.batched import Setup, batched_markdown, batched_rows
@@ -21,7 +22,7 @@ from scheduler.bench.prefix import PREFIX_ARMS, PrefixPlan
 from scheduler.bench.reference import reference_line, reference_tok_s
 from scheduler.bench.spreads import ratio_spread, spread
 from scheduler.cli import build_parser
-from workers import kernels, seam
+from workers import kernels
 
 CLASSIC = [100.0, 90.0, 110.0]
 COUNTS = {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30, "emitted_tokens": 40}
@@ -212,13 +213,13 @@ def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
         head = kind == "projection" and out.shape[-1] == vocab
         return _perturb(out) if head and (rows > 1 or kernels.current_level() is not kernels.Level.WIDE) else out
 
-    seam.divergence_seam = no_level_is_exact
+    workers.seam.divergence_seam = no_level_is_exact
     try:
         configure_bursts(engine, loaded, EngineSettings(draft=drafter))
         while engine.probing:
             engine.probe_step()
     finally:
-        seam.divergence_seam = None
+        workers.seam.divergence_seam = None
     assert engine.pairing is not None and engine.verdicts[engine.pairing].level is None
 
 

@@ -16,8 +16,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+import workers.seam
 from tests.reference import probed_bursts
-from workers import kernels, seam
+from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import Drafter, DraftModel, PromptLookup
 from workers.engine import Engine, Finished, Job, Tokens
@@ -50,7 +51,7 @@ def target(paths: dict[str, Path]) -> Any:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     yield
-    seam.divergence_seam = None
+    workers.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
 
 
@@ -160,9 +161,9 @@ def test_declined_verdict_runs_no_burst(paths: dict[str, Path], target: Any) -> 
             return (out.view(mx.uint16) ^ 1).view(out.dtype)
         return out
 
-    seam.divergence_seam = head_diverges
+    workers.seam.divergence_seam = head_diverges
     engine = make_engine(target, drafters(paths, target)["prompt-lookup"]())
-    seam.divergence_seam = None
+    workers.seam.divergence_seam = None
     assert engine.verdicts[engine.pairing].level is None  # type: ignore[index]
     j = job(0, [7, 7, 7, 7, 8, 8, 8, 8], n=30)
     assert run(engine, [j]) == classic(target, [j])
@@ -179,13 +180,13 @@ def test_injected_divergence_is_caught_by_the_audit_and_revokes_the_verdict(
     assert engine.verdicts[engine.pairing].level == "wide"  # type: ignore[index]
     j, later = job(0, [5, 6, 7], n=40), job(1, [5, 6, 7], n=20)
     want = classic(target, [j])[0]
-    seam.divergence_seam = lambda kind, out, rows: (
+    workers.seam.divergence_seam = lambda kind, out, rows: (
         (out.view(mx.uint16) ^ 1).view(out.dtype)
         if kind == "projection" and rows > 1 and out.shape[0] == 1 and out.ndim == 3 and out.shape[1] > 1
         else out
     )
     got = run(engine, [j])
-    seam.divergence_seam = None
+    workers.seam.divergence_seam = None
     assert got == {0: want}  # the diverged round was thrown away
     assert engine.bursts.audit_failures == 1 and engine.bursts.rounds == 1
     assert engine.pairing in engine.revoked

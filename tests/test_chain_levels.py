@@ -21,8 +21,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+import workers.seam
 from tests.reference import load_measured, probed_bursts
-from workers import fastpath, kernels, seam
+from workers import fastpath, kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Job, Tokens
@@ -75,7 +76,7 @@ def test_padded_runs_every_projection_on_pad_rows_and_keeps_the_real_rows_exact(
             rows_seen.append(rows)
         return out
 
-    seam.divergence_seam = count
+    workers.seam.divergence_seam = count
     with scoped(Level.PADDED):
         padded = model(tokens, cache=make_prompt_cache(model))
         one = model(tokens[:, :1], cache=make_prompt_cache(model))
@@ -114,7 +115,7 @@ def test_injected_one_row_divergence_is_exact_at_the_rung_because_the_chain_runs
     ``PAD_ROWS`` rows per call, at rowwise both go through the project's kernel, so every draw is exact."""
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     model = load_measured(llama)
-    seam.divergence_seam = _one_row_kernel_differs
+    workers.seam.divergence_seam = _one_row_kernel_differs
     draws = make_draws(3, VOCAB, 4096, None)
     verdict = probe(model, lambda: make_prompt_cache(model), {"test": level.value}, draws, 3, policy=ProbePolicy())
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), (level.value, True)]
@@ -152,7 +153,7 @@ def test_injected_one_row_divergence_bursts_at_the_rung_emit_its_classic_decode(
     emits, every round audited clean; classic decode left at one-row calls would emit something else."""
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     model = load_measured(llama)
-    seam.divergence_seam = _one_row_kernel_differs
+    workers.seam.divergence_seam = _one_row_kernel_differs
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
 
     classic = _pinned_engine(model, level)
@@ -237,7 +238,7 @@ def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
         return out
 
     model = load_measured(llama)
-    seam.divergence_seam = count
+    workers.seam.divergence_seam = count
     with scoped(Level.ROWWISE):
         mx.eval(model(mx.array([[(5 * i) % 250 + 3 for i in range(21)]]), cache=make_prompt_cache(model)))
     assert calls and all(c == 21 for c in calls)  # one project() per module call, never a fallback
