@@ -218,6 +218,7 @@ def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
     from workers import rowkernel
 
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "reference")
+    mx.random.seed(11)
     q = nn.QuantizedLinear(128, 40, bits=4, group_size=64)
     d = nn.Linear(128, 40, bias=True)
     e = nn.Embedding(40, 128)
@@ -229,7 +230,9 @@ def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
         with scoped(Level.ROWWISE):
             rows = call(x)
         assert rows.shape == wide.shape and rows.dtype == wide.dtype
-        assert mx.allclose(rows.astype(mx.float32), wide.astype(mx.float32), rtol=2e-2, atol=2e-2).item()
+        # fp32 products against MLX's own (which accumulates bf16 inputs in bf16: a few ulps apart)
+        err = mx.max(mx.abs(rows.astype(mx.float32) - wide.astype(mx.float32))).item()
+        assert err <= (5e-2 if dtype == mx.bfloat16 else 1e-4) * mx.max(mx.abs(wide.astype(mx.float32))).item()
     calls: list[int] = []
 
     def count(kind: str, out: mx.array, rows: int) -> mx.array:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,10 @@ def calibrate(model: nn.Module) -> dict[str, dict[int, int]]:
                         costs[to] = _ms(_bound(original, m, mx.zeros((to, d_in), dtype=dtype)))
                 plan[rows] = min(costs, key=lambda k: costs[k])
             by_shape[shape] = plan
+        if id(m) not in _plans:
+            # Keyed by id: a dead module's entry must go with it, or a later module that Python
+            # gives the same id would inherit a plan timed for another shape (and policy).
+            weakref.finalize(m, _plans.pop, id(m), None)
         _plans[id(m)] = by_shape[shape]
     return by_shape
 
