@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class StopStrings:
-    """Streams text through, cutting it before the first stop string."""
+    """Streams text through, cutting it before the first stop string to complete."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -22,9 +22,11 @@ class StopStrings:
         if self.matched is not None:
             return "", True
         buf = self._held + text
-        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        # The stop string that completes first as the text streams in (the earliest end; of two
+        # ending together, the longer), so the cut does not depend on how tokens split the text.
+        hits = [(i + len(s), i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
-            index, stop = min(hits)
+            _, index, stop = min(hits)
             self.matched = stop
             self._held = ""
             return buf[:index], True

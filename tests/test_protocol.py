@@ -117,12 +117,23 @@ def test_stop_strings(pieces: list[str], stops: list[str], emitted: str, hit: bo
     st.lists(st.text(alphabet="abc", min_size=1, max_size=3), min_size=1, max_size=3),
 )
 def test_stop_strings_match_a_plain_search(pieces: list[str], stops: list[str]) -> None:
-    """Streaming in any split equals cutting the whole text at the first stop string."""
+    """Streaming in any split equals reading the whole text a character at a time and cutting it
+    before the first stop string to complete (of two completing together, the longer)."""
     full = "".join(pieces)
     out, matched = _stream_through(pieces, stops)
-    hits = [full.find(x) for x in stops if x in full]
-    want = full[: min(hits)] if hits else full
-    assert out == want and matched == bool(hits)
+    want, hit = full, False
+    for end in range(1, len(full) + 1):
+        starts = [end - len(x) for x in stops if full[:end].endswith(x)]
+        if starts:
+            want, hit = full[: min(starts)], True
+            break
+    assert out == want and matched == hit
+
+
+def test_a_stop_string_that_completes_first_wins_whatever_the_split() -> None:
+    """``a`` completes (at 2) before ``baa`` (at 3) could: the cut is before ``a``, in one piece or two."""
+    assert _stream_through(["baa"], ["a", "baa"]) == ("b", True)
+    assert _stream_through(["ba", "a"], ["a", "baa"]) == ("b", True)
 
 
 def test_client_events_from_messages() -> None:
