@@ -42,8 +42,10 @@ from workers.burst import BurstSettings
 from workers.engine import Finished, Job, StepInfo, Timings, Tokens
 from workers.kernels import Level
 from workers.loop import Dead, EngineSettings, EngineThread, Ready, Signal, Stopped
+from workers.loop import job_from_wire as job_from_wire
+from workers.loop import job_to_wire as job_to_wire
 from workers.models import ModelInfo
-from workers.params import FinishReason, SamplingParams
+from workers.params import FinishReason
 from workers.probe import ProbePolicy
 
 log = logging.getLogger("mlx_batchd")
@@ -54,6 +56,8 @@ LIVENESS_POLL_MS = 200
 SNAPSHOT_POLL_S = 0.1
 #: Events carry the snapshot at most this often, and always when a sequence finished.
 SNAPSHOT_EVERY_S = 0.02
+#: Seconds an engine process whose daemon is gone waits for its engine to stop before it exits anyway.
+ORPHAN_GRACE_S = 15.0
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -78,14 +82,6 @@ def settings_from_wire(d: dict[str, Any]) -> EngineSettings:
     return EngineSettings(
         **{**d, "probe_policy": ProbePolicy(**policy), "bursts": BurstSettings(**d["bursts"])},
     )
-
-
-def job_to_wire(job: Job) -> dict[str, Any]:
-    return {**asdict(job), "sampling": asdict(job.sampling), "stop_token_ids": list(job.stop_token_ids)}
-
-
-def job_from_wire(d: dict[str, Any]) -> Job:
-    return Job(**{**d, "sampling": SamplingParams(**d["sampling"]), "stop_token_ids": tuple(d["stop_token_ids"])})
 
 
 def signal_to_wire(sig: Signal) -> dict[str, Any]:
@@ -343,7 +339,11 @@ def _apply(engine: EngineThread, cmd: dict[str, Any]) -> None:
 
 
 def child_main() -> int:
-    """The engine process: load, serve commands, exit when the engine thread has stopped."""
+    """The engine process: load, serve commands, exit when the engine thread has stopped.
+
+    Started under ``mlx.launch`` (it inherits the daemon's ``MLX_*`` environment) its engine joins
+    the group as rank 0 and leads the other ranks (``workers.loop``); ``from_env`` is a no-op alone."""
+    from workers.distributed import World
     from workers.models import load
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
@@ -359,19 +359,26 @@ def child_main() -> int:
     events.connect(f"ipc://{folder / 'events'}")
     holder: list[EngineThread] = []
     outbox = _Outbox(events, lambda: holder[0])
-    engine = EngineThread(lambda: load(spec["model"], spec["context_length"]), outbox.events, settings)
+    engine = EngineThread(
+        lambda: load(spec["model"], spec["context_length"], holder[0].world), outbox.events, settings, World.from_env
+    )
     holder.append(engine)
     engine.start()
     parent = os.getppid()
-    told_to_stop = False
+    orphaned_at: float | None = None
     last_snapshot = time.monotonic()
     while engine.is_alive():
         if commands.poll(LIVENESS_POLL_MS):
             _apply(engine, unpack(commands.recv()))
-        elif os.getppid() != parent and not told_to_stop:
+        elif os.getppid() != parent and orphaned_at is None:
             log.warning("the daemon is gone; stopping the engine")
-            engine.shutdown()
-            told_to_stop = True
+            engine.shutdown(code="daemon_gone", message="the daemon is gone")
+            orphaned_at = time.monotonic()
+        elif orphaned_at is not None and time.monotonic() - orphaned_at > ORPHAN_GRACE_S:
+            # The engine did not stop (stuck joining a group, or in a collective whose peer hangs):
+            # nobody is left to serve, and no process may outlive the daemon.
+            log.error("the engine did not stop %.0f s after the daemon went; exiting", ORPHAN_GRACE_S)
+            os._exit(1)
         if time.monotonic() - last_snapshot >= SNAPSHOT_POLL_S:
             outbox.snapshot_if_changed()
             last_snapshot = time.monotonic()
@@ -379,6 +386,38 @@ def child_main() -> int:
     events.close(linger=5000)  # the final signal must reach the daemon
     commands.close(linger=0)
     ctx.term()
+    return 0
+
+
+def follower_main(model: str, context_length: int | None, settings: EngineSettings) -> int:
+    """A rank other than 0 of a daemon started under ``mlx.launch``: no socket, no front end, only
+    the engine on its shard, replaying rank 0's plans (``workers.loop``). Exits 0 when rank 0 stops
+    it (its daemon shut down), 1 when a peer is lost or the ranks diverged, with one line saying so."""
+    from workers.distributed import World, launched_rank
+    from workers.models import load
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when every rank stops
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    final: list[Signal] = []
+    holder: list[EngineThread] = []
+
+    def emit(signals: list[Signal]) -> None:
+        for sig in signals:
+            if isinstance(sig, Ready):
+                w = holder[0].world
+                log.info("rank %d of %d ready: following rank 0 over %s", w.rank, w.size, w.backend)
+            elif isinstance(sig, (Stopped, Dead)):
+                final.append(sig)
+
+    engine = EngineThread(lambda: load(model, context_length, holder[0].world), emit, settings, World.from_env)
+    holder.append(engine)
+    engine.start()
+    engine.join()
+    end = final[-1] if final else Dead("the engine thread ended without a word")
+    if isinstance(end, Dead):
+        said, rank = end.error.rstrip(), f"rank {launched_rank(os.environ)}"
+        print(f"mlx-batchd serve: {said if said.startswith(rank) else f'{rank}: {said}'}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -100,6 +100,20 @@ class Adaptive:
         return True
 
 
+@dataclass(frozen=True)
+class Gate:
+    """The clock-driven part of a step's burst decision, taken apart so one process can make it for
+    several: across ranks (``workers.loop``) rank 0 takes it and every rank applies the same one,
+    while the rest of the decision (who is alone, the verdict) follows from state every rank shares.
+
+    ``refusal`` is the adaptive policy's answer now (``Adaptive.refusal``): why a burst may not
+    start, or ``None``. ``stop`` ends the burst in progress because its last round found bursting
+    does not pay (``Adaptive.after_round``)."""
+
+    refusal: str | None = None
+    stop: bool = False
+
+
 @dataclass
 class BurstSeq:
     """The sequence while it is out of the batch."""

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from workers.arrays import as_float
-from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings
+from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings, Gate
 from workers.drafters import Drafter
 from workers.jobs import Event, Parked, Sequence, StepInfo, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
@@ -73,6 +73,8 @@ class BurstRunner:
         #: token, emitted with the next step's events.
         self._held: list[Event] = []
         self._last_decline: tuple[int, str] | None = None
+        #: The last round found bursting does not pay: the burst ends at the next step's decision.
+        self._stop_asked = False
 
     def configure(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
         """Enable B = 1 bursts with ``drafter``; they run once ``pairing`` has a usable verdict."""
@@ -88,14 +90,27 @@ class BurstRunner:
 
     # ------------------------------------------------------------------ the decision
 
-    def wants(self, live: list[Sequence]) -> bool:
+    def gate(self, now: float) -> Gate:
+        """The clock-driven inputs of the next ``wants``, as of ``now`` (``time.perf_counter``)."""
+        return Gate(self.adaptive.refusal(now), self._stop_asked)
+
+    def wants(self, live: list[Sequence], gate: Gate | None = None) -> bool:
         """Whether this step is a burst round: the burst goes on while its sequence is alone, and a
-        new one starts when the lone decoding sequence may burst (a refusal is counted)."""
+        new one starts when the lone decoding sequence may burst (a refusal is counted).
+
+        ``gate`` is the clock-driven part, taken now from this process's clock when not given; a
+        burst whose last round asked to stop ends here (its sequence rejoins the batch, its pending
+        token is emitted with this step's events)."""
+        gate = self.gate(time.perf_counter()) if gate is None else gate
         if self.current is not None:
-            return len(live) == 1
+            if not gate.stop:
+                return len(live) == 1
+            self._note_decline(self.current.seq, "adaptive")
+            self._held += self._rejoin()
+            return False
         if self.drafter is None:
             return False
-        s, why = self._refusal(live)
+        s, why = self._refusal(live, gate)
         if why is not None:
             if why not in ("no_drafter",):
                 self._note_decline(s, why)
@@ -139,7 +154,7 @@ class BurstRunner:
         one-token verify): unpinned, or at the verdict's rung when that rung pins the chain."""
         return self.host.pinned(level, purpose) if level.pins_chain else unpinned(purpose)
 
-    def _refusal(self, live: list[Sequence]) -> tuple[Sequence | None, str | None]:
+    def _refusal(self, live: list[Sequence], gate: Gate) -> tuple[Sequence | None, str | None]:
         if len(live) != 1:  # paused sequences do not contend
             return None, "contention" if len(live) > 1 else None
         (s,) = live
@@ -150,7 +165,7 @@ class BurstRunner:
         _, why = self._verdict_level()
         if why is not None:
             return s, why
-        return s, self.adaptive.refusal(time.perf_counter())
+        return s, gate.refusal
 
     def _note_decline(self, s: Sequence | None, reason: str) -> None:
         """Count a declined burst once per (sequence, reason) episode, not once per step."""
@@ -188,6 +203,7 @@ class BurstRunner:
         if self.current is not None and self.drafter is not None:
             self.drafter.stop()
         self.current = None
+        self._stop_asked = False
 
     def close(self, keep: bool) -> None:
         """End the burst of a sequence that ends, offering its KV to the prefix cache when ``keep``."""
@@ -296,9 +312,9 @@ class BurstRunner:
             return events + self._rejoin()
         self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
         events.append(StepInfo("burst_round", time.perf_counter() - tic, 1))
-        if not self.adaptive.after_round(time.perf_counter()):
-            self._note_decline(s, "adaptive")
-            events += self._rejoin()
+        # The policy reads the clock, so its "stop" is carried out at the next step's decision
+        # (``Gate.stop``), which across ranks is rank 0's: the same step on every rank.
+        self._stop_asked = not self.adaptive.after_round(time.perf_counter())
         return events
 
     def _revoke(self, b: BurstSeq, block_len: int, level: Level) -> list[Event]:

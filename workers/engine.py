@@ -26,7 +26,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from workers import fastpath, faults, mlxlm
 from workers.arrays import as_float, as_int
-from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, emit_in_order
+from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
 from workers.drafters import Drafter
 from workers.jobs import (
@@ -67,8 +67,12 @@ class Engine:
         prefill_batch: int = 8,
         prefill_step: int = 2048,
         pin_scope: PinScope = "scoped",
+        lockstep: bool = False,
     ) -> None:
         self.pin_scope = pin_scope
+        #: One of several ranks stepping the same batch (``workers.loop``): a failed step cannot be
+        #: recovered from on one rank alone, so it raises instead (and every rank stops).
+        self.lockstep = lockstep
         self.model = model
         self.ledger = PinLedger()
         #: The target as every forward sees it: counted, and wrapped for per-query attention.
@@ -87,7 +91,11 @@ class Engine:
         #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
         self.prefix_cache: PrefixCache | None = None
         self._gen = self._new_generator()
-        fastpath.calibrate(model)  # where the backend's policy asks for it (MLX CUDA): about a second
+        # Where the backend's policy asks for it (MLX CUDA): about a second. Not in lockstep: the
+        # plans come from timings, which differ per rank, and a projection every rank computes whole
+        # (the unsplit lm_head) must run the same kernel everywhere or the ranks' tokens part.
+        if not lockstep:
+            fastpath.calibrate(model)
 
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""
@@ -261,22 +269,26 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> list[Event]:
+    def step(self, gate: Gate | None = None) -> list[Event]:
         """A burst round for the lone sequence when the burst runner wants one, else one
-        ``BatchGenerator`` step: a decode step for the batch plus a prefill chunk.
+        ``BatchGenerator`` step: a decode step for the batch plus a prefill chunk. ``gate`` is the
+        clock-driven part of the burst decision when another process took it (``BurstRunner.wants``).
 
         A failure inside the step leaves the generator's state unknown, so every sequence in
         it ends with ``engine_error`` and a fresh generator takes over; the engine lives on.
+        In ``lockstep`` the failure is raised instead: the other ranks' generators went on.
         """
         try:
             live = self.live()  # paused sequences do not contend
-            if self.runner.wants(live):  # burst the lone sequence
+            if self.runner.wants(live, gate):  # burst the lone sequence
                 events = self.runner.round()
             else:
                 events = self.runner.interrupt(live) + self._step()
             self._park_paused()
             return events
         except Exception as exc:  # one broken step must not take the daemon down
+            if self.lockstep:
+                raise
             self.counters.step_errors += 1
             log.exception("engine step failed")
             message = f"the engine failed this step: {exc!r}"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.nn as nn
 
 from workers.kernels import WidthReport, measure_widths
 from workers.mlxlm import continuation_bpe_class, detokenizer_prototype, model_classes
+
+if TYPE_CHECKING:
+    from workers.distributed import Mode, ShardReport, World
 
 #: Config keys that state a model's trained context, in the order mlx-lm families use them.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
@@ -39,6 +42,8 @@ class LoadedModel:
     config: dict[str, Any]
     info: ModelInfo
     widths: WidthReport
+    #: How this rank holds the model when it is one of several (``None``: the whole model, alone).
+    shard: ShardReport | None = None
 
 
 class ModelError(ValueError):
@@ -170,16 +175,40 @@ def load_tokenizer(spec: str) -> Any:
     return tokenizer
 
 
-def load(spec: str, context_length: int | None = None) -> LoadedModel:
-    """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread."""
+def check_sharding(spec: str, world_size: int) -> Mode:
+    """The split ``load`` will make of ``spec`` over ``world_size`` ranks, or a one-line
+    ``ShardError`` (a family mlx-lm cannot shard, heads that do not divide), found from the config
+    and an unevaluated model: no weights are read, no group is joined, so every rank can refuse a
+    bad set-up before a socket is bound or a peer waited for."""
+    from workers.distributed import plan_sharding
+
+    path = check_model(spec)
+    config = read_config(path, spec)
+    model_class, args_class = model_classes(config)
+    skeleton = model_class(args_class.from_dict(config))  # lazy arrays: nothing is computed
+    return plan_sharding(skeleton, config, world_size)
+
+
+def load(spec: str, context_length: int | None = None, world: World | None = None) -> LoadedModel:
+    """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread.
+
+    With ``world`` of several ranks the weights are loaded lazily, checked to be the same on every
+    rank and split (``distributed.prepare``) before anything else touches them, so each rank reads
+    only its shard; every later start-up forward (the KV measurement) is one all ranks make."""
     from mlx_lm.utils import load as mlx_load
 
     path = check_model(spec)
+    sharded = world is not None and world.distributed
     try:
-        loaded = mlx_load(str(path), return_config=True)
+        loaded = mlx_load(str(path), lazy=sharded, return_config=True)
     except (ValueError, OSError, RuntimeError) as exc:  # files that do not fit together, or a cut download
         raise ModelError(f"--model {spec!r} cannot be loaded: {' '.join(str(exc).split())}") from exc
     model, tokenizer, config = cast(tuple[nn.Module, Any, dict[str, Any]], loaded)
+    shard = None
+    if world is not None and sharded:
+        from workers.distributed import checkpoint_fingerprint, prepare
+
+        shard = prepare(model, world, config, checkpoint_fingerprint(path))
     keep_leading_space(tokenizer)
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)
@@ -193,4 +222,4 @@ def load(spec: str, context_length: int | None = None) -> LoadedModel:
         has_chat_template=bool(tokenizer.has_chat_template),
         kv_bytes_per_token=kv_bytes,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info, widths=widths)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info, widths=widths, shard=shard)

@@ -172,6 +172,18 @@ class MemorySnapshot(TypedDict):
     peak_bytes: int
 
 
+class DistributedSnapshot(TypedDict):
+    """Which ranks serve the model (``workers.distributed``): ``world_size`` 1, ``backend``
+    ``single`` and ``mode`` ``none`` for one process; else the ``mx.distributed`` backend (ring,
+    nccl, jaccl, mpi) and how the model is split (``tensor`` or ``pipeline``). ``rank`` is the one
+    that answered: always 0, the rank with the front end."""
+
+    world_size: int
+    rank: int
+    backend: str
+    mode: Literal["tensor", "pipeline", "none"]
+
+
 @final
 class EngineSnapshot(CountersSnapshot):
     """The engine's counters and gauges, once the model is loaded."""
@@ -187,6 +199,7 @@ class EngineSnapshot(CountersSnapshot):
     pin_tax: PinTax
     prefix_cache: PrefixCacheSnapshot
     memory: MemorySnapshot
+    distributed: DistributedSnapshot
 
 
 @final

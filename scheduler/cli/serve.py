@@ -3,12 +3,20 @@
 The parser holds every knob of the daemon (front end, engine, bursts, prefix cache, HTTP); the
 command turns them into the daemon's settings. The address and key file are checked before MLX is
 imported, so a typo costs a second, not a model load.
+
+Started by ``mlx.launch`` (or any launcher that sets ``MLX_RANK`` and the backend's variables) the
+same command runs one daemon over several ranks (docs/distributed.md): rank 0 serves as usual and
+its engine process leads; every other rank runs only a follower engine on its shard and ignores the
+front end's options. A set-up that cannot serve is refused on every rank, in one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clients.address import default_address
 from clients.protocol import DEFAULT_MAX_FRAME_BYTES
@@ -26,8 +34,14 @@ from scheduler.cli.options import (
     probe_policy,
 )
 
+if TYPE_CHECKING:
+    from workers.loop import EngineSettings
+
 #: The smallest ``--max-frame-bytes`` that still fits a short request with its options.
 MIN_FRAME_BYTES = 1024
+#: Variables a launcher sets on every rank (``mlx.launch`` always sets ``MLX_RANK``); without one
+#: of them the process is not one of several and nothing distributed is imported.
+_LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -133,13 +147,76 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         default=30.0,
         help="seconds an HTTP client has to send its request body (then 408)",
     )
+    p.add_argument(
+        "--rank-timeout",
+        type=non_negative_float,
+        default=60.0,
+        help="under mlx.launch: seconds one engine iteration may take before a rank presumes a peer "
+        "gone and stops every rank (0 = never)",
+    )
     add_probe_policy(p)
     p.set_defaults(func=local_command("serve", run))
 
 
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """The engine's options from the command line: the same on every rank."""
+    from workers.burst import BurstSettings
+    from workers.loop import EngineSettings
+
+    return EngineSettings(
+        max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch,
+        prefill_step=args.prefill_step,
+        pin_scope=args.pin_scope,
+        probe_k=args.probe_k,
+        probe_policy=probe_policy(args),
+        draft=args.draft,
+        mtp=args.mtp,
+        bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        rank_timeout_s=args.rank_timeout,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the daemon. The address and key file are checked here, before MLX is imported; the model
-    and drafters by ``scheduler.daemon.serve``, before the socket is bound."""
+    """Run the daemon, or under a launcher this rank's part of it. The address and key file are
+    checked here, before MLX is imported; the model and drafters by ``scheduler.daemon.serve``,
+    before the socket is bound."""
+    if any(v in os.environ for v in _LAUNCH_VARS):
+        from workers.distributed import DistributedError, launched_rank
+
+        rank = launched_rank(os.environ)
+        if rank is not None:
+            try:
+                check_ranks(args)
+            except DistributedError as exc:
+                print(f"mlx-batchd serve: rank {rank}: {' '.join(str(exc).split())}", file=sys.stderr)
+                return 2
+            if rank != 0:
+                from scheduler.engine_process import follower_main
+
+                return follower_main(args.model, args.context_length, engine_settings(args))
+    return run_daemon(args)
+
+
+def check_ranks(args: argparse.Namespace) -> None:
+    """What would stop a daemon over several ranks, found on each rank before anything is bound or
+    joined: options that cannot serve across ranks, a family mlx-lm cannot split, heads that do not
+    divide (``DistributedError``). Different weights are found once the ranks meet, at load."""
+    from workers.distributed import DistributedError, launched_size
+    from workers.models import check_sharding
+
+    if args.engine_thread:
+        raise DistributedError("--engine-thread cannot serve across ranks: the engine process joins the group")
+    if args.prefix_cache_mb > 0:
+        raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
+    size = launched_size(os.environ)
+    if size is not None and size > 1:
+        check_sharding(args.model, size)
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    """The daemon itself (alone, or rank 0 of several)."""
     listen, source = address_and_source(args.listen, "--listen")
     check_address(listen, source)
     if args.curve_secret is not None:
@@ -148,8 +225,6 @@ def run(args: argparse.Namespace) -> int:
     from scheduler.admission import Limits
     from scheduler.daemon import DaemonSettings, serve
     from scheduler.frontend import FrontEndSettings
-    from workers.burst import BurstSettings
-    from workers.loop import EngineSettings
 
     front = FrontEndSettings(
         listen=listen,
@@ -167,23 +242,11 @@ def run(args: argparse.Namespace) -> int:
         http=args.http,
         http_body_timeout_s=args.http_body_timeout,
     )
-    engine = EngineSettings(
-        max_batch=args.max_batch,
-        prefill_batch=args.prefill_batch,
-        prefill_step=args.prefill_step,
-        pin_scope=args.pin_scope,
-        probe_k=args.probe_k,
-        probe_policy=probe_policy(args),
-        draft=args.draft,
-        mtp=args.mtp,
-        bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction),
-        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-    )
     settings = DaemonSettings(
         front,
         model=args.model,
         context_length=args.context_length,
-        engine=engine,
+        engine=engine_settings(args),
         engine_process=not args.engine_thread,
     )
     return serve(settings)
