@@ -157,7 +157,7 @@ def test_injected_one_row_divergence_bursts_at_the_rung_emit_its_classic_decode(
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
 
     classic = _pinned_engine(model, level)
-    classic.runner.wants = lambda live: False  # type: ignore[method-assign]  # never burst
+    classic.runner.wants = lambda live, gate=None: False  # type: ignore[method-assign]  # never burst
     reference = _generate(classic, prompt, 30)
     assert _classic_forwards(classic, level) > 0
 
@@ -178,7 +178,7 @@ def test_padded_classic_steps_are_the_lone_sequences_only(llama: Path) -> None:
     batched work is never collateral."""
     model = load_measured(llama)
     engine = _pinned_engine(model, Level.PADDED, ProbePolicy(pinned_level=Level.PADDED))
-    engine.runner.wants = lambda live: False  # type: ignore[method-assign]
+    engine.runner.wants = lambda live, gate=None: False  # type: ignore[method-assign]
     engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=4))
     engine.submit(Job(seq=2, prompt=[8, 9, 10], max_tokens=40))
     while engine.batch_size() < 2:

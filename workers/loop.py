@@ -13,208 +13,60 @@ decided by rank 0 (``_decide``: the commands, seeds for unseeded sampled jobs, e
 reads the clock) and published as a ``workers.distributed.Plan``; every rank applies the plans with
 the same code (``_apply``), so all run the same forwards, and each follower checks rank 0's state
 in the plan against its own before applying it.
+
+Over 400 lines because the loop thread is one idea: its lifecycle, leading and following plans, and
+when to measure the pin's tax all read and write the same loop state. Its vocabulary (commands,
+signals, plain maps) is ``workers.commands``; its start-up is ``workers.startup``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import os
 import queue
-import secrets
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import msgpack
 
 from workers import faults
-from workers.burst import BurstSettings, Gate
-from workers.distributed import (
-    IDLE_WAIT_S,
-    Broadcaster,
-    DistributedError,
-    Lockstep,
-    Mode,
-    Plan,
-    World,
-    as_peer_lost,
-    check_same,
+from workers.burst import Gate
+from workers.commands import (
+    Cancel,
+    Command,
+    Dead,
+    MeasureTax,
+    Pause,
+    Ready,
+    Resume,
+    Shutdown,
+    Signal,
+    Stopped,
+    Submit,
+    command_from_plain,
+    command_to_plain,
+    with_seed,
 )
-from workers.engine import Engine, Event, Finished, Job, PinScope, Tokens
+from workers.distributed import IDLE_WAIT_S, DistributedError, Lockstep, Mode, Plan, World, as_peer_lost
+from workers.engine import Engine, Finished, Job, Tokens
+from workers.engine_stats import engine_snapshot
 from workers.kernels import Level
-from workers.models import LoadedModel, ModelError, ModelInfo
-from workers.params import SamplingParams
-from workers.probe import ProbePolicy, sliding_window
-from workers.probe_results import Verdict
-from workers.probe_setup import ProbeSetup, probe_setup
-from workers.sampling import is_greedy
-from workers.snapshot import (
-    BurstSummary,
-    DistributedSnapshot,
-    EngineSnapshot,
-    PinsSnapshot,
-    PinTax,
-    PrefixCacheSnapshot,
-    ProbingRow,
-    VerdictRow,
-)
-from workers.verdict_store import VerdictStore
+from workers.models import LoadedModel, ModelError
+from workers.snapshot import DistributedSnapshot, EngineSnapshot
+from workers.startup import EngineSettings as EngineSettings
+from workers.startup import check_same_settings, configure_prefix_cache, start_probe, warm_up
+from workers.startup import configure_bursts as configure_bursts
 
 log = logging.getLogger("mlx_batchd.engine")
 
-
-@dataclass
-class Ready:
-    info: ModelInfo
-    tokenizer: Any
-
-
-@dataclass
-class Stopped:
-    pass
-
-
-@dataclass
-class Dead:
-    error: str
-
-
-Signal = Event | Ready | Stopped | Dead
-
-
-@dataclass
-class _Submit:
-    job: Job
-
-
-@dataclass
-class _Cancel:
-    seq: int
-    reason: str
-    code: str | None
-    message: str | None
-
-
-@dataclass
-class _Pause:
-    seq: int
-
-
-@dataclass
-class _Resume:
-    seq: int
-
-
-@dataclass
-class _Shutdown:
-    reason: str
-    code: str
-    message: str
-
-
-@dataclass
-class _MeasureTax:
-    pass
-
-
-_Command = _Submit | _Cancel | _Pause | _Resume | _Shutdown | _MeasureTax
-
 #: The code of a shutdown the daemon asked for (SIGTERM, SIGINT); any other code means it is gone.
 SHUTDOWN = "shutdown"
-
-
-def job_to_wire(job: Job) -> dict[str, Any]:
-    """A job as a msgpack-able map (to an engine process, and in a plan to the other ranks)."""
-    return {**asdict(job), "sampling": asdict(job.sampling), "stop_token_ids": list(job.stop_token_ids)}
-
-
-def job_from_wire(d: dict[str, Any]) -> Job:
-    return Job(**{**d, "sampling": SamplingParams(**d["sampling"]), "stop_token_ids": tuple(d["stop_token_ids"])})
-
-
-def command_to_wire(cmd: _Command) -> dict[str, Any]:
-    """A command as a plan carries it to the other ranks (the engine process's command form)."""
-    if isinstance(cmd, _Submit):
-        return {"c": "submit", "job": job_to_wire(cmd.job)}
-    if isinstance(cmd, _Cancel):
-        return {"c": "cancel", "seq": cmd.seq, "reason": cmd.reason, "code": cmd.code, "message": cmd.message}
-    if isinstance(cmd, _Pause):
-        return {"c": "pause", "seq": cmd.seq}
-    if isinstance(cmd, _Resume):
-        return {"c": "resume", "seq": cmd.seq}
-    if isinstance(cmd, _Shutdown):
-        return {"c": "shutdown", "reason": cmd.reason, "code": cmd.code, "message": cmd.message}
-    return {"c": "measure_tax"}
-
-
-def command_from_wire(d: dict[str, Any]) -> _Command:
-    kind = d["c"]
-    if kind == "submit":
-        return _Submit(job_from_wire(d["job"]))
-    if kind == "cancel":
-        return _Cancel(d["seq"], d["reason"], d["code"], d["message"])
-    if kind == "pause":
-        return _Pause(d["seq"])
-    if kind == "resume":
-        return _Resume(d["seq"])
-    if kind == "shutdown":
-        return _Shutdown(d["reason"], d["code"], d["message"])
-    if kind == "measure_tax":
-        return _MeasureTax()
-    raise DistributedError(f"a plan carried an unknown command {kind!r}; the ranks run different versions")
-
-
-def with_seed(job: Job) -> Job:
-    """``job`` with a seed drawn now when it samples without one: the draw is made once, by the
-    process that decides (rank 0), so every rank samples the same tokens."""
-    if is_greedy(job.sampling) or job.sampling.seed is not None:
-        return job
-    return replace(job, sampling=replace(job.sampling, seed=secrets.randbits(63)))
-
-
-@dataclass
-class EngineSettings:
-    max_batch: int = 32
-    prefill_batch: int = 8
-    prefill_step: int = 2048
-    pin_scope: PinScope = "scoped"
-    #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
-    probe_k: int | None = None
-    drafter: str = "none"
-    probe_policy: ProbePolicy = field(default_factory=ProbePolicy)
-    #: ``--draft``: a draft model directory, ``demo`` or ``prompt-lookup``; ``--mtp``: an MTP head.
-    draft: str | None = None
-    mtp: str | None = None
-    bursts: BurstSettings = field(default_factory=BurstSettings)
-    #: Seconds between measurements of the pin's tax on batched decode (0 = only on demand).
-    tax_interval_s: float = 300.0
-    #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
-    #: each one stalls serving for a few forwards, so clients must not be able to queue them.
-    tax_min_interval_s: float = 30.0
-    #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None`` keeps MLX's
-    #: default. Whatever the limit, the cache is emptied whenever the engine goes idle.
-    mlx_cache_limit_bytes: int | None = None
-    #: Bytes of KV the prefix cache may keep (LRU eviction); 0 (the default) turns it off and skips its
-    #: start-up check. It serves when ``warm_vs_cold`` finds reuse exact, or under ``allow_inexact``.
-    prefix_cache_bytes: int = 0
-    #: Across ranks: seconds one engine iteration may take before this rank presumes a peer gone and
-    #: exits (mlx's ring can leave a collective waiting for good when its peer dies mid-transfer).
-    rank_timeout_s: float = 60.0
-
-
-def warm_up(engine: Engine) -> None:
-    """Run one tiny job through the engine so the first client does not pay for lazy setup."""
-    engine.submit(Job(seq=-1, prompt=[0, 0], max_tokens=2))
-    while engine.has_work:
-        engine.step()
 
 
 def release_thread_streams() -> None:
@@ -245,7 +97,7 @@ class EngineThread:
         self._load = load
         self._emit = emit
         self._settings = settings or EngineSettings()
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
         self._engine: Engine | None = None
         self._tax_at = time.monotonic()
@@ -274,30 +126,30 @@ class EngineThread:
 
     # Commands: safe from any thread, never block.
     def submit(self, job: Job) -> None:
-        self._inbox.put(_Submit(job))
+        self._inbox.put(Submit(job))
 
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
-        self._inbox.put(_Cancel(seq, reason, code, message))
+        self._inbox.put(Cancel(seq, reason, code, message))
 
     def pause(self, seq: int) -> None:
         """Stop producing tokens for ``seq`` (it keeps its cache) until ``resume``; see ``Engine.pause``."""
-        self._inbox.put(_Pause(seq))
+        self._inbox.put(Pause(seq))
 
     def resume(self, seq: int) -> None:
         """Let a paused ``seq`` produce tokens again; unknown or finished sequences are ignored."""
-        self._inbox.put(_Resume(seq))
+        self._inbox.put(Resume(seq))
 
     def measure_tax(self) -> None:
         """Time a batched step pinned vs wide at the current batch size, at the next step.
 
         Requests in one inbox drain run one measurement, and one within ``tax_min_interval_s`` of
         the last measurement is ignored (the snapshot keeps the last figure)."""
-        self._inbox.put(_MeasureTax())
+        self._inbox.put(MeasureTax())
 
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
     ) -> None:
-        self._inbox.put(_Shutdown(reason, code, message))
+        self._inbox.put(Shutdown(reason, code, message))
 
     # ------------------------------------------------------------------ the loop
 
@@ -394,10 +246,10 @@ class EngineThread:
             time.sleep(1.0)  # the word leaves with the engine process's socket
             os._exit(1)
 
-    def _commands(self, block: bool) -> list[_Command]:
+    def _commands(self, block: bool) -> list[Command]:
         """The inbox's commands; when ``block``, the first is waited for (across ranks for at most
         ``IDLE_WAIT_S``: the other ranks wait inside the next plan's collective meanwhile)."""
-        cmds: list[_Command] = []
+        cmds: list[Command] = []
         if block:
             if not self.world.distributed:
                 cmds.append(self._inbox.get())
@@ -450,20 +302,20 @@ class EngineThread:
                 raise DistributedError(f"rank 0 stopped every rank ({code}); its daemon is gone")
             return
 
-    def _decide(self, engine: Engine, cmds: list[_Command], idle: bool) -> Plan:
-        """This iteration as rank 0 decides it: the commands in wire form (unseeded sampled jobs get
+    def _decide(self, engine: Engine, cmds: list[Command], idle: bool) -> Plan:
+        """This iteration as rank 0 decides it: the commands as plain maps (unseeded sampled jobs get
         their seed here), and every choice that reads the clock, published to the other ranks."""
-        wire: list[dict[str, Any]] = []
+        plain: list[dict[str, Any]] = []
         tax_asked = False
         stop: str | None = None
         for cmd in cmds:
-            if isinstance(cmd, _MeasureTax):
+            if isinstance(cmd, MeasureTax):
                 tax_asked = True
                 continue
-            if isinstance(cmd, _Submit):
-                cmd = _Submit(with_seed(cmd.job))
-            wire.append(command_to_wire(cmd))
-            if isinstance(cmd, _Shutdown):
+            if isinstance(cmd, Submit):
+                cmd = Submit(with_seed(cmd.job))
+            plain.append(command_to_plain(cmd))
+            if isinstance(cmd, Shutdown):
                 stop = cmd.code
                 break
         gate = engine.runner.gate(time.perf_counter())
@@ -474,23 +326,23 @@ class EngineThread:
         if distributed:
             decisions["check"] = self._state(engine)
         # Only an idle tick says the next plan is a wait away: followers then sleep instead of spinning.
-        wait_s = IDLE_WAIT_S if distributed and idle and not wire else 0.0
-        return self._lockstep.publish(wire, decisions, wait_s, stop is not None)
+        wait_s = IDLE_WAIT_S if distributed and idle and not plain else 0.0
+        return self._lockstep.publish(plain, decisions, wait_s, stop is not None)
 
     def _apply(self, engine: Engine, plan: Plan) -> bool:
         """Apply one plan (every rank the same); ``True`` once a shutdown was applied."""
         events: list[Signal] = []
-        for wire in plan.commands:
-            cmd = command_from_wire(wire)
-            if isinstance(cmd, _Submit):
+        for plain in plan.commands:
+            cmd = command_from_plain(plain)
+            if isinstance(cmd, Submit):
                 engine.submit(cmd.job)
-            elif isinstance(cmd, _Cancel):
+            elif isinstance(cmd, Cancel):
                 events += engine.cancel(cmd.seq, cmd.reason, cmd.code, cmd.message)
-            elif isinstance(cmd, _Pause):
+            elif isinstance(cmd, Pause):
                 events += engine.pause(cmd.seq)
-            elif isinstance(cmd, _Resume):
+            elif isinstance(cmd, Resume):
                 events += engine.resume(cmd.seq)
-            elif isinstance(cmd, _Shutdown):
+            elif isinstance(cmd, Shutdown):
                 events += engine.cancel_all(cmd.reason, cmd.code, cmd.message)
                 if events:
                     self._emit(events)
@@ -575,148 +427,6 @@ class EngineThread:
 
     def engine_snapshot(self) -> EngineSnapshot | None:
         """Counters and gauges for the stats reply (``stats.engine``), read from any thread; ``None``
-        before the engine is ready.
-
-        The engine thread only ever replaces these ints and lengths, and reading them is atomic
-        under the GIL, so no lock is taken on the hot path. The engine's parts return plain maps;
-        each is cast to its part of the contract (``workers.snapshot``) here.
-        """
+        before the engine is ready (``workers.engine_stats`` says why no lock is taken)."""
         engine = self._engine
-        if engine is None:
-            return None
-        return {
-            **engine.counters.snapshot(),
-            "active_sequences": engine.active,
-            "paused": engine.paused,
-            "batch_size": engine.batch_size(),
-            "pin_scope": engine.pin_scope,
-            "pins": cast(PinsSnapshot, engine.ledger.snapshot()),
-            "verdicts": cast(dict[str, VerdictRow | ProbingRow], engine.verdict_summary()),
-            "bursts": cast(BurstSummary, engine.burst_summary()),
-            "pin_tax": cast(PinTax, engine.tax_summary()),
-            "prefix_cache": {"enabled": False}
-            if engine.prefix_cache is None
-            else cast(PrefixCacheSnapshot, engine.prefix_cache.snapshot()),
-            "memory": {
-                "active_bytes": mx.get_active_memory(),
-                "cache_bytes": mx.get_cache_memory(),
-                "peak_bytes": mx.get_peak_memory(),
-            },
-            "distributed": self.distributed_snapshot(),
-        }
-
-
-def check_same_settings(world: World, settings: EngineSettings) -> None:
-    """Every rank must run the engine with rank 0's options (batch sizes, drafter, probe): they
-    decide which forwards run. A rank started with other options stops every rank, in one line."""
-    text = json.dumps(asdict(settings), sort_keys=True, default=str).encode()
-    check_same(
-        world,
-        hashlib.blake2b(text, digest_size=16).digest(),
-        "engine options",
-        "start every rank with the same serve options",
-    )
-
-
-class RankZeroStore(VerdictStore):
-    """The verdict store as every rank sees it: rank 0 reads its own and broadcasts what it found
-    (or that it found nothing), the others take that; only rank 0 writes. A probe that one rank
-    skipped on a stored verdict while another ran it would leave the two in different forwards."""
-
-    def __init__(self, inner: VerdictStore | None, world: World) -> None:
-        super().__init__(inner.root if inner is not None else Path("."))
-        self._inner = inner
-        self._world = world
-        self._broadcast = Broadcaster(world)
-
-    def get(self, fingerprint: str) -> Verdict | None:
-        if self._world.leader:
-            found = None if self._inner is None else self._inner.get(fingerprint)
-            self._broadcast(None if found is None else json.dumps(found.to_json()))
-            return found
-        data = self._broadcast()
-        if data is None:
-            return None
-        try:
-            verdict = Verdict.from_json(json.loads(data))
-        except ValueError as exc:
-            raise DistributedError(
-                f"rank {self._world.rank}: rank 0's stored verdict does not read here: {exc}"
-            ) from None
-        verdict.from_cache = True
-        return verdict
-
-    def put(self, verdict: Verdict) -> None:
-        if self._world.leader and self._inner is not None:
-            self._inner.put(verdict)
-
-
-def start_probe(
-    engine: Engine, loaded: LoadedModel, s: EngineSettings, drafter: str, k: int, world: World | None = None
-) -> str:
-    """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name.
-
-    Across ranks the verdict is per world: the pairing includes the world size, backend and split,
-    rank 0's store answers for every rank (``RankZeroStore``), and only rank 0 fingerprints the
-    model (two ranks on one machine would otherwise write the same memo file at once)."""
-    name = f"{loaded.info.name}+{drafter} k={k}"
-    if world is None or not world.distributed:
-        setup = probe_setup(loaded, drafter)
-    else:
-        setup = probe_setup(loaded, drafter) if world.leader else _follower_probe_setup(loaded)
-        mode = "none" if loaded.shard is None else loaded.shard.mode
-        split = {"world_size": world.size, "backend": world.backend, "mode": mode}
-        setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
-    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy))
-    return name
-
-
-def _follower_probe_setup(loaded: LoadedModel) -> ProbeSetup:
-    """A rank other than 0's probe set-up: the same caches and draws, no pairing of its own (rank
-    0's store answers, ``RankZeroStore``)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    def make_cache() -> list[Any]:
-        return make_prompt_cache(loaded.model)
-
-    return ProbeSetup(
-        make_cache=make_cache,
-        pairing={"rank_of_several": True},
-        store=None,
-        vocab_size=loaded.info.vocab_size,
-        context_length=loaded.info.context_length,
-        window=sliding_window(loaded.config),
-    )
-
-
-def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings, world: World | None = None) -> None:
-    """Load the drafter, check it fits the target, and probe the pairing in the background."""
-    from workers.drafters import load_drafter, load_mtp_drafter
-
-    if s.mtp is not None:
-        drafter = load_mtp_drafter(s.mtp, loaded.model)
-    else:
-        assert s.draft is not None
-        drafter = load_drafter(s.draft, loaded.model, loaded.info.vocab_size)
-    name = start_probe(engine, loaded, s, drafter.name, s.bursts.k, world)
-    engine.configure_bursts(drafter, s.bursts, name)
-
-
-def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
-    """Check warm-vs-cold reuse on the loaded model (once, before ``Ready``) and install the cache.
-    Not across ranks: which prompts hit is decided per rank by its own cache's bytes and evictions."""
-    if loaded.shard is not None:
-        raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
-    from workers.pins import unpinned
-    from workers.prefix_cache import checked
-
-    with unpinned("probe"):
-        engine.prefix_cache = checked(
-            engine.counted,
-            s.prefix_cache_bytes,
-            prefill_step=s.prefill_step,
-            vocab_size=loaded.info.vocab_size,
-            window=sliding_window(loaded.config),
-            context=loaded.info.context_length,
-            allow_inexact=s.probe_policy.allow_inexact,
-        )
+        return None if engine is None else engine_snapshot(engine, self.distributed_snapshot())

@@ -1,0 +1,177 @@
+"""The engine's settings and its start-up before ``Ready``: warm-up, prefix cache, drafter, probe.
+
+Across ranks every rank runs the same start-up: ``check_same_settings`` stops them all when their
+options differ, and rank 0's verdict store answers for every rank (``RankZeroStore``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from workers.burst import BurstSettings
+from workers.engine import Engine, Job, PinScope
+from workers.lockstep import Broadcaster
+from workers.models import LoadedModel
+from workers.probe import ProbePolicy, sliding_window
+from workers.probe_results import Verdict
+from workers.probe_setup import ProbeSetup, probe_setup
+from workers.sharding import check_same
+from workers.verdict_store import VerdictStore
+from workers.world import DistributedError, World
+
+
+@dataclass
+class EngineSettings:
+    max_batch: int = 32
+    prefill_batch: int = 8
+    prefill_step: int = 2048
+    pin_scope: PinScope = "scoped"
+    #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
+    probe_k: int | None = None
+    drafter: str = "none"
+    probe_policy: ProbePolicy = field(default_factory=ProbePolicy)
+    #: ``--draft``: a draft model directory, ``demo`` or ``prompt-lookup``; ``--mtp``: an MTP head.
+    draft: str | None = None
+    mtp: str | None = None
+    bursts: BurstSettings = field(default_factory=BurstSettings)
+    #: Seconds between measurements of the pin's tax on batched decode (0 = only on demand).
+    tax_interval_s: float = 300.0
+    #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
+    #: each one stalls serving for a few forwards, so clients must not be able to queue them.
+    tax_min_interval_s: float = 30.0
+    #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None`` keeps MLX's
+    #: default. Whatever the limit, the cache is emptied whenever the engine goes idle.
+    mlx_cache_limit_bytes: int | None = None
+    #: Bytes of KV the prefix cache may keep (LRU eviction); 0 (the default) turns it off and skips its
+    #: start-up check. It serves when ``warm_vs_cold`` finds reuse exact, or under ``allow_inexact``.
+    prefix_cache_bytes: int = 0
+    #: Across ranks: seconds one engine iteration may take before this rank presumes a peer gone and
+    #: exits (mlx's ring can leave a collective waiting for good when its peer dies mid-transfer).
+    rank_timeout_s: float = 60.0
+
+
+def warm_up(engine: Engine) -> None:
+    """Run one tiny job through the engine so the first client does not pay for lazy setup."""
+    engine.submit(Job(seq=-1, prompt=[0, 0], max_tokens=2))
+    while engine.has_work:
+        engine.step()
+
+
+def check_same_settings(world: World, settings: EngineSettings) -> None:
+    """Every rank must run the engine with rank 0's options (batch sizes, drafter, probe): they
+    decide which forwards run. A rank started with other options stops every rank, in one line."""
+    text = json.dumps(asdict(settings), sort_keys=True, default=str).encode()
+    check_same(
+        world,
+        hashlib.blake2b(text, digest_size=16).digest(),
+        "engine options",
+        "start every rank with the same serve options",
+    )
+
+
+class RankZeroStore(VerdictStore):
+    """The verdict store as every rank sees it: rank 0 reads its own and broadcasts what it found
+    (or that it found nothing), the others take that; only rank 0 writes. A probe that one rank
+    skipped on a stored verdict while another ran it would leave the two in different forwards."""
+
+    def __init__(self, inner: VerdictStore | None, world: World) -> None:
+        super().__init__(inner.root if inner is not None else Path("."))
+        self._inner = inner
+        self._world = world
+        self._broadcast = Broadcaster(world)
+
+    def get(self, fingerprint: str) -> Verdict | None:
+        if self._world.leader:
+            found = None if self._inner is None else self._inner.get(fingerprint)
+            self._broadcast(None if found is None else json.dumps(found.to_json()))
+            return found
+        data = self._broadcast()
+        if data is None:
+            return None
+        try:
+            verdict = Verdict.from_json(json.loads(data))
+        except ValueError as exc:
+            raise DistributedError(
+                f"rank {self._world.rank}: rank 0's stored verdict does not read here: {exc}"
+            ) from None
+        verdict.from_cache = True
+        return verdict
+
+    def put(self, verdict: Verdict) -> None:
+        if self._world.leader and self._inner is not None:
+            self._inner.put(verdict)
+
+
+def start_probe(
+    engine: Engine, loaded: LoadedModel, s: EngineSettings, drafter: str, k: int, world: World | None = None
+) -> str:
+    """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name.
+
+    Across ranks the verdict is per world: the pairing includes the world size, backend and split,
+    rank 0's store answers for every rank (``RankZeroStore``), and only rank 0 fingerprints the
+    model (two ranks on one machine would otherwise write the same memo file at once)."""
+    name = f"{loaded.info.name}+{drafter} k={k}"
+    if world is None or not world.distributed:
+        setup = probe_setup(loaded, drafter)
+    else:
+        setup = probe_setup(loaded, drafter) if world.leader else _follower_probe_setup(loaded)
+        mode = "none" if loaded.shard is None else loaded.shard.mode
+        split = {"world_size": world.size, "backend": world.backend, "mode": mode}
+        setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
+    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy))
+    return name
+
+
+def _follower_probe_setup(loaded: LoadedModel) -> ProbeSetup:
+    """A rank other than 0's probe set-up: the same caches and draws, no pairing of its own (rank
+    0's store answers, ``RankZeroStore``)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def make_cache() -> list[Any]:
+        return make_prompt_cache(loaded.model)
+
+    return ProbeSetup(
+        make_cache=make_cache,
+        pairing={"rank_of_several": True},
+        store=None,
+        vocab_size=loaded.info.vocab_size,
+        context_length=loaded.info.context_length,
+        window=sliding_window(loaded.config),
+    )
+
+
+def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings, world: World | None = None) -> None:
+    """Load the drafter, check it fits the target, and probe the pairing in the background."""
+    from workers.drafters import load_drafter, load_mtp_drafter
+
+    if s.mtp is not None:
+        drafter = load_mtp_drafter(s.mtp, loaded.model)
+    else:
+        assert s.draft is not None
+        drafter = load_drafter(s.draft, loaded.model, loaded.info.vocab_size)
+    name = start_probe(engine, loaded, s, drafter.name, s.bursts.k, world)
+    engine.configure_bursts(drafter, s.bursts, name)
+
+
+def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
+    """Check warm-vs-cold reuse on the loaded model (once, before ``Ready``) and install the cache.
+    Not across ranks: which prompts hit is decided per rank by its own cache's bytes and evictions."""
+    if loaded.shard is not None:
+        raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
+    from workers.pins import unpinned
+    from workers.prefix_cache import checked
+
+    with unpinned("probe"):
+        engine.prefix_cache = checked(
+            engine.counted,
+            s.prefix_cache_bytes,
+            prefill_step=s.prefill_step,
+            vocab_size=loaded.info.vocab_size,
+            window=sliding_window(loaded.config),
+            context=loaded.info.context_length,
+            allow_inexact=s.probe_policy.allow_inexact,
+        )
