@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.metrics import StatsCollector
 from tests.reference import probed_bursts
+from tests.test_top import stats_snapshot
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Finished, Job, Tokens
@@ -288,7 +289,8 @@ def test_counters_reach_the_snapshot_and_the_metrics(tiny_model: Path) -> None:
     pc = snap["prefix_cache"]
     assert pc["serving"] and pc["verdict"]["exact"] and pc["queries"] == 2 and pc["hits"] == 1, pc
     registry = CollectorRegistry()
-    registry.register(StatsCollector(lambda: {"requests_in_flight": 0, "requests_waiting": 0, "engine": snap}))
+    reply = stats_snapshot(uptime=1.0, generated=0, emitted=0, drafted=0, accepted=0)
+    registry.register(StatsCollector(lambda: {**reply, "engine": snap}))
     samples = {
         s.name: s.value
         for f in text_string_to_metric_families(generate_latest(registry).decode())
