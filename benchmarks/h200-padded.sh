@@ -1,21 +1,8 @@
 #!/usr/bin/env bash
-# Device call (docs/benchmarks.md section 8): the padded rung on the H200 (issue 14) and where the
+# Device call (docs/benchmarks.md section 10): the padded rung on the H200 (issue 14) and where the
 # daemon's engine loses step time against the engine alone (issue 15). Runs from the repository root.
-# Needs MLX CUDA in /tmp/site (installed by an earlier call on the same warm machine, or part2 carried).
 set -uo pipefail
-[ -d /tmp/site/mlx ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=/tmp/mbc
-R=$OUT/r && mkdir -p $R
-START=$SECONDS
-step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; print rc and the log's tail
-  local name=$1 t=$2; shift 2
-  local left=$(( ${BUDGET:-560} - (SECONDS - START) ))
-  if [ $left -lt 25 ]; then echo "$name: skipped (budget)"; return; fi
-  [ "$t" -gt "$left" ] && t=$left
-  timeout "$t" "$@" > "$R/$name.log" 2>&1
-  echo "== $name rc=$? at $((SECONDS - START)) s"; tail -"${TAIL:-6}" "$R/$name.log"
-}
-[ -f /tmp/m8b/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit --out /tmp/m8b >/dev/null || exit 4
+source benchmarks/h200-steps.sh
 for k in ${KS:-2 4 8}; do
   step probe-8b-k$k 60 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
 done

@@ -1,0 +1,16 @@
+# Sourced by the device scripts that run timed steps (h200-padded.sh, h200-rowwise.sh): MLX CUDA in
+# /tmp/site (installed by an earlier call on the same warm machine, or part2 carried), the
+# environment, the 8B synth at /tmp/m8b, and `step`, which runs a command within what is left of BUDGET.
+[ -d /tmp/site/mlx ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=/tmp/mbc
+R=$OUT/r && mkdir -p $R
+START=$SECONDS
+step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; print rc and the log's tail
+  local name=$1 t=$2; shift 2
+  local left=$(( ${BUDGET:-560} - (SECONDS - START) ))
+  if [ $left -lt 25 ]; then echo "$name: skipped (budget)"; return; fi
+  [ "$t" -gt "$left" ] && t=$left
+  timeout "$t" "$@" > "$R/$name.log" 2>&1
+  echo "== $name rc=$? at $((SECONDS - START)) s"; tail -"${TAIL:-6}" "$R/$name.log"
+}
+[ -f /tmp/m8b/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit --out /tmp/m8b >/dev/null || exit 4
