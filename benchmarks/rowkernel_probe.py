@@ -14,27 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
 from workers import rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
-
-
-def timeit(f: Callable[[], Any], n: int = 20) -> float:
-    for _ in range(3):
-        mx.eval(f())
-    mx.synchronize()
-    tic = time.perf_counter()
-    for _ in range(n):
-        mx.eval(f())
-    mx.synchronize()
-    return (time.perf_counter() - tic) / n * 1e3
 
 
 def shapes(model: nn.Module) -> dict[str, Any]:
@@ -65,10 +54,10 @@ def shapes(model: nn.Module) -> dict[str, Any]:
             for mm in (2, 3, 5, 8)
         }
         row["kernel_ms"] = {
-            mm: round(timeit(lambda mm=mm, m=m, x=x: rowkernel.project(m, x[:mm])), 4) for mm in (1, 2, 5, 8)
+            mm: round(timeit(lambda mm=mm, m=m, x=x: rowkernel.project(m, x[:mm]), 20), 4) for mm in (1, 2, 5, 8)
         }
         with stock():
-            row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, m=m, x=x: m(x[:mm])), 4) for mm in (1, 5)}
+            row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, m=m, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
         print(name, json.dumps(row), flush=True)
         out[name] = row
     return out

@@ -51,16 +51,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 rk_to<__nv_bfloat16>(float 
 template <> __device__ __forceinline__ __half rk_to<__half>(float v) { return __float2half_rn(v); }
 """
 
-#: Quantized (affine): out[m, n] = sum_k x[m, k] * (scale[n, k / GS] * q[n, k] + bias[n, k / GS]).
-#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp; K (in) and N (out) come
-#: from the shapes at run time, so a process compiles one kernel per row count, not per layer shape.
-_QUANT_SOURCE = """
-  constexpr int PER_WORD = 32 / BITS;
-  const int K = static_cast<int>(x_shape[1]);
-  const int N = static_cast<int>(w_shape[0]);
-  const int WORDS = K / PER_WORD;
-  const int GROUPS = K / GS;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
+#: Shared by both kernels: each warp takes R consecutive outputs and keeps M x R fp32 sums ...
+_ACCUMULATORS = """\
   const int lane = threadIdx.x & 31;
   const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (n0 >= N) return;
@@ -70,6 +62,38 @@ _QUANT_SOURCE = """
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
   }
+"""
+
+#: ... and reduces each sum with the same warp butterfly, lane 0 writing it: one fixed order per row.
+_REDUCE_AND_WRITE = """\
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n = n0 + r;
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[m][r];
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0 && n < N) out[(size_t)m * N + n] = rk_to<T>(v);
+    }
+  }
+"""
+
+#: Quantized (affine): out[m, n] = sum_k x[m, k] * (scale[n, k / GS] * q[n, k] + bias[n, k / GS]).
+#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp; K (in) and N (out) come
+#: from the shapes at run time, so a process compiles one kernel per row count, not per layer shape.
+_QUANT_SOURCE = (
+    """\
+
+  constexpr int PER_WORD = 32 / BITS;
+  const int K = static_cast<int>(x_shape[1]);
+  const int N = static_cast<int>(w_shape[0]);
+  const int WORDS = K / PER_WORD;
+  const int GROUPS = K / GS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+"""
+    + _ACCUMULATORS
+    + """\
   for (int wi = lane; wi < WORDS; wi += 32) {
     float xs[M][PER_WORD];
     #pragma unroll
@@ -94,34 +118,21 @@ _QUANT_SOURCE = """
       }
     }
   }
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + r;
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[m][r];
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0 && n < N) out[(size_t)m * N + n] = rk_to<T>(v);
-    }
-  }
 """
+    + _REDUCE_AND_WRITE
+)
 
 #: Dense: out[m, n] = sum_k x[m, k] * w[n, k]. Template ints: M, R; K and N from the shapes.
-_DENSE_SOURCE = """
+_DENSE_SOURCE = (
+    """\
+
   constexpr int PER_STEP = 8;
   const int K = static_cast<int>(x_shape[1]);
   const int N = static_cast<int>(w_shape[0]);
   const int STEPS = K / PER_STEP;
-  const int lane = threadIdx.x & 31;
-  const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (n0 >= N) return;
-  float acc[M][R];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-  }
+"""
+    + _ACCUMULATORS
+    + """\
   for (int si = lane; si < STEPS; si += 32) {
     float xs[M][PER_STEP];
     #pragma unroll
@@ -142,18 +153,9 @@ _DENSE_SOURCE = """
       }
     }
   }
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + r;
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[m][r];
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0 && n < N) out[(size_t)m * N + n] = rk_to<T>(v);
-    }
-  }
 """
+    + _REDUCE_AND_WRITE
+)
 
 _kernels: dict[str, Any] = {}
 #: The CUDA kernel's start-up check (``usable``): ``None`` until run.
@@ -200,8 +202,8 @@ def self_check(seed: int = 0) -> bool:
         found = _weights(module)
         assert found is not None
         kind, weights, n, extra = found
-        five = _launch(kind, [x, *weights], 5, 256, n, list(extra.items()))
-        ones = [_launch(kind, [x[i : i + 1], *weights], 1, 256, n, list(extra.items())) for i in range(5)]
+        five = _launch(kind, [x, *weights], 5, n, list(extra.items()))
+        ones = [_launch(kind, [x[i : i + 1], *weights], 1, n, list(extra.items())) for i in range(5)]
         ref = _reference(kind, x, weights, extra)
         mx.eval(five, ones, ref)
         close = bool(mx.allclose(five.astype(mx.float32), ref.astype(mx.float32), rtol=2e-2, atol=2e-2).item())
@@ -227,7 +229,7 @@ def _kernel(kind: str) -> Any:
     return _kernels[kind]
 
 
-def _launch(kind: str, inputs: list[mx.array], m: int, k: int, n: int, extra: list[tuple[str, int]]) -> mx.array:
+def _launch(kind: str, inputs: list[mx.array], m: int, n: int, extra: list[tuple[str, int]]) -> mx.array:
     x = inputs[0]
     warps = -(-n // OUTS_PER_WARP)
     out = _kernel(kind)(
@@ -274,11 +276,10 @@ def _reference(kind: str, x: mx.array, weights: tuple[mx.array, ...], extra: dic
     return mx.concatenate(rows, axis=0).astype(x.dtype)
 
 
-def supported(module: Any, x: mx.array) -> bool:
-    """Whether ``project`` takes ``module`` on rows like ``x`` (2-D, dtype shared with the weights'
-    scales or weights, in features a multiple of the kernel's step)."""
-    found = _weights(module)
-    if found is None or x.ndim != 2 or x.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+def _covers(found: tuple[str, tuple[mx.array, ...], int, dict[str, int]], x: mx.array) -> bool:
+    """Whether the kernel takes rows like ``x`` for a module whose weights are ``found``: 2-D, dtype
+    shared with the weights' scales or weights, in features a multiple of the kernel's step."""
+    if x.ndim != 2 or x.dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return False
     kind, weights, _, extra = found
     k = x.shape[1]
@@ -288,20 +289,25 @@ def supported(module: Any, x: mx.array) -> bool:
     return weights[0].dtype == x.dtype and k % 8 == 0
 
 
+def supported(module: Any, x: mx.array) -> bool:
+    """Whether ``project`` takes ``module`` on rows like ``x``."""
+    found = _weights(module)
+    return found is not None and _covers(found, x)
+
+
 def project(module: Any, x: mx.array) -> mx.array | None:
     """``x @ W.T (+ bias)`` for ``x`` of shape (rows, in), through the row-exact kernel in calls of at
     most ``MAX_ROWS`` rows; ``None`` when the module or the rows are not covered (or the level is off)."""
     impl = implementation()
-    if impl is None or not supported(module, x) or not usable():
+    found = None if impl is None else _weights(module)
+    if found is None or not _covers(found, x) or not usable():
         return None
-    found = _weights(module)
-    assert found is not None
     kind, weights, n, extra = found
     parts = []
     for i in range(0, x.shape[0], MAX_ROWS):
         xs = x[i : i + MAX_ROWS]
         if impl == "cuda":
-            parts.append(_launch(kind, [xs, *weights], xs.shape[0], x.shape[1], n, list(extra.items())))
+            parts.append(_launch(kind, [xs, *weights], xs.shape[0], n, list(extra.items())))
         else:
             parts.append(_reference(kind, xs, weights, extra))
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
