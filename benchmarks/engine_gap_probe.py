@@ -17,6 +17,9 @@ counters give milliseconds per decode step:
 - ``daemon-1client``: the same daemon, all sequences from one thread with the async client (no
   thread per sequence), to separate the clients' cost from the front end's.
 
+``--profile-dir DIR`` adds ``cProfile`` of the main arm's steps and of the daemon's engine thread
+(``workers/profiling.py``), to set side by side.
+
 On the H200 (8B synth) the first four agreed within ~4 % (B = 64) while the bench's daemon arm
 took 25-40 % longer per step; the last two say whether the front end or the client side costs it.
 """
@@ -24,7 +27,9 @@ took 25-40 % longer per step; the last two say whether the front end or the clie
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -37,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 
 from scheduler.engine_process import EngineProcess
+from workers import profiling
 from workers.engine import Engine
 from workers.jobs import Finished, Job
 from workers.loop import EngineSettings, EngineThread, Ready
@@ -157,12 +163,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--arms", default="main,thread,loop,process,daemon,daemon-1client")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--profile-dir", help="profile the main arm here, and the daemon's engine thread (MLX_BATCHD_PROFILE_DIR)"
+    )
     a = ap.parse_args()
+    main_profile = cProfile.Profile() if a.profile_dir else None
     loaded = load(a.model)
     vocab = loaded.info.vocab_size
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=vocab, max_batch=128)
     arms = a.arms.split(",")
     hosted = {k: Hosted(k, a.model, lambda: loaded) for k in arms if k in ("loop", "process")}
+    if a.profile_dir:
+        os.environ[profiling.ENV] = a.profile_dir  # read by the daemon's engine process only: it starts next
     served = Served(a.model) if any(k.startswith("daemon") for k in arms) else None
     results: dict[str, dict[str, list[float]]] = {}
     for b in [int(x) for x in a.batches.split(",")]:
@@ -171,7 +183,11 @@ def main() -> None:
             for arm in order:
                 ps = prompts(b, vocab, 1000 * b + rep)
                 if arm == "main":
+                    if main_profile is not None:
+                        main_profile.enable()
                     steps, secs = drive_engine(engine, ps, a.tokens)
+                    if main_profile is not None:
+                        main_profile.disable()
                 elif arm == "thread":
                     steps, secs = on_thread(engine, ps, a.tokens)
                 elif arm.startswith("daemon"):
@@ -188,6 +204,8 @@ def main() -> None:
         h.close()
     if served is not None:
         served.close()
+    if main_profile is not None:
+        profiling.write(main_profile, Path(a.profile_dir) / f"main-{os.getpid()}")
     summary = {
         b: {arm: {"median_ms": statistics.median(v), "min": min(v), "max": max(v)} for arm, v in arms_.items()}
         for b, arms_ in results.items()

@@ -5,8 +5,10 @@
 1. Per projection shape of the model: the kernel against the plain-MLX reference (max abs error
    over max |reference|), row-exactness (each row of an M-row call byte-equal to the 1-row call),
    and milliseconds at M = 1, 2, 5, 8 against MLX's own quantized matmul at M = 1 and 5.
-2. Whole model at B = 1 (context 300): a classic step and a 5-token block (K = 4) at wide, padded
-   and rowwise, in milliseconds and in wide classic steps.
+   Then each kernel variant (outputs per warp R, words per load VEC) at M = 1 and 5, with its error
+   and row-exactness at M = 5.
+2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
+   padded and rowwise (each variant), in milliseconds and in wide classic steps.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from workers import rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
+
+#: (outputs per warp, words per load) pairs that part 1 times; the first is the module's default.
+VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (4, 4), (2, 4), (1, 4), (8, 4))
+
+
+def use(variant: tuple[int, int]) -> None:
+    rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
 def shapes(model: nn.Module) -> dict[str, Any]:
@@ -58,6 +67,27 @@ def shapes(model: nn.Module) -> dict[str, Any]:
         }
         with stock():
             row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, m=m, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
+        row["variants"] = {}
+        for variant in VARIANTS[1:]:
+            use(variant)
+            five = rowkernel.project(m, x[:5])
+            assert five is not None
+            e = mx.max(mx.abs(five.astype(mx.float32) - ref[:5].astype(mx.float32))) / mx.max(
+                mx.abs(ref.astype(mx.float32))
+            )
+            row["variants"][f"R{variant[0]}V{variant[1]}"] = {
+                "rel_err": round(float(e.item()), 5),
+                "row_exact_5": all(
+                    bool(
+                        mx.array_equal(
+                            five[i].view(mx.uint16), rowkernel.project(m, x[i : i + 1])[0].view(mx.uint16)
+                        ).item()
+                    )  # type: ignore[index]
+                    for i in range(5)
+                ),
+                "ms": {mm: round(timeit(lambda mm=mm, m=m, x=x: rowkernel.project(m, x[:mm]), 20), 4) for mm in (1, 5)},
+            }
+        use(VARIANTS[0])
         print(name, json.dumps(row), flush=True)
         out[name] = row
     return out
@@ -92,14 +122,22 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300) -> dict[str, A
         return sorted(times[2:])[len(times[2:]) // 2]
 
     out: dict[str, Any] = {}
-    for level in (Level.WIDE, Level.PADDED, Level.ROWWISE, Level.PER_QUERY_1):
-        out[level.value] = {"step_ms": step_ms(level, 1), "block5_ms": step_ms(level, 5)}
-        print(level.value, out[level.value], flush=True)
+    runs: list[tuple[str, Level, tuple[int, int]]] = [
+        ("wide", Level.WIDE, VARIANTS[0]),
+        ("padded", Level.PADDED, VARIANTS[0]),
+    ]
+    runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS]
+    for name, level, variant in runs:
+        use(variant)
+        out[name] = {f"block{t}_ms" if t > 1 else "step_ms": step_ms(level, t) for t in (1, 5, 9)}
+        print(name, out[name], flush=True)
+    use(VARIANTS[0])
     base = out["wide"]["step_ms"]
     for v in out.values():
         v["step_in_wide_steps"] = round(v["step_ms"] / base, 3)
-        v["block5_in_wide_steps"] = round(v["block5_ms"] / base, 3)
-        v["block5_in_own_steps"] = round(v["block5_ms"] / v["step_ms"], 3)
+        for t in (5, 9):
+            v[f"block{t}_in_wide_steps"] = round(v[f"block{t}_ms"] / base, 3)
+            v[f"block{t}_in_own_steps"] = round(v[f"block{t}_ms"] / v["step_ms"], 3)
     return out
 
 

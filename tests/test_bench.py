@@ -19,6 +19,7 @@ from scheduler.bench.b1 import b1_markdown, b1_rows
 from scheduler.bench.batched import Setup, batched_markdown, batched_rows
 from scheduler.bench.matrix import write_tables
 from scheduler.bench.prefix import PREFIX_ARMS, PrefixPlan
+from scheduler.bench.prefix_report import prefix_markdown
 from scheduler.bench.reference import reference_line, reference_tok_s
 from scheduler.bench.spreads import ratio_spread, spread
 from scheduler.cli import build_parser
@@ -536,3 +537,16 @@ def test_prefix_plan_says_what_fits_the_context() -> None:
     assert "a 10-turn chat (200 + 10 x (40 + 60) = 1200 tokens) exceeds the model's context (1100)" in str(
         short.too_long(1100)
     )
+
+
+def test_prefix_tables_say_when_reuse_ran_under_allow_inexact() -> None:
+    """``--prefix-allow-inexact``: the tables carry the start-up check's finding when it was overruled,
+    and nothing when reuse was exact anyway or not allowed."""
+    args = build_parser().parse_args(["bench", "--prefix-scenario", "--prefix-allow-inexact"])
+    assert args.prefix_allow_inexact
+    inexact = {"serving": True, "verdict": {"exact": False, "reason": "warm differs from cold: 9/10 bytes"}}
+    md = prefix_markdown({"meta": {"allow_inexact": True, "prefix_cache": inexact}})
+    assert "reuses under --allow-inexact" in md and "warm differs from cold: 9/10 bytes" in md
+    exact = {"serving": True, "verdict": {"exact": True, "reason": "warm == cold"}}
+    assert "allow-inexact" not in prefix_markdown({"meta": {"allow_inexact": True, "prefix_cache": exact}})
+    assert "allow-inexact" not in prefix_markdown({"meta": {"allow_inexact": False, "prefix_cache": inexact}})

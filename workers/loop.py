@@ -58,6 +58,7 @@ from workers.engine import Engine, Finished, Job, Tokens
 from workers.engine_stats import engine_snapshot
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
+from workers.profiling import profiled
 from workers.snapshot import DistributedSnapshot, EngineSnapshot
 from workers.startup import EngineSettings as EngineSettings
 from workers.startup import check_same_settings, configure_prefix_cache, start_probe, warm_up
@@ -154,7 +155,8 @@ class EngineThread:
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
-        final = self._serve()
+        with profiled("engine"):
+            final = self._serve()
         # Release this thread's MLX state before saying we are done: once ``Stopped`` is out the main
         # thread may finalize the interpreter, and MLX streams (and their worker threads) torn down by
         # exit-time destructors instead abort the process ("terminate called without an active

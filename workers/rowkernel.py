@@ -35,6 +35,10 @@ log = logging.getLogger("mlx_batchd.rowkernel")
 MAX_ROWS = 8
 #: Output features per warp: each warp keeps its rows of ``x`` in registers for this many weight rows.
 OUTS_PER_WARP = 4
+#: Quantized words each lane loads at once (1, or 4: one 128-bit load) where a weight row's word count
+#: allows it. Both settings sum each row in one fixed order per layer shape, whatever the row count;
+#: they differ in speed only (``benchmarks/rowkernel_probe.py`` measures both).
+VECTOR_WORDS = 1
 #: Threads per block (four warps).
 BLOCK = 128
 
@@ -80,8 +84,10 @@ _REDUCE_AND_WRITE = """\
 """
 
 #: Quantized (affine): out[m, n] = sum_k x[m, k] * (scale[n, k / GS] * q[n, k] + bias[n, k / GS]).
-#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp; K (in) and N (out) come
-#: from the shapes at run time, so a process compiles one kernel per row count, not per layer shape.
+#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp, VEC words per load (a lane
+#: sums words ci * VEC .. ci * VEC + VEC - 1 in turn); K (in) and N (out) come from the shapes at run
+#: time, so a process compiles one kernel per row count, not per layer shape. Warps past the last
+#: output recompute the last one and write nothing.
 _QUANT_SOURCE = (
     """\
 
@@ -94,24 +100,37 @@ _QUANT_SOURCE = (
 """
     + _ACCUMULATORS
     + """\
-  for (int wi = lane; wi < WORDS; wi += 32) {
-    float xs[M][PER_WORD];
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      #pragma unroll
-      for (int j = 0; j < PER_WORD; ++j) xs[m][j] = rk_f(x[(size_t)m * K + (size_t)wi * PER_WORD + j]);
-    }
-    const int g = (wi * PER_WORD) / GS;
+  for (int ci = lane; ci < WORDS / VEC; ci += 32) {
+    uint32_t qs[R][VEC];
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int n = n0 + r;
-      if (n < N) {
-        const uint32_t q = w[(size_t)n * WORDS + wi];
+      const int n = n0 + r < N ? n0 + r : N - 1;
+      if (VEC == 4) {
+        const uint4 v = reinterpret_cast<const uint4*>(w + (size_t)n * WORDS)[ci];
+        qs[r][0] = v.x; qs[r][1] = v.y; qs[r][2] = v.z; qs[r][3] = v.w;
+      } else {
+        #pragma unroll
+        for (int t = 0; t < VEC; ++t) qs[r][t] = w[(size_t)n * WORDS + ci * VEC + t];
+      }
+    }
+    #pragma unroll
+    for (int t = 0; t < VEC; ++t) {
+      const int wi = ci * VEC + t;
+      float xs[M][PER_WORD];
+      #pragma unroll
+      for (int m = 0; m < M; ++m) {
+        #pragma unroll
+        for (int j = 0; j < PER_WORD; ++j) xs[m][j] = rk_f(x[(size_t)m * K + (size_t)wi * PER_WORD + j]);
+      }
+      const int g = (wi * PER_WORD) / GS;
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int n = n0 + r < N ? n0 + r : N - 1;
         const float s = rk_f(scales[(size_t)n * GROUPS + g]);
         const float b = rk_f(biases[(size_t)n * GROUPS + g]);
         #pragma unroll
         for (int j = 0; j < PER_WORD; ++j) {
-          const float wd = __fmaf_rn((float)((q >> (BITS * j)) & MASK), s, b);
+          const float wd = __fmaf_rn((float)((qs[r][t] >> (BITS * j)) & MASK), s, b);
           #pragma unroll
           for (int m = 0; m < M; ++m) acc[m][r] = __fmaf_rn(xs[m][j], wd, acc[m][r]);
         }
@@ -202,8 +221,8 @@ def self_check(seed: int = 0) -> bool:
         found = _weights(module)
         assert found is not None
         kind, weights, n, extra = found
-        five = _launch(kind, [x, *weights], 5, n, list(extra.items()))
-        ones = [_launch(kind, [x[i : i + 1], *weights], 1, n, list(extra.items())) for i in range(5)]
+        five = _launch(kind, [x, *weights], 5, n, extra)
+        ones = [_launch(kind, [x[i : i + 1], *weights], 1, n, extra) for i in range(5)]
         ref = _reference(kind, x, weights, extra)
         mx.eval(five, ones, ref)
         close = bool(mx.allclose(five.astype(mx.float32), ref.astype(mx.float32), rtol=2e-2, atol=2e-2).item())
@@ -229,12 +248,16 @@ def _kernel(kind: str) -> Any:
     return _kernels[kind]
 
 
-def _launch(kind: str, inputs: list[mx.array], m: int, n: int, extra: list[tuple[str, int]]) -> mx.array:
+def _launch(kind: str, inputs: list[mx.array], m: int, n: int, extra: dict[str, int]) -> mx.array:
     x = inputs[0]
     warps = -(-n // OUTS_PER_WARP)
+    template: list[tuple[str, Any]] = [("T", x.dtype), ("M", m), ("R", OUTS_PER_WARP), *extra.items()]
+    if kind == "quant":
+        words = inputs[1].shape[1]
+        template.append(("VEC", VECTOR_WORDS if words % VECTOR_WORDS == 0 else 1))
     out = _kernel(kind)(
         inputs=inputs,
-        template=[("T", x.dtype), ("M", m), ("R", OUTS_PER_WARP), *extra],
+        template=template,
         grid=(warps * 32, 1, 1),
         threadgroup=(BLOCK, 1, 1),
         output_shapes=[(m, n)],
@@ -307,7 +330,7 @@ def project(module: Any, x: mx.array) -> mx.array | None:
     for i in range(0, x.shape[0], MAX_ROWS):
         xs = x[i : i + MAX_ROWS]
         if impl == "cuda":
-            parts.append(_launch(kind, [xs, *weights], xs.shape[0], n, list(extra.items())))
+            parts.append(_launch(kind, [xs, *weights], xs.shape[0], n, extra))
         else:
             parts.append(_reference(kind, xs, weights, extra))
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

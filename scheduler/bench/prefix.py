@@ -195,12 +195,14 @@ def run_prefix(args: argparse.Namespace) -> int:
     out = Path(args.out)
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     common = ["--max-tokens-cap", str(plan.max_tokens_cap), "--max-batch", str(max(32, plan.batch))]
-    daemons = {"no_cache": common, "cache": [*common, "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]}
+    cache = [*common, "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]
+    daemons = {"no_cache": common, "cache": [*cache, "--allow-inexact"] if args.prefix_allow_inexact else cache}
     meta: dict[str, Any] = {
         "model": args.model,
         "device": str(mx.default_device()),
         "mlx": str(getattr(mx, "__version__", "unknown")),
         "prefix_cache_mb": args.prefix_cache_mb,
+        "allow_inexact": args.prefix_allow_inexact,
         "prefix_tokens": plan.prefix,
         "suffix_tokens": plan.suffix,
         "ttft_tokens": TTFT_TOKENS,

@@ -98,6 +98,11 @@ def prefix_markdown(result: dict[str, Any]) -> str:
             f"warning: the cache daemon's prefix cache is not serving ({(cache.get('verdict') or {}).get('reason')}): "
             "every figure below is of a daemon without reuse"
         )
+    elif meta.get("allow_inexact") and not (cache.get("verdict") or {}).get("exact", True):
+        parts.append(
+            "note: the cache daemon reuses under --allow-inexact: its start-up check found warm prefill not "
+            f"byte-identical to cold ({(cache.get('verdict') or {}).get('reason')}), so warm outputs may differ"
+        )
     t = result.get("ttft")
     if t:
         target = PREFIX_TARGETS["ttft_ratio"]

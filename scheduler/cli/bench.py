@@ -116,6 +116,12 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="which parts to run (comma list of ttft, chat, throughput; default all)",
     )
     g.add_argument("--prefix-cache-mb", type=positive_float, default=512.0, help="the cache daemon's --prefix-cache-mb")
+    g.add_argument(
+        "--prefix-allow-inexact",
+        action="store_true",
+        help="start the cache daemon with --allow-inexact: reuse even where the start-up check finds warm "
+        "prefill not byte-identical to cold (the results say so)",
+    )
     g.add_argument("--prefix-tokens", type=positive_int, default=2000, help="the shared prefix's length")
     g.add_argument("--suffix-tokens", type=positive_int, default=50, help="each request's own suffix after it")
     g.add_argument(

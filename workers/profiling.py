@@ -1,0 +1,45 @@
+"""An opt-in profile of the engine thread, for finding where its step time goes on a device.
+
+``MLX_BATCHD_PROFILE_DIR=DIR`` makes the engine loop run under ``cProfile`` (this thread only: the
+front end, the client threads and MLX's own threads are not in it) and, when the loop ends, write
+``DIR/engine-PID.prof`` (``pstats``) and ``DIR/engine-PID.txt`` (the top functions by own time and
+by cumulative time). Unset, it costs nothing.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ENV = "MLX_BATCHD_PROFILE_DIR"
+
+
+@contextmanager
+def profiled(name: str) -> Iterator[None]:
+    """Profile the calling thread for the body's duration when ``MLX_BATCHD_PROFILE_DIR`` is set."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        write(profile, Path(folder) / f"{name}-{os.getpid()}")
+
+
+def write(profile: cProfile.Profile, stem: Path, top: int = 40) -> None:
+    """``stem.prof`` and ``stem.txt`` (top ``top`` by own time, then by cumulative time)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    profile.dump_stats(f"{stem}.prof")
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(top)
+    Path(f"{stem}.txt").write_text(text.getvalue())
