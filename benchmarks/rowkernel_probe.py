@@ -6,9 +6,10 @@
    over max |reference|), row-exactness (each row of an M-row call byte-equal to the 1-row call),
    and milliseconds at M = 1, 2, 5, 8 against MLX's own quantized matmul at M = 1 and 5.
    Then each kernel variant (outputs per warp R, words per load VEC) at M = 1 and 5, with its error
-   and row-exactness at M = 5.
+   and row-exactness at M = 5; and the mirrored kernel (``qmv_rows``): each row of a 1-, 5- and
+   8-row call byte-equal to MLX's own one-row call, and its milliseconds.
 2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
-   padded and rowwise (each variant), in milliseconds and in wide classic steps.
+   mirrored, per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import mlx.nn as nn
 from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import rowkernel
+from workers import qmv_rows, rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
 
 #: (outputs per warp, words per load) pairs that part 1 times; the first is the module's default.
-VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (4, 4), (2, 4), (1, 4), (8, 4))
+VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 
 
 def use(variant: tuple[int, int]) -> None:
@@ -67,6 +68,28 @@ def shapes(model: nn.Module) -> dict[str, Any]:
         }
         with stock():
             row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, m=m, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
+        found = qmv_rows.covered(m, x)
+        if found is not None:
+            call = type(m).__call__
+            original = getattr(call, "__wrapped__", call)
+            with stock():
+                ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
+                w, s_, b_, bits, gs = found
+                mirrored = {mm: qmv_rows._launch(x[:mm], w, s_, b_, bits, gs) for mm in (1, 5, 8)}
+                mx.eval(ones_mlx, mirrored)
+                row["mirrored"] = {
+                    "equals_mlx_one_row": {
+                        mm: all(
+                            bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
+                            for i in range(mm)
+                        )
+                        for mm, out in mirrored.items()
+                    },
+                    "ms": {
+                        mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
+                        for mm in (1, 5, 8)
+                    },
+                }
         row["variants"] = {}
         for variant in VARIANTS[1:]:
             use(variant)
@@ -149,8 +172,11 @@ def main() -> None:
     install()
     print("implementation", rowkernel.implementation(), "usable", rowkernel.usable(), flush=True)
     loaded = load(a.model)
-    report = {"usable": rowkernel.usable(), "shapes": shapes(loaded.model)}
+    report: dict[str, Any] = {"usable": rowkernel.usable(), "mirrored_usable": qmv_rows.usable()}
+    print("mirrored usable", report["mirrored_usable"], flush=True)
+    report["shapes"] = shapes(loaded.model)
     report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size)
+    report["mirrored_shapes"] = qmv_rows.report()
     print(json.dumps(report["whole_model"], indent=1))
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1, default=str)

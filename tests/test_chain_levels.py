@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import workers.seam
 from tests.reference import load_measured, probed_bursts
-from workers import fastpath, kernels
+from workers import fastpath, kernels, qmv_rows
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Job, Tokens
@@ -88,15 +88,16 @@ def test_padded_runs_every_projection_on_pad_rows_and_keeps_the_real_rows_exact(
     assert len(rows_seen) == 3 * projections
 
 
-def test_the_cuda_ladder_tries_rowwise_then_padded_right_after_wide_and_others_neither(
+def test_the_cuda_ladder_tries_mirrored_rowwise_then_padded_right_after_wide_and_others_neither(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "reference")
     fastpath.set_active(fastpath.CUDA)
     try:
-        assert kernels.ladder()[:3] == (Level.WIDE, Level.ROWWISE, Level.PADDED)
+        assert kernels.ladder()[:4] == (Level.WIDE, Level.MIRRORED, Level.ROWWISE, Level.PADDED)
         monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "off")
         assert kernels.ladder()[:2] == (Level.WIDE, Level.PADDED) and Level.ROWWISE not in kernels.ladder()
+        assert Level.MIRRORED not in kernels.ladder()
     finally:
         fastpath.set_active(fastpath.GENERIC)
     try:
@@ -114,6 +115,7 @@ def test_injected_one_row_divergence_is_exact_at_the_rung_because_the_chain_runs
     one). Wide differs (the chain's calls are one row, the block's are not); at padded both run
     ``PAD_ROWS`` rows per call, at rowwise both go through the project's kernel, so every draw is exact."""
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
+    monkeypatch.setattr(qmv_rows, "usable", lambda: False)  # this test is about the chain-pinning rungs
     model = load_measured(llama)
     workers.seam.divergence_seam = _one_row_kernel_differs
     draws = make_draws(3, VOCAB, 4096, None)
@@ -152,6 +154,7 @@ def test_injected_one_row_divergence_bursts_at_the_rung_emit_its_classic_decode(
     lone sequence's classic steps run at it too, so bursts emit exactly what that classic decode
     emits, every round audited clean; classic decode left at one-row calls would emit something else."""
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
+    monkeypatch.setattr(qmv_rows, "usable", lambda: False)  # this test is about the chain-pinning rungs
     model = load_measured(llama)
     workers.seam.divergence_seam = _one_row_kernel_differs
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]

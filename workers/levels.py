@@ -5,8 +5,8 @@ byte-equal to T single-token decode steps depends on the backend's kernels: wide
 matmuls may reduce in a different order than ``M = 1``, and multi-query masked attention differs
 from decode's single-query, mask-free call, and even from it over a differently laid-out cache.
 
-Levels (the ladder), in the order the probe tries them (``ladder()``; ``rowwise`` and ``padded`` are
-tried only on MLX CUDA, right after ``wide``):
+Levels (the ladder), in the order the probe tries them (``ladder()``; ``mirrored``, ``rowwise`` and
+``padded`` are tried only on MLX CUDA, right after ``wide``):
 
 - ``wide``: MLX's own dispatch.
 - ``narrow``: every projection on more rows than its width ``W`` runs in row chunks of at most
@@ -22,6 +22,11 @@ tried only on MLX CUDA, right after ``wide``):
   that row, so no width is involved, measured or calibrated; what still runs on the block's rows
   together are the per-row operations between them (norms, RoPE, activations, residual adds). The
   probe verifies this rung like the others.
+- ``mirrored``: per-query attention, and each quantized projection of the block through the project's
+  kernel that performs decode's own one-row kernel arithmetic on several rows in one weight pass
+  (``qmv_rows``), used per layer shape only where it was measured byte-equal to MLX's one-row call;
+  every other projection is decode's own one-row call per row. Classic decode is not pinned: the
+  block reproduces MLX's decode, at about one weight pass per projection.
 - ``rowwise``: every projection of the lone sequence's forwards, the verify block's and classic
   decode's, runs through the project's row-exact kernel (``rowkernel``: one pass over the weights
   for up to 8 rows, each row reduced in one fixed order), attention per-query. Exact by
@@ -56,12 +61,13 @@ class Level(StrEnum):
     PER_QUERY = "per-query"
     PADDED = "padded"
     ROWWISE = "rowwise"
+    MIRRORED = "mirrored"
     PER_QUERY_1 = "per-query-1"
 
     @property
     def per_query(self) -> bool:
         """Whether attention runs one query at a time through the cache's update path."""
-        return self in (Level.PER_QUERY, Level.PADDED, Level.ROWWISE, Level.PER_QUERY_1)
+        return self in (Level.PER_QUERY, Level.PADDED, Level.ROWWISE, Level.MIRRORED, Level.PER_QUERY_1)
 
     @property
     def pins_chain(self) -> bool:
@@ -80,13 +86,15 @@ LADDER: tuple[Level, ...] = (Level.WIDE, Level.NARROW, Level.PER_QUERY, Level.PE
 
 
 def ladder() -> tuple[Level, ...]:
-    """The rungs in the order the probe tries them on this backend: ``rowwise`` right after ``wide``
-    where the project's kernel runs and passed its check (``rowkernel.usable``), then ``padded`` where it is
-    measured cheaper than chunking (MLX CUDA, ``fastpath``'s switch); elsewhere neither (an operator
-    may still pin them with ``--pin-level``)."""
-    from workers import rowkernel
+    """The rungs in the order the probe tries them on this backend: ``mirrored`` right after ``wide``
+    (it keeps classic decode as it is), then ``rowwise``, both where the project's kernels run
+    (``qmv_rows.usable``, ``rowkernel.usable``: its start-up check passed), then ``padded`` where it is
+    measured cheaper than chunking (MLX CUDA, ``fastpath``'s switch); elsewhere none of them (an
+    operator may still pin them with ``--pin-level``)."""
+    from workers import qmv_rows, rowkernel
 
-    first: tuple[Level, ...] = (Level.ROWWISE,) if rowkernel.usable() else ()
+    first: tuple[Level, ...] = (Level.MIRRORED,) if qmv_rows.usable() else ()
+    first += (Level.ROWWISE,) if rowkernel.usable() else ()
     if fastpath.active().padded_first:
         first += (Level.PADDED,)
     return (Level.WIDE, *first, *LADDER[1:])

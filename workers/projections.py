@@ -6,7 +6,8 @@ the call goes straight through (``fastpath`` may route it); at ``narrow`` and ``
 on several rows runs in chunks of the module's width (``widths.chunk_widths``) and, while
 ``capturing``, is recorded for calibration; at ``per-query-1`` every row is decode's own one-row
 call; at ``padded`` every call runs on exactly ``PAD_ROWS`` rows; at ``rowwise`` the project's
-row-exact kernel computes the rows (``rowkernel``).
+row-exact kernel computes the rows (``rowkernel``); at ``mirrored`` the project's kernel that
+repeats decode's one-row arithmetic does, where measured equal (``qmv_rows``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ def _rowwise(
     return out.reshape(*lead, *out.shape[1:])
 
 
+def _mirrored(
+    module: Any, original: Callable[..., mx.array], x: mx.array, extra: tuple[Any, ...], kwargs: dict[str, Any]
+) -> mx.array:
+    """Several rows through the kernel that repeats decode's one-row arithmetic (``qmv_rows``); where
+    it does not cover the module or was not measured equal to MLX's call, decode's own one-row call
+    per row."""
+    from workers import qmv_rows
+
+    rows = _rows(x)
+    lead = x.shape[:-1]
+    flat = x.reshape(rows, x.shape[-1])
+    out = None if extra or kwargs else qmv_rows.project(module, original, flat)
+    if out is None:
+        flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
+        out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))
+    else:
+        out = seam.apply("mirrored", out, rows, module, flat)
+    return out.reshape(*lead, *out.shape[1:])
+
+
 def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
@@ -147,6 +168,8 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE:
             return _rowwise(self, original, x, extra, kwargs)
+        if level is Level.MIRRORED and rows > 1:
+            return _mirrored(self, original, x, extra, kwargs)
         if level is Level.PADDED:
             lead = x.shape[:-1]
             flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)

@@ -140,7 +140,8 @@ def add_probe_policy(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pin-level",
-        choices=["wide", "narrow", "per-query", "padded", "rowwise", "per-query-1"],  # workers.kernels.Level
+        # workers.kernels.Level's values
+        choices=["wide", "narrow", "per-query", "padded", "rowwise", "mirrored", "per-query-1"],
         default=None,
         help="use this kernel level for verify instead of the ladder's choice (padded also pins the lone "
         "sequence's classic steps)",

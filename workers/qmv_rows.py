@@ -1,0 +1,242 @@
+"""Decode's own quantized matrix-vector arithmetic, run on several rows in one pass over the weights.
+
+Why: a verify block is exact when each of its rows is computed as classic decode computes that row.
+On MLX CUDA classic decode's quantized projections run MLX's one-row kernel (``qmv``): one warp
+per output feature, each lane dequantizing 16 (4-bit) or 8 (8-bit) weights at a time with cutlass's
+array arithmetic in the activation dtype (scale multiply, bias add, fused multiply-add into one
+accumulator per element; fp32 accumulators for 8-bit), then the lane's accumulators summed in fp32
+in element order and the warp's lanes in a butterfly. This kernel performs that same sequence of
+operations, through the same cutlass headers, for up to ``MAX_ROWS`` rows at once, sharing each
+dequantized weight tile between the rows. If it reproduces MLX's one-row results byte for byte,
+the ``mirrored`` level verifies a block at about one weight pass *without* pinning classic decode
+(unlike ``rowwise``, whose one-row results are its own).
+
+Whether it does is measured, never assumed: MLX's kernel choice and arithmetic are MLX's to change.
+Every layer shape (out, in, bits, group size, dtype) is checked at first use against MLX's own
+one-row call on random rows (``_matches``); a shape that differs in any byte (or a kernel that does
+not compile) falls back to decode's own one-row call per row, which is exact by construction, and
+the probe then verifies the level end to end like any other.
+
+Switch: ``rowkernel.implementation()`` (``MLX_BATCHD_ROWKERNEL``). With ``reference`` (CPU tests)
+every row takes the fallback, so tests exercise the level's plumbing; the kernel itself can only
+be checked where MLX runs on CUDA (``benchmarks/rowkernel_probe.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from workers import rowkernel
+
+log = logging.getLogger("mlx_batchd.qmv_rows")
+
+#: Rows per kernel call (a longer block runs in calls of this many; each row is unaffected).
+MAX_ROWS = 8
+#: Warps (output features) per block.
+WARPS = 8
+
+_HEADER = """
+#include "mlx/backend/cuda/device/cute_dequant.cuh"
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+template <typename T> struct qr_cutlass;
+template <> struct qr_cutlass<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct qr_cutlass<__half> { using type = cutlass::half_t; };
+template <int BITS> struct qr_quant { using type = cutlass::integer_subbyte<BITS, false>; };
+template <> struct qr_quant<8> { using type = uint8_t; };
+
+// One tile of E weights of one output feature against M rows of x, in decode's kernel's order:
+// dequantize (convert, times scale, plus bias, each in CT), then one fused multiply-add per element
+// into that row's accumulators (CT for 4-bit, fp32 for 8-bit).
+template <typename CT, typename Q, typename Acc, int E, int M, int GS, int BITS>
+__device__ __forceinline__ void qr_tile(
+    const CT* x, const uint8_t* wrow, const CT* srow, const CT* brow, int k, int idx,
+    cutlass::Array<Acc, E> (&sums)[M]) {
+  const CT scale = srow[idx / GS];
+  const CT bias = brow[idx / GS];
+  const auto wq = *reinterpret_cast<const cutlass::Array<Q, E>*>(wrow + (size_t)idx * BITS / 8);
+  cutlass::NumericArrayConverter<CT, Q, E> to_ct;
+  cutlass::Array<CT, E> wd = to_ct(wq);
+  wd = wd * scale + bias;
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const auto xv = *reinterpret_cast<const cutlass::Array<CT, E>*>(x + (size_t)m * k + idx);
+    if constexpr (BITS >= 8) {
+      cutlass::NumericArrayConverter<float, CT, E> to_f;
+      sums[m] = cutlass::fma(to_f(xv), to_f(wd), sums[m]);
+    } else {
+      sums[m] = cutlass::fma(xv, wd, sums[m]);
+    }
+  }
+}
+"""
+
+#: Template ints: M rows, GS group size, BITS (4 or 8); T the activation (and scale) dtype. K and N
+#: come from the shapes at run time. One warp per output feature, ``WARPS`` per block.
+_SOURCE = """
+  using CT = typename qr_cutlass<T>::type;
+  using Q = typename qr_quant<BITS>::type;
+  constexpr int E = BITS <= 4 ? 16 : 8;
+  using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
+  const int K = static_cast<int>(x_shape[1]);
+  const int N = static_cast<int>(w_shape[0]);
+  const int lane = threadIdx.x & 31;
+  const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (n >= N) return;
+  const int groups = K / GS;
+  const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (size_t)n * ((size_t)K * BITS / 8);
+  const CT* srow = reinterpret_cast<const CT*>(scales) + (size_t)n * groups;
+  const CT* brow = reinterpret_cast<const CT*>(biases) + (size_t)n * groups;
+  const CT* xc = reinterpret_cast<const CT*>(x);
+  cutlass::Array<Acc, E> sums[M];
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    #pragma unroll
+    for (int i = 0; i < E; ++i) sums[m][i] = Acc(0);
+  }
+  constexpr int PER_WARP = 32 * E;
+  for (int r = 0; r < K / PER_WARP; ++r) {
+    qr_tile<CT, Q, Acc, E, M, GS, BITS>(xc, wrow, srow, brow, K, lane * E + r * PER_WARP, sums);
+  }
+  const int rest = K % PER_WARP;
+  if (rest && lane * E + K - rest < K) {
+    qr_tile<CT, Q, Acc, E, M, GS, BITS>(xc, wrow, srow, brow, K, lane * E + K - rest, sums);
+  }
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float s = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < E; ++i) s += static_cast<float>(sums[m][i]);
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) {
+      const CT o = static_cast<CT>(s);
+      out[(size_t)m * N + n] = *reinterpret_cast<const T*>(&o);
+    }
+  }
+"""
+
+_kernel: Any = None
+#: Per layer shape (out, in, bits, group size, dtype): whether the kernel reproduced MLX's one-row call.
+_matches_mlx: dict[tuple[Any, ...], bool] = {}
+#: Whether the kernel compiled (``None`` until first tried).
+_compiled: bool | None = None
+#: The start-up check (``usable``): ``None`` until run.
+_checked: bool | None = None
+
+
+def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
+    """(weight, scales, biases, bits, group size) when the kernel takes ``module`` on rows like ``x``:
+    an affine 4- or 8-bit ``QuantizedLinear`` (or a tied embedding's linear use) with bf16 or fp16
+    activations and scales of the same dtype, 2-D rows, in features a multiple of one lane's tile."""
+    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or x.ndim != 2:
+        return None
+    biases = module.get("biases")
+    if getattr(module, "mode", "affine") != "affine" or biases is None or module.bits not in (4, 8):
+        return None
+    scales = module["scales"]
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or x.shape[1] % 16:
+        return None
+    return module["weight"], scales, biases, int(module.bits), int(module.group_size)
+
+
+def _launch(x: mx.array, w: mx.array, s: mx.array, b: mx.array, bits: int, gs: int) -> mx.array:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlx_batchd_qmv_rows",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["out"],
+            source=_SOURCE,
+            header=_HEADER,
+        )
+    n, m = int(w.shape[0]), int(x.shape[0])
+    blocks = -(-n // WARPS)
+    return _kernel(
+        inputs=[x, w, s, b],
+        template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits)],
+        grid=(blocks * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def _matches(module: Any, original: Callable[..., mx.array], found: tuple[Any, ...], dtype: Any) -> bool:
+    """The kernel on 5 random rows (and on each alone) against MLX's own one-row call on each row,
+    byte for byte (the call ``original`` makes for classic decode)."""
+    global _compiled
+    w, s, b, bits, gs = found
+    k = int(s.shape[1]) * gs
+    x = (mx.random.normal((5, k), key=mx.random.key(k + int(w.shape[0]))) * 0.5).astype(dtype)
+    try:
+        five = _launch(x, w, s, b, bits, gs)
+        ones = [_launch(x[i : i + 1], w, s, b, bits, gs) for i in range(5)]
+        mlx_rows = [original(module, x[i : i + 1]) for i in range(5)]
+        mx.eval(five, ones, mlx_rows)
+        _compiled = True
+    except Exception as exc:  # a JIT failure leaves every shape on the fallback
+        log.warning("the mirrored kernel is unavailable: %s", exc)
+        _compiled = False
+        return False
+    bits_of = mx.uint16
+    return all(
+        bool(mx.array_equal(five[i : i + 1].view(bits_of), mlx_rows[i].view(bits_of)).item())
+        and bool(mx.array_equal(ones[i].view(bits_of), mlx_rows[i].view(bits_of)).item())
+        for i in range(5)
+    )
+
+
+def usable() -> bool:
+    """Whether the level can run here: ``rowkernel``'s switch selects an implementation and, for the
+    CUDA kernel, it compiled and reproduced MLX's one-row call on a small random 4-bit layer at first
+    use (fail closed: otherwise the ladder goes without ``mirrored``)."""
+    global _checked
+    impl = rowkernel.implementation()
+    if impl != "cuda":
+        return impl is not None
+    if _checked is None:
+        module = nn.QuantizedLinear(512, 64, bits=4, group_size=64)
+        module.set_dtype(mx.bfloat16)
+        call = type(module).__call__
+        original = getattr(call, "__wrapped__", call)
+        found = covered(module, mx.zeros((1, 512), dtype=mx.bfloat16))
+        _checked = found is not None and _matches(module, original, found, mx.bfloat16)
+        if not _checked:
+            log.warning("the mirrored kernel does not reproduce MLX's one-row call: the level is off")
+    return _checked
+
+
+def project(module: Any, original: Callable[..., mx.array], x: mx.array) -> mx.array | None:
+    """``module``'s projection of ``x``'s rows (shape (rows, in)) through the kernel, in calls of at
+    most ``MAX_ROWS`` rows, or ``None`` where the module, its shape or this backend is not covered
+    (the caller then makes decode's own one-row call per row)."""
+    if rowkernel.implementation() != "cuda" or _compiled is False:
+        return None
+    found = covered(module, x)
+    if found is None:
+        return None
+    w, s, b, bits, gs = found
+    key = (tuple(w.shape), bits, gs, str(x.dtype))
+    ok = _matches_mlx.get(key)
+    if ok is None:
+        ok = _matches_mlx[key] = _matches(module, original, found, x.dtype)
+        log.info("mirrored kernel on %s: %s", key, "matches MLX's one-row call" if ok else "differs; one-row calls")
+    if not ok:
+        return None
+    parts = [_launch(x[i : i + MAX_ROWS], w, s, b, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if isinstance(module, nn.QuantizedLinear) and "bias" in module:
+        out = out + module["bias"]
+    return out
+
+
+def report() -> dict[str, bool]:
+    """Which layer shapes the kernel reproduced MLX's one-row call on (for the probe's report)."""
+    return {repr(k): v for k, v in _matches_mlx.items()}
