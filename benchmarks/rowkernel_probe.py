@@ -36,7 +36,7 @@ def use(variant: tuple[int, int]) -> None:
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
-def shapes(model: nn.Module) -> dict[str, Any]:
+def shapes(model: nn.Module, quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seen: set[tuple[int, ...]] = set()
     for name, m in model.named_modules():
@@ -46,6 +46,11 @@ def shapes(model: nn.Module) -> dict[str, Any]:
         d_in = m.weight.shape[-1] * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else m.weight.shape[-1]
         x = mx.random.normal((8, d_in)).astype(mx.bfloat16)
         row: dict[str, Any] = {"shape": tuple(m.weight.shape)}
+        if quick:
+            row.update(mirrored_row(m, x))
+            print(name, json.dumps(row), flush=True)
+            out[name] = row
+            continue
         kind, weights, extra = _kind(m)
         ref = rowkernel._reference(kind, x, weights, extra)
         got = rowkernel.project(m, x)
@@ -68,28 +73,7 @@ def shapes(model: nn.Module) -> dict[str, Any]:
         }
         with stock():
             row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, m=m, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
-        found = qmv_rows.covered(m, x)
-        if found is not None:
-            call = type(m).__call__
-            original = getattr(call, "__wrapped__", call)
-            with stock():
-                ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
-                w, s_, b_, bits, gs = found
-                mirrored = {mm: qmv_rows._launch(x[:mm], w, s_, b_, bits, gs) for mm in (1, 5, 8)}
-                mx.eval(ones_mlx, mirrored)
-                row["mirrored"] = {
-                    "equals_mlx_one_row": {
-                        mm: all(
-                            bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
-                            for i in range(mm)
-                        )
-                        for mm, out in mirrored.items()
-                    },
-                    "ms": {
-                        mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
-                        for mm in (1, 5, 8)
-                    },
-                }
+        row.update(mirrored_row(m, x))
         row["variants"] = {}
         for variant in VARIANTS[1:]:
             use(variant)
@@ -116,6 +100,37 @@ def shapes(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
+    """The mirrored kernel on this module: each row of a 1-, 5- and 8-row call byte-equal to MLX's
+    own one-row call, and milliseconds per call."""
+    found = qmv_rows.covered(m, x)
+    if found is not None:
+        call = type(m).__call__
+        original = getattr(call, "__wrapped__", call)
+        with stock():
+            ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
+            w, s_, b_, bits, gs = found
+            mirrored = {mm: qmv_rows._launch(x[:mm], w, s_, b_, bits, gs) for mm in (1, 5, 8)}
+            mx.eval(ones_mlx, mirrored)
+            return {
+                "mirrored": {
+                    "equals_mlx_one_row": {
+                        mm: all(
+                            bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
+                            for i in range(mm)
+                        )
+                        for mm, out in mirrored.items()
+                    },
+                    "ms": {
+                        mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
+                        for mm in (1, 5, 8)
+                    },
+                    "mlx_ms": {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)},
+                }
+            }
+    return {}
+
+
 def _kind(m: Any) -> tuple[str, tuple[mx.array, ...], dict[str, int]]:
     found = rowkernel._weights(m)
     assert found is not None
@@ -123,7 +138,7 @@ def _kind(m: Any) -> tuple[str, tuple[mx.array, ...], dict[str, int]]:
     return kind, weights, extra
 
 
-def whole_model(model: nn.Module, vocab: int, context: int = 300) -> dict[str, Any]:
+def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = False) -> dict[str, Any]:
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
 
     def fresh() -> list[Any]:
@@ -147,9 +162,12 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300) -> dict[str, A
     out: dict[str, Any] = {}
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        ("padded", Level.PADDED, VARIANTS[0]),
+        ("mirrored", Level.MIRRORED, VARIANTS[0]),
+        (f"rowwise-R{VARIANTS[0][0]}V{VARIANTS[0][1]}", Level.ROWWISE, VARIANTS[0]),
     ]
-    runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS]
+    if not quick:
+        runs.insert(2, ("per-query-1", Level.PER_QUERY_1, VARIANTS[0]))
+        runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS[1:]]
     for name, level, variant in runs:
         use(variant)
         out[name] = {f"block{t}_ms" if t > 1 else "step_ms": step_ms(level, t) for t in (1, 5, 9)}
@@ -168,14 +186,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="only the mirrored kernel per shape; fewer whole-model rungs")
     a = ap.parse_args()
     install()
     print("implementation", rowkernel.implementation(), "usable", rowkernel.usable(), flush=True)
     loaded = load(a.model)
     report: dict[str, Any] = {"usable": rowkernel.usable(), "mirrored_usable": qmv_rows.usable()}
     print("mirrored usable", report["mirrored_usable"], flush=True)
-    report["shapes"] = shapes(loaded.model)
-    report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size)
+    report["shapes"] = shapes(loaded.model, a.quick)
+    report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size, quick=a.quick)
     report["mirrored_shapes"] = qmv_rows.report()
     print(json.dumps(report["whole_model"], indent=1))
     with open(a.out, "w") as f:

@@ -41,6 +41,13 @@ MAX_ROWS = 8
 WARPS = 8
 
 _HEADER = """
+// MLX's default kernel header brings libcu++'s FP_* classification macros; cutlass declares the same
+// names (under NVRTC) as enumerators, so they are dropped first.
+#undef FP_NAN
+#undef FP_INFINITE
+#undef FP_ZERO
+#undef FP_SUBNORMAL
+#undef FP_NORMAL
 #include "mlx/backend/cuda/device/cute_dequant.cuh"
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
