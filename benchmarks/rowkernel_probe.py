@@ -32,7 +32,18 @@ from workers.models import load
 VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 
 
+#: Outputs per warp of the mirrored kernel that part 1 times (the first is the module's default).
+MIRRORED_R = (qmv_rows.OUTS_PER_WARP, 2, 4)
+
+
 def use(variant: tuple[int, int]) -> None:
+    """A rowkernel variant (outputs per warp, words per load), or (-r, 0): the mirrored kernel with r
+    outputs per warp (and the rowkernel's default)."""
+    if variant[0] < 0:
+        qmv_rows.OUTS_PER_WARP = -variant[0]
+        variant = VARIANTS[0]
+    else:
+        qmv_rows.OUTS_PER_WARP = MIRRORED_R[0]
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
@@ -101,34 +112,37 @@ def shapes(model: nn.Module, quick: bool = False) -> dict[str, Any]:
 
 
 def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
-    """The mirrored kernel on this module: each row of a 1-, 5- and 8-row call byte-equal to MLX's
-    own one-row call, and milliseconds per call."""
+    """The mirrored kernel on this module, at each number of outputs per warp in ``MIRRORED_R``: each
+    row of a 1-, 5- and 8-row call byte-equal to MLX's own one-row call, and milliseconds per call
+    (MLX's own at 1 and 5 rows alongside)."""
     found = qmv_rows.covered(m, x)
-    if found is not None:
-        call = type(m).__call__
-        original = getattr(call, "__wrapped__", call)
-        with stock():
-            ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
-            w, s_, b_, bits, gs = found
-            mirrored = {mm: qmv_rows._launch(x[:mm], w, s_, b_, bits, gs) for mm in (1, 5, 8)}
+    if found is None:
+        return {}
+    call = type(m).__call__
+    original = getattr(call, "__wrapped__", call)
+    row: dict[str, Any] = {}
+    with stock():
+        ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
+        row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
+        for r in MIRRORED_R:
+            qmv_rows.OUTS_PER_WARP = r
+            mirrored = {mm: qmv_rows._launch(x[:mm], *found) for mm in (1, 5, 8)}
             mx.eval(ones_mlx, mirrored)
-            return {
-                "mirrored": {
-                    "equals_mlx_one_row": {
-                        mm: all(
-                            bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
-                            for i in range(mm)
-                        )
-                        for mm, out in mirrored.items()
-                    },
-                    "ms": {
-                        mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
-                        for mm in (1, 5, 8)
-                    },
-                    "mlx_ms": {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)},
-                }
+            row[f"mirrored_R{r}"] = {
+                "equals_mlx_one_row": {
+                    mm: all(
+                        bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
+                        for i in range(mm)
+                    )
+                    for mm, out in mirrored.items()
+                },
+                "ms": {
+                    mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
+                    for mm in (1, 5, 8)
+                },
             }
-    return {}
+    qmv_rows.OUTS_PER_WARP = MIRRORED_R[0]
+    return row
 
 
 def _kind(m: Any) -> tuple[str, tuple[mx.array, ...], dict[str, int]]:
@@ -162,7 +176,7 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
     out: dict[str, Any] = {}
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        ("mirrored", Level.MIRRORED, VARIANTS[0]),
+        *((f"mirrored-R{r}", Level.MIRRORED, (-r, 0)) for r in MIRRORED_R),
         (f"rowwise-R{VARIANTS[0][0]}V{VARIANTS[0][1]}", Level.ROWWISE, VARIANTS[0]),
     ]
     if not quick:

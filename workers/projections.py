@@ -107,42 +107,31 @@ def _padded(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
-def _rowwise(
-    module: Any, original: Callable[..., mx.array], x: mx.array, extra: tuple[Any, ...], kwargs: dict[str, Any]
+def _through_kernel(
+    level: Level,
+    module: Any,
+    original: Callable[..., mx.array],
+    x: mx.array,
+    extra: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> mx.array:
-    """The project's row-exact kernel over ``x``'s rows (``rowkernel``); where it does not cover the
-    module, decode's own one-row call per row (exact by construction as well)."""
-    from workers import rowkernel
+    """``x``'s rows through the project's kernel for ``level``: at ``rowwise`` the row-exact kernel
+    (``rowkernel``), at ``mirrored`` the one that repeats decode's one-row arithmetic (``qmv_rows``,
+    only on layer shapes measured equal to MLX's call). Where the kernel does not take the module,
+    decode's own one-row call per row, which is exact by construction as well."""
+    from workers import qmv_rows, rowkernel
 
     rows = _rows(x)
     lead = x.shape[:-1]
     flat = x.reshape(rows, x.shape[-1])
-    out = None if extra or kwargs else rowkernel.project(module, flat)
+    out = None
+    if not (extra or kwargs):
+        out = rowkernel.project(module, flat) if level is Level.ROWWISE else qmv_rows.project(module, original, flat)
     if out is None:
         flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
         out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))
     else:
-        out = seam.apply("rowwise", out, rows, module, flat)
-    return out.reshape(*lead, *out.shape[1:])
-
-
-def _mirrored(
-    module: Any, original: Callable[..., mx.array], x: mx.array, extra: tuple[Any, ...], kwargs: dict[str, Any]
-) -> mx.array:
-    """Several rows through the kernel that repeats decode's one-row arithmetic (``qmv_rows``); where
-    it does not cover the module or was not measured equal to MLX's call, decode's own one-row call
-    per row."""
-    from workers import qmv_rows
-
-    rows = _rows(x)
-    lead = x.shape[:-1]
-    flat = x.reshape(rows, x.shape[-1])
-    out = None if extra or kwargs else qmv_rows.project(module, original, flat)
-    if out is None:
-        flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
-        out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))
-    else:
-        out = seam.apply("mirrored", out, rows, module, flat)
+        out = seam.apply(level.value, out, rows, module, flat)
     return out.reshape(*lead, *out.shape[1:])
 
 
@@ -166,10 +155,8 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 return out if seam.divergence_seam is None else seam.apply("projection", out, rows, self, x)
             out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
-        if level is Level.ROWWISE:
-            return _rowwise(self, original, x, extra, kwargs)
-        if level is Level.MIRRORED and rows > 1:
-            return _mirrored(self, original, x, extra, kwargs)
+        if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):
+            return _through_kernel(level, self, original, x, extra, kwargs)
         if level is Level.PADDED:
             lead = x.shape[:-1]
             flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)

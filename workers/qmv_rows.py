@@ -37,8 +37,12 @@ log = logging.getLogger("mlx_batchd.qmv_rows")
 
 #: Rows per kernel call (a longer block runs in calls of this many; each row is unaffected).
 MAX_ROWS = 8
-#: Warps (output features) per block.
+#: Warps per block.
 WARPS = 8
+#: Output features per warp. Any value gives every output the same sums (only how x is fetched
+#: changes); 1 is what was measured byte-equal on the H200 (docs/benchmarks.md section 11), larger
+#: values share each x tile between outputs (``benchmarks/rowkernel_probe.py --quick`` times them).
+OUTS_PER_WARP = 1
 
 _HEADER = """
 // MLX's default kernel header brings libcu++'s FP_* classification macros; cutlass declares the same
@@ -58,12 +62,12 @@ template <> struct qr_cutlass<__half> { using type = cutlass::half_t; };
 template <int BITS> struct qr_quant { using type = cutlass::integer_subbyte<BITS, false>; };
 template <> struct qr_quant<8> { using type = uint8_t; };
 
-// One tile of E weights of one output feature against M rows of x, in decode's kernel's order:
-// dequantize (convert, times scale, plus bias, each in CT), then one fused multiply-add per element
-// into that row's accumulators (CT for 4-bit, fp32 for 8-bit).
+// One tile of E weights of one output feature against M rows of x (already in registers), in decode's
+// kernel's order: dequantize (convert, times scale, plus bias, each in CT), then one fused
+// multiply-add per element into that row's accumulators (CT for 4-bit, fp32 for 8-bit).
 template <typename CT, typename Q, typename Acc, int E, int M, int GS, int BITS>
 __device__ __forceinline__ void qr_tile(
-    const CT* x, const uint8_t* wrow, const CT* srow, const CT* brow, int k, int idx,
+    const cutlass::Array<CT, E> (&xv)[M], const uint8_t* wrow, const CT* srow, const CT* brow, int idx,
     cutlass::Array<Acc, E> (&sums)[M]) {
   const CT scale = srow[idx / GS];
   const CT bias = brow[idx / GS];
@@ -73,19 +77,26 @@ __device__ __forceinline__ void qr_tile(
   wd = wd * scale + bias;
   #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const auto xv = *reinterpret_cast<const cutlass::Array<CT, E>*>(x + (size_t)m * k + idx);
     if constexpr (BITS >= 8) {
       cutlass::NumericArrayConverter<float, CT, E> to_f;
-      sums[m] = cutlass::fma(to_f(xv), to_f(wd), sums[m]);
+      sums[m] = cutlass::fma(to_f(xv[m]), to_f(wd), sums[m]);
     } else {
-      sums[m] = cutlass::fma(xv, wd, sums[m]);
+      sums[m] = cutlass::fma(xv[m], wd, sums[m]);
     }
   }
 }
+
+// The x tile at idx of each of the M rows, loaded once for the warp's R outputs.
+template <typename CT, int E, int M>
+__device__ __forceinline__ void qr_load_x(const CT* x, int k, int idx, cutlass::Array<CT, E> (&xv)[M]) {
+  #pragma unroll
+  for (int m = 0; m < M; ++m) xv[m] = *reinterpret_cast<const cutlass::Array<CT, E>*>(x + (size_t)m * k + idx);
+}
 """
 
-#: Template ints: M rows, GS group size, BITS (4 or 8); T the activation (and scale) dtype. K and N
-#: come from the shapes at run time. One warp per output feature, ``WARPS`` per block.
+#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp (each keeps its own sums,
+#: in the same order whatever R: only the x tiles are shared); T the activation (and scale) dtype. K
+#: and N come from the shapes at run time. ``WARPS`` warps per block.
 _SOURCE = """
   using CT = typename qr_cutlass<T>::type;
   using Q = typename qr_quant<BITS>::type;
@@ -94,37 +105,57 @@ _SOURCE = """
   const int K = static_cast<int>(x_shape[1]);
   const int N = static_cast<int>(w_shape[0]);
   const int lane = threadIdx.x & 31;
-  const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (n >= N) return;
+  const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (n0 >= N) return;
   const int groups = K / GS;
-  const uint8_t* wrow = reinterpret_cast<const uint8_t*>(w) + (size_t)n * ((size_t)K * BITS / 8);
-  const CT* srow = reinterpret_cast<const CT*>(scales) + (size_t)n * groups;
-  const CT* brow = reinterpret_cast<const CT*>(biases) + (size_t)n * groups;
   const CT* xc = reinterpret_cast<const CT*>(x);
-  cutlass::Array<Acc, E> sums[M];
+  const uint8_t* wrow[R];
+  const CT* srow[R];
+  const CT* brow[R];
   #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    #pragma unroll
-    for (int i = 0; i < E; ++i) sums[m][i] = Acc(0);
+  for (int r = 0; r < R; ++r) {
+    const int n = n0 + r < N ? n0 + r : N - 1;
+    wrow[r] = reinterpret_cast<const uint8_t*>(w) + (size_t)n * ((size_t)K * BITS / 8);
+    srow[r] = reinterpret_cast<const CT*>(scales) + (size_t)n * groups;
+    brow[r] = reinterpret_cast<const CT*>(biases) + (size_t)n * groups;
   }
+  cutlass::Array<Acc, E> sums[R][M];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+      #pragma unroll
+      for (int i = 0; i < E; ++i) sums[r][m][i] = Acc(0);
+    }
+  }
+  cutlass::Array<CT, E> xv[M];
   constexpr int PER_WARP = 32 * E;
-  for (int r = 0; r < K / PER_WARP; ++r) {
-    qr_tile<CT, Q, Acc, E, M, GS, BITS>(xc, wrow, srow, brow, K, lane * E + r * PER_WARP, sums);
+  for (int it = 0; it < K / PER_WARP; ++it) {
+    const int idx = lane * E + it * PER_WARP;
+    qr_load_x<CT, E, M>(xc, K, idx, xv);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
   }
   const int rest = K % PER_WARP;
   if (rest && lane * E + K - rest < K) {
-    qr_tile<CT, Q, Acc, E, M, GS, BITS>(xc, wrow, srow, brow, K, lane * E + K - rest, sums);
+    const int idx = lane * E + K - rest;
+    qr_load_x<CT, E, M>(xc, K, idx, xv);
+    #pragma unroll
+    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
   }
   #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float s = 0.0f;
+  for (int r = 0; r < R; ++r) {
     #pragma unroll
-    for (int i = 0; i < E; ++i) s += static_cast<float>(sums[m][i]);
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) {
-      const CT o = static_cast<CT>(s);
-      out[(size_t)m * N + n] = *reinterpret_cast<const T*>(&o);
+    for (int m = 0; m < M; ++m) {
+      float s = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < E; ++i) s += static_cast<float>(sums[r][m][i]);
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0 && n0 + r < N) {
+        const CT o = static_cast<CT>(s);
+        out[(size_t)m * N + n0 + r] = *reinterpret_cast<const T*>(&o);
+      }
     }
   }
 """
@@ -163,11 +194,11 @@ def _launch(x: mx.array, w: mx.array, s: mx.array, b: mx.array, bits: int, gs: i
             source=_SOURCE,
             header=_HEADER,
         )
-    n, m = int(w.shape[0]), int(x.shape[0])
-    blocks = -(-n // WARPS)
+    n, m, r = int(w.shape[0]), int(x.shape[0]), OUTS_PER_WARP
+    blocks = -(-n // (WARPS * r))
     return _kernel(
         inputs=[x, w, s, b],
-        template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits)],
+        template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r)],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(m, n)],

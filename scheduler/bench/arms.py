@@ -154,8 +154,12 @@ BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")
 
 
 def burst_counts(client: Any) -> dict[str, int]:
+    """The daemon's burst counters (``BURST_COUNTS``) and its declined bursts by reason, as
+    ``declined:<reason>`` (so an arm where no round ran can say why)."""
     b = client.stats()["engine"].get("bursts", {})
-    return {k: int(b.get(k, 0)) for k in BURST_COUNTS}
+    counts = {k: int(b.get(k, 0)) for k in BURST_COUNTS}
+    counts.update({f"declined:{reason}": int(n) for reason, n in (b.get("declined") or {}).items()})
+    return counts
 
 
 def memory_gib() -> dict[str, float]:

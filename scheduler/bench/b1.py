@@ -13,12 +13,14 @@ from scheduler.bench.output import save_png, write_whole
 from scheduler.bench.spreads import ratio_spread, spread
 
 
-def b1_status(verdict: dict[str, Any], rounds: int) -> str:
-    """``bursts`` only when the verdict let bursts run and at least one round did; else why not."""
+def b1_status(verdict: dict[str, Any], rounds: int, declined: dict[str, int] | None = None) -> str:
+    """``bursts`` only when the verdict let bursts run and at least one round did; else why not
+    (with the daemon's declined-burst reasons counted over the arm's runs, when there were any)."""
     if verdict.get("level") is None:
         return "declined: verdict"
     if not rounds:
-        return "declined: no burst round ran"
+        why = ", ".join(f"{r} {n}" for r, n in sorted((declined or {}).items(), key=lambda kv: -kv[1]) if n > 0)
+        return f"declined: no burst round ran{f' ({why})' if why else ''}"
     return "bursts"
 
 
@@ -61,7 +63,8 @@ def b1_rows(
         xs = samples[(arm, 1)]
         rate = statistics.median(xs)
         v = verdicts.get(arm, {})
-        status = b1_status(v, c["rounds"])
+        declined = {k.removeprefix("declined:"): n for k, n in c.items() if k.startswith("declined:")}
+        status = b1_status(v, c["rounds"], declined)
         lo, hi = ratio_spread(xs, base)
         rows.append(
             {

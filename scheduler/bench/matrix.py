@@ -293,7 +293,8 @@ def _main(args: argparse.Namespace) -> int:
                     )
             if b == 1 and b1_arms:
                 counts = {
-                    name: {k: v - before[name][k] for k, v in burst_counts(clients[name]).items()} for name in b1_arms
+                    name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
+                    for name in b1_arms
                 }
             write_tables(samples, setup, meta, out, counts, verdicts, runs)
             progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
