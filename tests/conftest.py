@@ -15,6 +15,9 @@ import pytest
 from clients import Client
 from scheduler.spawn import DaemonProcess
 
+# Helpers shared by tests of several kinds assert like the tests themselves (pytest's detailed messages).
+pytest.register_assert_rewrite("tests.helpers")
+
 TEST_CONTEXT = 384
 
 

@@ -3,7 +3,7 @@
 mlx-lm's public API does not give the engine everything it needs, so a few of its private names
 are read. Every such read is here and nowhere else in the package: a release that renames or
 removes one breaks here, loudly (each accessor raises ``MlxLmChanged`` naming the attribute), and
-``tests/test_mlxlm_adapter.py`` runs every accessor on a real ``BatchGenerator`` and tokenizer.
+``tests/engine/test_mlxlm_adapter.py`` runs every accessor on a real ``BatchGenerator`` and tokenizer.
 
 What each one is for, and why the public API is not enough:
 
@@ -100,7 +100,7 @@ def _get(owner: Any, name: str) -> Any:
 if not supported(installed_version()):
     log.warning(
         "mlx-lm %s is outside the releases workers/mlxlm.py was written for (%s); "
-        "tests/test_mlxlm_adapter.py says whether its internals still fit",
+        "tests/engine/test_mlxlm_adapter.py says whether its internals still fit",
         installed_version(),
         _range(),
     )

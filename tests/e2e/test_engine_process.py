@@ -1,0 +1,90 @@
+"""The engine in its own process, in real daemons: it serves exactly, a dead engine process ends
+every request with ``engine_dead`` and the daemon with a non-zero exit, and an engine process whose
+daemon died does not outlive it. Real daemons, real processes, the tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clients import Client
+from tests.conftest import start_daemon
+from tests.reference import greedy_reference
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds child processes through /proc")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@linux_only
+def test_the_engine_runs_in_a_child_and_serves_exactly(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path)
+    try:
+        children = _children(d.proc.pid)
+        assert len(children) == 1, children
+        with Client(d.address, timeout=60) as c:
+            r = c.generate(tokens=[5, 6, 7], max_tokens=12)
+            assert r.tokens == greedy_reference(tiny_model, [5, 6, 7], 12)[0]
+            # The snapshot crossed with the end: nothing is left running once the end is read.
+            assert c.stats()["engine"]["active_sequences"] == 0
+    finally:
+        assert d.stop() == 0, d.log()
+    assert not any(_alive(p) for p in children)
+
+
+@linux_only
+def test_a_killed_engine_process_ends_every_request_and_the_daemon(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path)
+    try:
+        (child,) = _children(d.proc.pid)
+        with Client(d.address, timeout=60) as c:
+            stream = c.stream(tokens=[5, 6, 7], max_tokens=4000)
+            next(iter(stream))  # running
+            os.kill(child, signal.SIGKILL)
+            events = list(stream)
+        end = events[-1]
+        assert end.finish_reason == "error" and end.error is not None and end.error.code == "engine_dead", end
+        assert d.proc.wait(timeout=30) == 1
+        assert "engine process exited with code -9" in d.log()
+    finally:
+        d.stop()
+
+
+@linux_only
+def test_an_engine_process_does_not_outlive_its_daemon(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path)
+    (child,) = _children(d.proc.pid)
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while _alive(child):
+        assert time.monotonic() < deadline, "the engine process outlived its daemon"
+        time.sleep(0.1)
+
+
+@linux_only
+def test_engine_thread_keeps_the_engine_in_the_daemon(tiny_model: Path, tmp_path: Path) -> None:
+    d = start_daemon(tiny_model, tmp_path, "--engine-thread")
+    try:
+        assert _children(d.proc.pid) == []
+        with Client(d.address, timeout=60) as c:
+            assert c.generate(tokens=[5, 6, 7], max_tokens=8).tokens == greedy_reference(tiny_model, [5, 6, 7], 8)[0]
+    finally:
+        assert d.stop() == 0, d.log()

@@ -1,0 +1,102 @@
+"""The batched kernel path on real modules: projections on flattened rows, padding bands, calibrated
+plans, and greedy tokens through the engine unchanged under every policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from tests.helpers.fastpath import policy as policy
+from workers import fastpath, kernels
+from workers.engine import Engine, Job, Tokens
+
+
+def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) -> None:
+    fastpath.set_active(fastpath.GENERIC)
+    seen: list[tuple[int, ...]] = []
+    lin = nn.Linear(8, 3)
+
+    def call(x: mx.array) -> mx.array:
+        seen.append(tuple(x.shape))
+        return lin(x)
+
+    x = mx.random.normal((4, 1, 8))
+    out, rows = fastpath.project(call, x, 4)
+    assert seen == [(4, 8)] and rows == 4 and out.shape == (4, 1, 3)
+    assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())
+    seen.clear()
+    fastpath.project(call, mx.random.normal((1, 1, 8)), 1)
+    assert seen == [(1, 1, 8)]  # classic B = 1 decode: exactly as mlx-lm calls it
+
+
+def test_a_plan_pads_rows_or_leaves_the_call_and_returns_only_the_real_rows(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fastpath.set_active(fastpath.FastPath("padded", flatten=True))
+    monkeypatch.setitem(fastpath._plans, 1234, {5: 8, 6: 0})
+    seen: list[tuple[int, ...]] = []
+    lin = nn.Linear(8, 5)
+
+    def call(x: mx.array) -> mx.array:
+        seen.append(tuple(x.shape))
+        return lin(x)
+
+    x = mx.random.normal((5, 1, 8))
+    out, rows = fastpath.project(call, x, 5, key=1234)
+    assert seen == [(8, 8)] and rows == 8 and out.shape == (5, 1, 5)
+    assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())  # rows exact on CPU
+    seen.clear()
+    fastpath.project(call, mx.random.normal((6, 1, 8)), 6, key=1234)
+    assert seen == [(6, 1, 8)]  # planned "as called"
+    seen.clear()
+    fastpath.project(call, mx.random.normal((7, 1, 8)), 7, key=1234)
+    assert seen == [(7, 8)]  # not planned: flattened
+
+
+def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) -> None:
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.QuantizedLinear(32, 64, bits=4, group_size=32))
+    plans = fastpath.calibrate(model)
+    assert len(plans) == 2
+    for plan in plans.values():
+        assert set(plan) == {2, 3, 4}
+        assert all(to == 0 or to >= rows for rows, to in plan.items())
+        assert all(to in (0, rows, 8, 16) for rows, to in plan.items())
+    assert fastpath._plans[id(model.layers[0])] is plans["Linear(32, 16)/None"]
+
+
+@pytest.mark.parametrize("name", ["off", "generic", "cuda"])
+def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path, name: str, policy: None) -> None:
+    """On the CPU every kernel is row-exact, so the policy may change speed but never a token: this pins
+    the reshape/slice plumbing (a wrong row order or a pad row leaking into the output changes tokens)."""
+    from workers.models import load
+
+    loaded = load(str(tiny_model))
+    prompts = [[(7 * i + j) % 200 + 4 for j in range(6 + i)] for i in range(9)]
+
+    def run() -> dict[int, list[int]]:
+        engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=16)
+        for i, p in enumerate(prompts):
+            engine.submit(Job(seq=i, prompt=p, max_tokens=12))
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while engine.has_work:
+            for e in engine.step():
+                if isinstance(e, Tokens):
+                    out[e.seq] += e.tokens
+        return out
+
+    fastpath.set_active(fastpath.OFF)
+    with kernels.stock():
+        reference = run()
+    fastpath.set_active({"off": fastpath.OFF, "generic": fastpath.GENERIC, "cuda": fastpath.CUDA}[name])
+    if name == "cuda":  # a plan that pads some row counts and leaves others as called
+        for _, m in loaded.model.named_modules():
+            if isinstance(m, nn.Linear | nn.QuantizedLinear):
+                fastpath._plans[id(m)] = {2: 0, 3: 8, 5: 16, 9: 16}
+    try:
+        assert run() == reference
+    finally:
+        fastpath._plans.clear()

@@ -1,0 +1,73 @@
+"""What crosses the boundary to the engine process survives it exactly: jobs, settings and signals
+through the wire encoding, and the wire's sampling options field by field."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from clients.protocol import SamplingOptions
+from scheduler.engine_process import (
+    job_from_wire,
+    job_to_wire,
+    pack,
+    settings_from_wire,
+    settings_to_wire,
+    signal_from_wire,
+    signal_to_wire,
+    unpack,
+)
+from workers.burst import BurstSettings
+from workers.engine import Finished, Job, StepInfo, Timings, Tokens
+from workers.kernels import Level
+from workers.loop import Dead, EngineSettings, Ready, Stopped
+from workers.models import ModelInfo
+from workers.params import FinishReason, SamplingParams
+from workers.probe import ProbePolicy
+
+
+def test_what_crosses_the_boundary_comes_back_equal() -> None:
+    job = Job(
+        seq=7,
+        prompt=[1, 2, 3],
+        max_tokens=9,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=2**62),
+        stop_token_ids=(4, 5),
+        logprobs=True,
+        received_at=123.25,
+        top_logprobs=20,
+    )
+    assert job_from_wire(unpack(pack(job_to_wire(job)))) == job
+    settings = EngineSettings(
+        max_batch=64,
+        probe_k=4,
+        drafter="prompt-lookup",
+        probe_policy=ProbePolicy(allow_inexact=True, pinned_level=Level.NARROW),
+        bursts=BurstSettings(k=6, audit_fraction=0.5),
+        tax_interval_s=0.0,
+    )
+    assert settings_from_wire(unpack(pack(settings_to_wire(settings)))) == settings
+    info = ModelInfo("m", "/p", "llama", 300, 512, (0, 2), True, 4096)
+    signals = [
+        Tokens(3, [5, 6], [-0.5, -1.25], "burst"),
+        Tokens(3, [5, 6], [-0.5, -1.25], "batched", [[(5, -0.5), (9, -2.0)], [(6, -1.25), (5, -1.5)]]),
+        StepInfo("decode", 0.01, 4),
+        Finished(3, FinishReason.ERROR, 4, 2, Timings(0.1, None, 0.2, 0.3), "engine_error", "boom"),
+        Stopped(),
+        Dead("trace"),
+    ]
+    for sig in signals:
+        back = signal_from_wire(unpack(pack(signal_to_wire(sig))), lambda i: None)
+        assert back == sig
+        if isinstance(back, Finished):
+            assert type(back.reason) is FinishReason
+    ready = signal_from_wire(unpack(pack(signal_to_wire(Ready(info, "tok")))), lambda i: f"tokenizer of {i.name}")
+    assert isinstance(ready, Ready) and ready.info == info and ready.tokenizer == "tokenizer of m"
+
+
+def test_the_engines_sampling_params_carry_every_wire_sampling_option() -> None:
+    """The front end converts the wire's ``SamplingOptions`` to the engine's ``SamplingParams`` field by
+    field: the two must have the same fields and defaults, and a job's sampling crosses to the engine
+    process under the wire's names."""
+    wire = {f.name: f.default for f in fields(SamplingOptions)}
+    assert {f.name: f.default for f in fields(SamplingParams)} == wire
+    assert job_to_wire(Job(seq=1, prompt=[1], max_tokens=1))["sampling"] == wire

@@ -1,0 +1,51 @@
+"""The Prometheus exposition of a ``stats`` reply, read by the collector on its own (no daemon)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.metrics import StatsCollector
+from scheduler.stats_types import engine_of
+from tests.helpers.stats import stats_snapshot
+
+
+def _collect(stats: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in StatsCollector(lambda: stats).collect()
+        for s in family.samples
+    }
+
+
+def test_the_collector_reads_each_part_of_the_reply() -> None:
+    """Each family comes from its part of the reply; a loading daemon's reply (an empty engine part)
+    gives the engine's families at zero, and nothing is exposed before the first reply."""
+    stats = stats_snapshot(uptime=12.0, generated=1600, emitted=500, drafted=400, accepted=300)
+    engine = engine_of(stats)
+    assert engine is not None
+    got = _collect(dict(stats))
+    assert got[("mlx_batchd_requests_in_flight", ())] == stats["requests_in_flight"]
+    assert got[("mlx_batchd_tokens_total", (("kind", "generated"), ("tenant", "local")))] == 1600
+    assert got[("mlx_batchd_requests_total", (("outcome", "cancelled"), ("tenant", "local")))] == 1
+    assert got[("mlx_batchd_decode_seconds_total", ())] == engine["decode_seconds"]
+    assert got[("mlx_batchd_prefix_cache_hits_total", ())] == engine["prefix_cache"].get("hit_tokens")
+    assert got[("mlx_batchd_mlx_memory_bytes", (("kind", "peak"),))] == engine["memory"]["peak_bytes"]
+    assert got[("mlx_batchd_burst_accepted_tokens_total", (("drafter", "prompt-lookup"),))] == 300
+    assert got[("mlx_batchd_bursts_declined_total", (("reason", "batch"),))] == engine["bursts"]["declined"]["batch"]
+    assert got[("mlx_batchd_pinned_forwards_total", (("level", "wide"), ("purpose", "verify")))] == 7
+    assert got[("mlx_batchd_verdict_exact", (("level", "wide"), ("pairing", "m+prompt-lookup k=3")))] == 1.0
+    assert not any(name == "mlx_batchd_pin_tax_ratio" for name, _ in got)  # none measured yet
+
+    loading = _collect({**stats, "engine": {}})
+    assert loading[("mlx_batchd_requests_in_flight", ())] == stats["requests_in_flight"]
+    for key in [
+        ("mlx_batchd_active_sequences", ()),
+        ("mlx_batchd_decode_steps_total", ()),
+        ("mlx_batchd_prefix_cache_bytes", ()),
+        ("mlx_batchd_mlx_memory_bytes", (("kind", "active"),)),
+        ("mlx_batchd_burst_rounds_total", (("drafter", "none"),)),
+        ("mlx_batchd_pin_collateral_forwards_total", ()),
+    ]:
+        assert loading[key] == 0, key
+    assert not any(name in ("mlx_batchd_verdict_exact", "mlx_batchd_pinned_forwards_total") for name, _ in loading)
+    assert _collect({}) == {}
