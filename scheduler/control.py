@@ -28,7 +28,6 @@ from scheduler.stats import (
 from scheduler.stats_types import StatsReply, TaxAnswer
 from scheduler.tenants import Tenant, TenantsError, load_tenants
 from scheduler.transport import Transport
-from workers.snapshot import read_engine
 
 log = logging.getLogger("mlx_batchd")
 
@@ -165,5 +164,5 @@ class Control:
             kv_budget_bytes=self.settings.kv_budget_bytes,
             clients_paused=self._transport.paused_count,
             unsent_messages=self._transport.unsent,
-            engine=read_engine(flight.engine.snapshot()),
+            engine=flight.engine.snapshot(),
         )

@@ -46,11 +46,13 @@ from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
 from workers.commands import job_to_plain as job_to_wire
 from workers.engine import Finished, Job, StepInfo, Timings, Tokens
+from workers.jobs import StepKind, TokenMode
 from workers.kernels import Level
 from workers.loop import Dead, EngineSettings, EngineThread, Ready, Signal, Stopped
 from workers.models import ModelInfo
 from workers.params import FinishReason
 from workers.probe import ProbePolicy
+from workers.snapshot import EnginePart, read_engine
 
 log = logging.getLogger("mlx_batchd")
 
@@ -115,9 +117,12 @@ def signal_from_wire(d: dict[str, Any], tokenizer: Callable[[ModelInfo], Any]) -
     kind = d.pop("t")
     if kind == "tokens":
         tops = d.pop("top_logprobs", None)  # msgpack gives its pairs back as lists
-        return Tokens(**d, top_logprobs=None if tops is None else [[(t, lp) for t, lp in row] for row in tops])
+        mode = TokenMode(d.pop("mode"))
+        return Tokens(
+            **d, mode=mode, top_logprobs=None if tops is None else [[(t, lp) for t, lp in row] for row in tops]
+        )
     if kind == "step":
-        return StepInfo(**d)
+        return StepInfo(**{**d, "kind": StepKind(d["kind"])})
     if kind == "finished":
         return Finished(**{**d, "reason": FinishReason(d["reason"]), "timings": Timings(**d["timings"])})
     if kind == "ready":
@@ -136,7 +141,7 @@ class EngineHandle(Protocol):
 
     def start(self) -> None: ...
     def join(self, timeout: float | None = None) -> None: ...
-    def snapshot(self) -> dict[str, Any]: ...
+    def snapshot(self) -> EnginePart: ...
     def submit(self, job: Job) -> None: ...
     def cancel(
         self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None
@@ -214,8 +219,9 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._receiver.is_alive()
 
-    def snapshot(self) -> dict[str, Any]:
-        return self._snapshot
+    def snapshot(self) -> EnginePart:
+        """The child's last engine snapshot (msgpack gives it back as the map the child built)."""
+        return read_engine(self._snapshot)
 
     # Commands: never block (the child reads them at once; the queue is unbounded).
     def submit(self, job: Job) -> None:

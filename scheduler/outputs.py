@@ -15,6 +15,7 @@ from clients.protocol import ErrorCode, FinishReason, empty_timings, empty_usage
 from scheduler.metrics import Observations
 from scheduler.requests import Tracked
 from workers.engine import Finished, StepInfo, Tokens
+from workers.jobs import StepKind
 
 Error = tuple[ErrorCode, str]
 
@@ -31,7 +32,7 @@ class Outputs:
 
     def step(self, sig: StepInfo) -> None:
         self.obs.step.labels(sig.kind).observe(sig.seconds)
-        if sig.kind == "decode":
+        if sig.kind == StepKind.DECODE:
             self.obs.batch.observe(sig.batch_size)
 
     def tokens(self, t: Tracked, ev: Tokens) -> tuple[dict[str, Any], bool]:

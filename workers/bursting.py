@@ -19,7 +19,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from workers.arrays import as_float
 from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings, Gate
 from workers.drafters import Drafter
-from workers.jobs import Event, Parked, Sequence, StepInfo, Tokens, TopLogprobs, top_logprobs
+from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
 from workers.pins import CountedModel, unpinned
 from workers.speculative import accept_greedy, accept_sampled
@@ -311,7 +311,7 @@ class BurstRunner:
             s.no_burst = "drafter_error"
             return events + self._rejoin()
         self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
-        events.append(StepInfo("burst_round", time.perf_counter() - tic, 1))
+        events.append(StepInfo(StepKind.BURST_ROUND, time.perf_counter() - tic, 1))
         # The policy reads the clock, so its "stop" is carried out at the next step's decision
         # (``Gate.stop``), which across ranks is rank 0's: the same step on every rank.
         self._stop_asked = not self.adaptive.after_round(time.perf_counter())

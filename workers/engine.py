@@ -37,7 +37,9 @@ from workers.jobs import (
     Parked,
     Sequence,
     StepInfo,
+    StepKind,
     Timings,
+    TokenMode,
     Tokens,
     TopLogprobs,
     top_logprobs,
@@ -324,7 +326,7 @@ class Engine:
             if s is not None and s.prefill_started is None:
                 s.prefill_started = now
         events: list[Event] = [
-            StepInfo("decode" if decoding else "prefill", time.perf_counter() - tic, len(gen_responses))
+            StepInfo(StepKind.DECODE if decoding else StepKind.PREFILL, time.perf_counter() - tic, len(gen_responses))
         ]
         tops = self._batched_tops(gen_responses)
         for r in gen_responses:
@@ -368,7 +370,7 @@ class Engine:
         # A stop token ends the sequence and is not part of the output (as in mlx-lm).
         if r.finish_reason != "stop":
             lp = [r.logprobs[r.token].item()] if s.job.wants_logprobs else None
-            events.append(Tokens(s.job.seq, [r.token], lp, "batched", None if top is None else [top]))
+            events.append(Tokens(s.job.seq, [r.token], lp, TokenMode.BATCHED, None if top is None else [top]))
             s.emitted += 1
             self.counters.generated_tokens += 1
         if r.finish_reason is not None:
@@ -401,7 +403,7 @@ class Engine:
         if tokens:
             if s.first_token is None:
                 s.first_token = time.monotonic()
-            mode = "burst" if self.runner.holds(s) else "batched"
+            mode = TokenMode.BURST if self.runner.holds(s) else TokenMode.BATCHED
             top = None if tops is None else tops[: len(tokens)]  # what is emitted is a prefix of candidates
             events.append(Tokens(s.job.seq, tokens, lps if s.job.wants_logprobs else None, mode, top))
             s.emitted += len(tokens)

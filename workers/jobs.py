@@ -97,8 +97,7 @@ class Tokens:
     seq: int
     tokens: list[int]
     logprobs: list[float] | None = None
-    #: A ``TokenMode`` value.
-    mode: str = TokenMode.BATCHED
+    mode: TokenMode = TokenMode.BATCHED
     #: Per token, its job's ``top_logprobs`` most likely tokens (``None`` when it asked for none).
     top_logprobs: list[TopLogprobs] | None = None
 
@@ -107,8 +106,7 @@ class Tokens:
 class StepInfo:
     """What one engine step was and cost, for the step-time and batch-size histograms."""
 
-    #: A ``StepKind`` value.
-    kind: str
+    kind: StepKind
     seconds: float
     batch_size: int
 

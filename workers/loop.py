@@ -59,7 +59,7 @@ from workers.engine_stats import engine_snapshot
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
 from workers.profiling import profiled
-from workers.snapshot import DistributedSnapshot, EngineSnapshot
+from workers.snapshot import DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
 from workers.startup import EngineSettings as EngineSettings
 from workers.startup import check_same_settings, configure_prefix_cache, start_probe, warm_up
 from workers.startup import configure_bursts as configure_bursts
@@ -416,11 +416,11 @@ class EngineThread:
                 raise
             log.exception("pin tax measurement failed")
 
-    def snapshot(self) -> dict[str, Any]:
-        """``engine_snapshot`` as the engine handle passes it on (``{}`` before the engine is
-        ready): a plain map, the type ``scheduler.engine_process.EngineHandle`` declares."""
+    def snapshot(self) -> EnginePart:
+        """``engine_snapshot`` as the engine handle passes it on (the empty map before the engine
+        is ready)."""
         snap = self.engine_snapshot()
-        return {} if snap is None else dict(snap)
+        return EngineNotReady() if snap is None else snap
 
     def distributed_snapshot(self) -> DistributedSnapshot:
         """Which ranks serve the model, over what, split how (one rank, ``single``, unsplit alone)."""

@@ -18,6 +18,7 @@ from scheduler.engine_process import (
 )
 from workers.burst import BurstSettings
 from workers.engine import Finished, Job, StepInfo, Timings, Tokens
+from workers.jobs import StepKind, TokenMode
 from workers.kernels import Level
 from workers.loop import Dead, EngineSettings, Ready, Stopped
 from workers.models import ModelInfo
@@ -48,9 +49,9 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
     assert settings_from_wire(unpack(pack(settings_to_wire(settings)))) == settings
     info = ModelInfo("m", "/p", "llama", 300, 512, (0, 2), True, 4096)
     signals = [
-        Tokens(3, [5, 6], [-0.5, -1.25], "burst"),
-        Tokens(3, [5, 6], [-0.5, -1.25], "batched", [[(5, -0.5), (9, -2.0)], [(6, -1.25), (5, -1.5)]]),
-        StepInfo("decode", 0.01, 4),
+        Tokens(3, [5, 6], [-0.5, -1.25], TokenMode.BURST),
+        Tokens(3, [5, 6], [-0.5, -1.25], TokenMode.BATCHED, [[(5, -0.5), (9, -2.0)], [(6, -1.25), (5, -1.5)]]),
+        StepInfo(StepKind.DECODE, 0.01, 4),
         Finished(3, FinishReason.ERROR, 4, 2, Timings(0.1, None, 0.2, 0.3), "engine_error", "boom"),
         Stopped(),
         Dead("trace"),
@@ -60,6 +61,10 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         assert back == sig
         if isinstance(back, Finished):
             assert type(back.reason) is FinishReason
+        if isinstance(back, Tokens):
+            assert type(back.mode) is TokenMode
+        if isinstance(back, StepInfo):
+            assert type(back.kind) is StepKind
     ready = signal_from_wire(unpack(pack(signal_to_wire(Ready(info, "tok")))), lambda i: f"tokenizer of {i.name}")
     assert isinstance(ready, Ready) and ready.info == info and ready.tokenizer == "tokenizer of m"
 
