@@ -12,7 +12,7 @@ bash .mlx-cuda/part2/install-on-device.sh || exit 3
 mkdir -p /tmp/pkg/tools/demo /tmp/pkg/workers/demo /tmp/stdlib
 # Only the training modules and the two workers modules they import travel to /tmp/pkg, so nothing else
 # of the daemon is imported there.
-cp tools/demo/train.py tools/demo/tokenizer.py /tmp/pkg/tools/demo/ || exit 3
+cp tools/demo/{train,tokenizer,corpus,models,phases,objectives}.py /tmp/pkg/tools/demo/ || exit 3
 cp workers/mtp.py /tmp/pkg/workers/ && cp workers/demo/__init__.py /tmp/pkg/workers/demo/ || exit 3
 touch /tmp/pkg/tools/__init__.py /tmp/pkg/tools/demo/__init__.py /tmp/pkg/workers/__init__.py
 tar xJf /root/corpus/stdlib.tar.xz -C /tmp/stdlib || exit 4

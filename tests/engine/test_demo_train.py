@@ -7,13 +7,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from tools.demo import train
+from tools.demo import models, train
 
 
 def _target() -> tuple[llama.Model, dict]:
     shape = dict(hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=2)
     mx.random.seed(3)
-    target = llama.Model(train.llama_args(64, shape))
+    target = llama.Model(models.llama_args(64, shape))
     target.set_dtype(mx.bfloat16)
     mx.eval(target.parameters())
     return target, shape
@@ -21,7 +21,7 @@ def _target() -> tuple[llama.Model, dict]:
 
 def test_draft_from_target_is_the_targets_early_exit() -> None:
     target, shape = _target()
-    draft, draft_shape = train.draft_from_target(target, shape, layers=2)
+    draft, draft_shape = models.draft_from_target(target, shape, layers=2)
     assert draft_shape["num_hidden_layers"] == 2 and len(draft.model.layers) == 2
     tokens = mx.array([[1, 5, 9, 2, 7]])
     # The target's embedding, first two blocks and final norm, then its tied output head, in float32.
@@ -35,7 +35,7 @@ def test_draft_from_target_is_the_targets_early_exit() -> None:
     assert got.dtype == mx.float32
     assert mx.allclose(got, expected, atol=1e-5).item()
     # more layers than the target has: the whole target
-    _, whole = train.draft_from_target(target, shape, layers=9)
+    _, whole = models.draft_from_target(target, shape, layers=9)
     assert whole["num_hidden_layers"] == 3
 
 

@@ -7,7 +7,7 @@ argmax (plus its bonus token); acceptance = accepted drafted tokens / drafted to
 is also compared with plain greedy decoding of the target, which it must equal.
 
 Prompts are held-out code: function definitions from the held-out stdlib files (see
-``tools.demo.train.HELDOUT_FILES``), each with up to ~1200 characters of the file before it.
+``tools.demo.corpus.HELDOUT_FILES``), each with up to ~1200 characters of the file before it.
 
 Run from the repository root: ``python -m tools.demo.evaluate`` (prints Markdown tables).
 """
@@ -30,7 +30,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from tools.demo.train import default_stdlib, read_source, select_files
+from tools.demo.corpus import default_stdlib, read_source, select_files
 from workers import mtp as mtp_mod
 from workers.demo import SHIPPED as WEIGHTS
 
