@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,22 +14,10 @@ import pytest
 
 from clients import Client
 from tests.conftest import start_daemon
+from tests.helpers.processes import _alive, _children
 from tests.reference import greedy_reference
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds child processes through /proc")
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 @linux_only

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.processes import _alive as _alive
+from tests.helpers.processes import _children as _children
 from tests.helpers.rank_program import MAX_TOKENS, PROMPTS, RUN_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,22 +221,6 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fi
 
 def _serve_command(model: str, address: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "scheduler", "serve", "--model", model, "--listen", address, *SERVE_OPTIONS, *extra]
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _gone(pids: list[int], timeout: float = DEATH_TIMEOUT) -> list[int]:
