@@ -39,9 +39,11 @@ log = logging.getLogger("mlx_batchd.qmv_rows")
 MAX_ROWS = 8
 #: Warps per block.
 WARPS = 8
-#: Output features per warp. Any value gives every output the same sums (only how x is fetched
-#: changes); 1 is what was measured byte-equal on the H200 (docs/benchmarks.md section 11), larger
-#: values share each x tile between outputs (``benchmarks/rowkernel_probe.py --quick`` times them).
+#: Output features per warp. Any value gives every output the same operations in the same order
+#: (only how x is fetched changes); larger values share each x tile between outputs. The kernel
+#: measured byte-equal on the H200 (docs/benchmarks.md section 11, commit 4bc165d) predates this
+#: parameter: the source as it stands, at any value, has compiled under NVRTC but not run on a GPU;
+#: the first-use checks (``usable``, ``_matches``) keep it off wherever it does not match MLX.
 OUTS_PER_WARP = 1
 
 _HEADER = """
