@@ -213,6 +213,17 @@ def _engine_families(engine: EngineSnapshot | None) -> Iterator[Metric]:
             probe_s.add_metric([pairing], v["probe_seconds"])
     yield verdicts
     yield probe_s
+    admission = None if engine is None else engine["admission"]
+    yield CounterMetricFamily(
+        f"{PREFIX}_admission_delayed",
+        "Requests held past the engine iteration that took them, to join the batch in one prefill wave",
+        value=0 if admission is None else admission["delayed"],
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_admission_held",
+        "Requests held for the next prefill wave now",
+        value=0 if admission is None else admission["held"],
+    )
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from workers.engine import Engine
 from workers.snapshot import (
+    AdmissionSnapshot,
     BurstSummary,
     DistributedSnapshot,
     EngineSnapshot,
@@ -24,8 +25,9 @@ from workers.snapshot import (
 )
 
 
-def engine_snapshot(engine: Engine, distributed: DistributedSnapshot) -> EngineSnapshot:
-    """``engine``'s counters and gauges, with ``distributed`` (which ranks serve it) and MLX's memory."""
+def engine_snapshot(engine: Engine, distributed: DistributedSnapshot, admission: AdmissionSnapshot) -> EngineSnapshot:
+    """``engine``'s counters and gauges, with ``distributed`` (which ranks serve it), the loop's
+    ``admission`` waves and MLX's memory."""
     return {
         **engine.counters.snapshot(),
         "active_sequences": engine.active,
@@ -44,5 +46,6 @@ def engine_snapshot(engine: Engine, distributed: DistributedSnapshot) -> EngineS
             "cache_bytes": mx.get_cache_memory(),
             "peak_bytes": mx.get_peak_memory(),
         },
+        "admission": admission,
         "distributed": distributed,
     }

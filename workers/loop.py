@@ -36,6 +36,7 @@ import mlx.core as mx
 import msgpack
 
 from workers import faults
+from workers.admission import AdmissionWaves
 from workers.burst import Gate
 from workers.commands import (
     Cancel,
@@ -59,9 +60,9 @@ from workers.engine_stats import engine_snapshot
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
 from workers.profiling import profiled
-from workers.snapshot import DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
+from workers.snapshot import AdmissionSnapshot, DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
 from workers.startup import EngineSettings as EngineSettings
-from workers.startup import check_same_settings, configure_prefix_cache, start_probe, warm_up
+from workers.startup import buffer_cache_limit, check_same_settings, configure_prefix_cache, start_probe, warm_up
 from workers.startup import configure_bursts as configure_bursts
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -115,6 +116,9 @@ class EngineThread:
         self._digest = b""
         #: When the iteration in progress began (``None`` while rank 0 waits for commands).
         self._busy_since: float | None = None
+        #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
+        s = self._settings
+        self._admission = AdmissionWaves(min(s.prefill_batch, s.max_batch), s.admit_window_s)
 
     def start(self) -> None:
         self._thread.start()
@@ -174,8 +178,7 @@ class EngineThread:
                 self._lockstep = Lockstep(self.world)
             if self.world.distributed:
                 check_same_settings(self.world, s)
-            if s.mlx_cache_limit_bytes is not None:
-                mx.set_cache_limit(s.mlx_cache_limit_bytes)
+            mx.set_cache_limit(buffer_cache_limit(s))
             loaded = self._load()
             if loaded.shard is not None:
                 self._shard_mode = loaded.shard.mode
@@ -270,7 +273,7 @@ class EngineThread:
         """Rank 0's loop (the only one without other ranks): decide, publish, apply."""
         for iteration in itertools.count():
             faults.check_loop(iteration)
-            idle = not engine.has_work and not engine.probing
+            idle = not engine.has_work and not engine.probing and not self._admission.held
             if idle and self._cache_dirty:
                 self._release_cache()
             self._busy_since = None
@@ -308,12 +311,10 @@ class EngineThread:
         """This iteration as rank 0 decides it: the commands as plain maps (unseeded sampled jobs get
         their seed here), and every choice that reads the clock, published to the other ranks."""
         plain: list[dict[str, Any]] = []
-        tax_asked = False
+        tax_asked = any(isinstance(cmd, MeasureTax) for cmd in cmds)
+        cmds = [cmd for cmd in cmds if not isinstance(cmd, MeasureTax)]
         stop: str | None = None
-        for cmd in cmds:
-            if isinstance(cmd, MeasureTax):
-                tax_asked = True
-                continue
+        for cmd in self._admission.take(cmds, engine.has_work, time.monotonic()):
             if isinstance(cmd, Submit):
                 cmd = Submit(with_seed(cmd.job))
             plain.append(command_to_plain(cmd))
@@ -431,4 +432,10 @@ class EngineThread:
         """Counters and gauges for the stats reply (``stats.engine``), read from any thread; ``None``
         before the engine is ready (``workers.engine_stats`` says why no lock is taken)."""
         engine = self._engine
-        return None if engine is None else engine_snapshot(engine, self.distributed_snapshot())
+        return (
+            None if engine is None else engine_snapshot(engine, self.distributed_snapshot(), self.admission_snapshot())
+        )
+
+    def admission_snapshot(self) -> AdmissionSnapshot:
+        a = self._admission
+        return {"window_ms": 1e3 * a.window_s, "held": len(a.held), "delayed": a.delayed}

@@ -172,6 +172,15 @@ class MemorySnapshot(TypedDict):
     peak_bytes: int
 
 
+class AdmissionSnapshot(TypedDict):
+    """Admission waves (``workers.admission``): the hold window, arrivals waiting now, and arrivals
+    held past the iteration that took them since start."""
+
+    window_ms: float
+    held: int
+    delayed: int
+
+
 class DistributedSnapshot(TypedDict):
     """Which ranks serve the model (``workers.distributed``): ``world_size`` 1, ``backend``
     ``single`` and ``mode`` ``none`` for one process; else the ``mx.distributed`` backend (ring,
@@ -199,6 +208,7 @@ class EngineSnapshot(CountersSnapshot):
     pin_tax: PinTax
     prefix_cache: PrefixCacheSnapshot
     memory: MemorySnapshot
+    admission: AdmissionSnapshot
     distributed: DistributedSnapshot
 
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from workers.burst import BurstSettings
 from workers.engine import Engine, Job, PinScope
 from workers.lockstep import Broadcaster
@@ -29,6 +31,9 @@ class EngineSettings:
     max_batch: int = 32
     prefill_batch: int = 8
     prefill_step: int = 2048
+    #: While the engine has work, an arrival waits at most this long for others so that they join
+    #: the batch in one prefill wave (``workers.admission``); 0 admits each on the next iteration.
+    admit_window_s: float = 0.02
     pin_scope: PinScope = "scoped"
     #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
     probe_k: int | None = None
@@ -43,8 +48,9 @@ class EngineSettings:
     #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
     #: each one stalls serving for a few forwards, so clients must not be able to queue them.
     tax_min_interval_s: float = 30.0
-    #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None`` keeps MLX's
-    #: default. Whatever the limit, the cache is emptied whenever the engine goes idle.
+    #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None``: a quarter of
+    #: MLX's memory limit (``buffer_cache_limit``). Whatever the limit, the cache is emptied whenever
+    #: the engine goes idle.
     mlx_cache_limit_bytes: int | None = None
     #: Bytes of KV the prefix cache may keep (LRU eviction); 0 (the default) turns it off and skips its
     #: start-up check. It serves when ``warm_vs_cold`` finds reuse exact, or under ``allow_inexact``.
@@ -52,6 +58,24 @@ class EngineSettings:
     #: Across ranks: seconds one engine iteration may take before this rank presumes a peer gone and
     #: exits (mlx's ring can leave a collective waiting for good when its peer dies mid-transfer).
     rank_timeout_s: float = 60.0
+
+
+#: MLX's buffer cache may hold this share of MLX's memory limit unless told otherwise.
+CACHE_SHARE = 0.25
+
+
+def buffer_cache_limit(settings: EngineSettings) -> int:
+    """Bytes of freed buffers the engine's process lets MLX keep for reuse.
+
+    MLX's own default lets the cache grow to its memory limit, which on CUDA is 95 % of the device's
+    memory, as if no other process used the GPU. A batch's KV caches are re-made at a new batch size
+    each time sequences join or finish, so the cache fills with buffers of sizes never asked for again:
+    on the H200 8B synth at B = 128 the daemon's engine process reached 135 GiB, as nvidia-smi read it,
+    and its step failed to allocate while the benchmark process beside it held 6 GiB. A quarter of
+    the limit leaves the step's working set its reuse and the device room for its neighbours."""
+    if settings.mlx_cache_limit_bytes is not None:
+        return settings.mlx_cache_limit_bytes
+    return int(CACHE_SHARE * mx.get_memory_limit())
 
 
 def warm_up(engine: Engine) -> None:

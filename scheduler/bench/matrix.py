@@ -120,6 +120,7 @@ def _main(args: argparse.Namespace) -> int:
     from workers import fastpath
     from workers.engine import Engine
     from workers.models import load
+    from workers.startup import EngineSettings, buffer_cache_limit
 
     if getattr(args, "prefix_scenario", False):
         return run_prefix(args)
@@ -137,6 +138,10 @@ def _main(args: argparse.Namespace) -> int:
     model = loaded.model
     eos = list(loaded.info.eos_token_ids)
     max_batch = max(32, *batches)  # the daemons' and the engine's, so that no B queues
+    # The raw and engine arms run under the daemon's buffer-cache limit: like for like, and a bench
+    # process whose cache grew to the device's size would leave the daemon arm none.
+    cache_limit = buffer_cache_limit(EngineSettings())
+    mx.set_cache_limit(cache_limit)
     engine = Engine(
         model,
         eos_token_ids=loaded.info.eos_token_ids,
@@ -150,7 +155,8 @@ def _main(args: argparse.Namespace) -> int:
     samples: dict[tuple[str, int], list[float]] = {}
     runs: list[dict[str, Any]] = []
     poisson: dict[str, Any] | None = None
-    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max_batch)]
+    daemon_args: list[str] = list(getattr(args, "daemon_args", None) or [])
+    cap = ["--max-tokens-cap", str(args.tokens), "--max-batch", str(max_batch), *daemon_args]
     http_url = f"http://127.0.0.1:{free_port()}" if via_http else None
     # The HTTP arms measure the daemon arm's own daemon: one process, one engine, two doors.
     http_flags = ["--http", http_url.removeprefix("http://")] if http_url else []
@@ -198,6 +204,8 @@ def _main(args: argparse.Namespace) -> int:
         "context": setup.context,
         "drafters": drafters,
         "process_pin": args.process_pin,
+        "daemon_args": daemon_args,
+        "mlx_cache_limit_bytes": cache_limit,
         "via": "http" if via_http else "zeromq",
         "http_url": http_url,
         "weight_bytes": weight_bytes,

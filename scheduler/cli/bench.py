@@ -7,6 +7,7 @@ The benchmarks themselves live in ``scheduler.bench``; this module holds only th
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from scheduler.cli.errors import local_command
 from scheduler.cli.options import Parser, int_list, non_negative_float, positive_float, positive_int
@@ -35,6 +36,14 @@ def add_bursts_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--process-level", default="narrow", choices=["narrow", "per-query"])
     p.add_argument("--out", default=BENCH_OUT, help=f"folder for the results (default ./{BENCH_OUT})")
     p.set_defaults(func=local_command("bench-bursts", run_bursts))
+
+
+def shell_words(text: str) -> list[str]:
+    """``--daemon-args`` as the words a shell would split it into."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} into options: {exc}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -68,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="also run mixed Poisson arrivals at this rate/s",
     )
     p.add_argument("--poisson-requests", type=positive_int, default=40)
+    p.add_argument(
+        "--daemon-args",
+        type=shell_words,
+        default=[],
+        help="extra 'mlx-batchd serve' options for every daemon the bench starts, as one shell-quoted string "
+        '(e.g. "--engine-thread" or "--admit-window-ms 0"); recorded in the report',
+    )
     p.add_argument(
         "--process-pin",
         default=None,

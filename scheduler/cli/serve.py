@@ -52,6 +52,19 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--max-batch", type=positive_int, default=32, help="most sequences decoded together")
     p.add_argument("--prefill-batch", type=positive_int, default=8, help="most prompts prefilled together")
     p.add_argument("--prefill-step", type=positive_int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--admit-window-ms",
+        type=non_negative_float,
+        default=20.0,
+        help="while the engine has work, an arrival waits at most this long for others to join the batch "
+        "with it in one prefill wave (0 = next iteration)",
+    )
+    p.add_argument(
+        "--mlx-cache-limit-mb",
+        type=non_negative_float,
+        default=None,
+        help="MiB of freed buffers MLX may keep for reuse (default: a quarter of MLX's memory limit)",
+    )
     p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--context-length", type=positive_int, default=None, help="override the model's context length")
@@ -167,6 +180,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step,
+        admit_window_s=args.admit_window_ms / 1e3,
+        mlx_cache_limit_bytes=None if args.mlx_cache_limit_mb is None else int(args.mlx_cache_limit_mb * 2**20),
         pin_scope=args.pin_scope,
         probe_k=args.probe_k,
         probe_policy=probe_policy(args),

@@ -8,7 +8,6 @@ it stalls serving, so requests must not queue up measurements.
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +16,13 @@ from typing import Any
 import pytest
 from mlx_lm import load
 
+from tests.helpers.engine_thread import EngineThreadRun as Thread
 from tests.reference import probed_bursts
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
 from workers.engine import Engine, Event, Finished, Job, Tokens
 from workers.kernels import Level, measure_widths
-from workers.loop import EngineSettings, EngineThread, Ready, Signal
-from workers.models import load as load_model
 from workers.params import SamplingParams
 
 VOCAB = 260
@@ -210,46 +208,6 @@ def test_a_paused_sequence_does_not_stop_the_lone_live_one_from_bursting(target:
 
 
 # --------------------------------------------------------------------------- the engine thread
-
-
-class Thread:
-    """A real ``EngineThread`` on the tiny model, its signals collected in a queue."""
-
-    def __init__(self, model: Path, **settings: Any) -> None:
-        self.out: queue.SimpleQueue[Signal] = queue.SimpleQueue()
-        self.engine = EngineThread(lambda: load_model(str(model)), self._emit, EngineSettings(**settings))
-
-    def _emit(self, signals: list[Signal]) -> None:
-        for s in signals:
-            self.out.put(s)
-
-    def next(self) -> Signal:
-        return self.out.get(timeout=30)
-
-    def until_finished(self, seq: int) -> list[int]:
-        """Wait for ``seq``'s end; return the tokens of every sequence seen on the way, in order."""
-        tokens: list[int] = []
-        while not (isinstance(signal := self.next(), Finished) and signal.seq == seq):
-            if isinstance(signal, Tokens):
-                tokens += signal.tokens
-        return tokens
-
-    def __enter__(self) -> Thread:
-        self.engine.start()
-        assert isinstance(self.next(), Ready)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine.shutdown()
-        self.engine.join(30)
-        assert not self.engine.is_alive()
-
-    def tax_measurements(self) -> int:
-        """Measurements so far: each one runs ``reps + 1`` pinned forwards at narrow, purpose ``tax``."""
-        rows = self.engine.snapshot()["pins"]["pinned"]
-        forwards = sum(r["forwards"] for r in rows if r["purpose"] == "tax" and r["level"] == "narrow")
-        assert forwards % 4 == 0
-        return forwards // 4
 
 
 def test_engine_thread_pause_and_resume_commands(tiny_model: Path) -> None:

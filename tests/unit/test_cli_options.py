@@ -67,6 +67,9 @@ BAD = [
     (["bench"], "--repeats", "0"),
     (["bench"], "--poisson-rate", "-1"),
     (["bench"], "--poisson-requests", "0"),
+    (["bench"], "--daemon-args", '"--engine-thread'),
+    (["serve"], "--admit-window-ms", "-1"),
+    (["serve"], "--mlx-cache-limit-mb", "-5"),
     (["top"], "--timeout", "0"),
     (["top"], "--interval", "0"),
     (["top"], "--iterations", "-1"),
@@ -133,3 +136,7 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert args.k == "2,3,4"
     args = build_parser().parse_args(["generate", "hi", "--priority", "-1000", "--top-p", "1", "--seed", "0"])
     assert (args.priority, args.top_p, args.seed) == (-1000, 1.0, 0)
+    args = build_parser().parse_args(["bench", "--daemon-args", "--engine-thread --admit-window-ms '0'"])
+    assert args.daemon_args == ["--engine-thread", "--admit-window-ms", "0"]
+    args = build_parser().parse_args(["serve", "--admit-window-ms", "0", "--mlx-cache-limit-mb", "512"])
+    assert (args.admit_window_ms, args.mlx_cache_limit_mb) == (0.0, 512.0)

@@ -35,6 +35,8 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
     assert got[("mlx_batchd_pinned_forwards_total", (("level", "wide"), ("purpose", "verify")))] == 7
     assert got[("mlx_batchd_verdict_exact", (("level", "wide"), ("pairing", "m+prompt-lookup k=3")))] == 1.0
     assert not any(name == "mlx_batchd_pin_tax_ratio" for name, _ in got)  # none measured yet
+    assert got[("mlx_batchd_admission_delayed_total", ())] == engine["admission"]["delayed"] == 9
+    assert got[("mlx_batchd_admission_held", ())] == 2
 
     loading = _collect({**stats, "engine": {}})
     assert loading[("mlx_batchd_requests_in_flight", ())] == stats["requests_in_flight"]
@@ -45,6 +47,7 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
         ("mlx_batchd_mlx_memory_bytes", (("kind", "active"),)),
         ("mlx_batchd_burst_rounds_total", (("drafter", "none"),)),
         ("mlx_batchd_pin_collateral_forwards_total", ()),
+        ("mlx_batchd_admission_delayed_total", ()),
     ]:
         assert loading[key] == 0, key
     assert not any(name in ("mlx_batchd_verdict_exact", "mlx_batchd_pinned_forwards_total") for name, _ in loading)

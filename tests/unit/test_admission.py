@@ -1,0 +1,68 @@
+"""Admission waves as a policy (``workers.admission``): which commands an iteration applies, given
+what arrived, whether the engine has work, and the clock (passed in, so nothing here waits)."""
+
+from __future__ import annotations
+
+from workers.admission import AdmissionWaves
+from workers.commands import Cancel, Command, Shutdown, Submit
+from workers.jobs import Job
+
+
+def sub(seq: int) -> Submit:
+    return Submit(Job(seq=seq, prompt=[1, 2], max_tokens=4))
+
+
+def seqs(cmds: list[Command]) -> list[object]:
+    return [c.job.seq if isinstance(c, Submit) else type(c).__name__ for c in cmds]
+
+
+def test_window_zero_applies_every_arrival_at_once() -> None:
+    a = AdmissionWaves(wave=8, window_s=0.0)
+    assert seqs(a.take([sub(1)], busy=True, now=0.0)) == [1]
+    assert a.held == [] and a.delayed == 0
+
+
+def test_an_idle_engine_never_holds_an_arrival() -> None:
+    a = AdmissionWaves(wave=8, window_s=10.0)
+    assert seqs(a.take([sub(1)], busy=False, now=0.0)) == [1]
+    assert a.delayed == 0
+
+
+def test_arrivals_mid_batch_wait_for_a_full_wave_and_join_in_order() -> None:
+    a = AdmissionWaves(wave=3, window_s=10.0)
+    assert a.take([sub(1)], busy=True, now=0.0) == []
+    assert a.take([], busy=True, now=1.0) == []
+    assert a.take([sub(2)], busy=True, now=2.0) == []
+    assert seqs(a.take([sub(3)], busy=True, now=3.0)) == [1, 2, 3]
+    assert a.held == [] and a.since is None
+    assert a.delayed == 2  # 3 joined in the iteration that took it
+
+
+def test_the_window_counts_from_the_oldest_held_arrival() -> None:
+    a = AdmissionWaves(wave=8, window_s=0.5)
+    assert a.take([sub(1)], busy=True, now=10.0) == []
+    assert a.take([sub(2)], busy=True, now=10.4) == []
+    assert seqs(a.take([], busy=True, now=10.5)) == [1, 2]
+    assert a.take([sub(3)], busy=True, now=10.6) == []  # a new window starts with the next arrival
+    assert a.since == 10.6
+
+
+def test_held_arrivals_go_out_when_the_engine_runs_dry() -> None:
+    a = AdmissionWaves(wave=8, window_s=10.0)
+    assert a.take([sub(1)], busy=True, now=0.0) == []
+    assert seqs(a.take([], busy=False, now=0.1)) == [1]
+
+
+def test_a_cancel_or_shutdown_lets_every_held_arrival_in_first() -> None:
+    """A cancel for a held request must find it admitted; a shutdown must end it like the rest."""
+    a = AdmissionWaves(wave=8, window_s=10.0)
+    assert a.take([sub(1), sub(2)], busy=True, now=0.0) == []
+    assert seqs(a.take([sub(3), Cancel(2, "cancelled", None, None), sub(4)], busy=True, now=0.1)) == [
+        1,
+        2,
+        3,
+        "Cancel",
+        4,
+    ]
+    assert a.take([sub(5)], busy=True, now=0.2) == []
+    assert seqs(a.take([Shutdown("error", "shutdown", "bye")], busy=True, now=0.3)) == [5, "Shutdown"]
