@@ -15,7 +15,12 @@ counters give milliseconds per decode step:
 - ``daemon``: a real ``mlx-batchd serve`` driven as the bench drives it (one client, a thread per
   sequence), counters from its ``stats``;
 - ``daemon-1client``: the same daemon, all sequences from one thread with the async client (no
-  thread per sequence), to separate the clients' cost from the front end's.
+  thread per sequence), to separate the clients' cost from the front end's;
+- ``daemon@W``: a daemon started with ``--admit-window-ms W`` (``workers/admission.py``), driven as
+  ``daemon``; several windows side by side say what holding arrivals for a prefill wave buys.
+
+Each arm also reports its wall-clock tokens per second (all sequences' tokens over the time from
+the first submit to the last token), which counts prefill and admission as well as decode steps.
 
 ``--profile-dir DIR`` adds ``cProfile`` of the main arm's steps and of the daemon's engine thread
 (``workers/profiling.py``), to set side by side.
@@ -118,12 +123,13 @@ class Hosted:
 class Served:
     """A real daemon and a client, as ``mlx-batchd bench``'s daemon arm runs them."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *args: str) -> None:
         from clients.sync import Client
         from scheduler.spawn import DaemonProcess
 
         folder = Path(tempfile.mkdtemp(prefix="mlx-batchd-gap-"))
-        self.proc = DaemonProcess(model, f"ipc://{folder / 'd.sock'}", "--max-batch", "128", "--max-tokens-cap", "4096")
+        address = f"ipc://{folder / 'd.sock'}"
+        self.proc = DaemonProcess(model, address, "--max-batch", "128", "--max-tokens-cap", "4096", *args)
         self.proc.wait_ready()
         self.client = Client(self.proc.address, timeout=3600)
 
@@ -175,13 +181,16 @@ def main() -> None:
     hosted = {k: Hosted(k, a.model, lambda: loaded) for k in arms if k in ("loop", "process")}
     if a.profile_dir:
         os.environ[profiling.ENV] = a.profile_dir  # read by the daemon's engine process only: it starts next
-    served = Served(a.model) if any(k.startswith("daemon") for k in arms) else None
+    windows = sorted({k.partition("@")[2] for k in arms if k.startswith("daemon")})
+    served = {w: Served(a.model, *(("--admit-window-ms", w) if w else ())) for w in windows}
     results: dict[str, dict[str, list[float]]] = {}
+    rates: dict[str, dict[str, list[float]]] = {}
     for b in [int(x) for x in a.batches.split(",")]:
         for rep in range(a.repeats + 1):  # repeat 0 warms every arm up
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
                 ps = prompts(b, vocab, 1000 * b + rep)
+                t0 = time.perf_counter()
                 if arm == "main":
                     if main_profile is not None:
                         main_profile.enable()
@@ -191,28 +200,40 @@ def main() -> None:
                 elif arm == "thread":
                     steps, secs = on_thread(engine, ps, a.tokens)
                 elif arm.startswith("daemon"):
-                    assert served is not None
-                    steps, secs = served.run(ps, a.tokens, threads=arm == "daemon")
+                    window = arm.partition("@")[2]
+                    steps, secs = served[window].run(ps, a.tokens, threads=arm != "daemon-1client")
                 else:
                     steps, secs = hosted[arm].run(ps, a.tokens)
+                tok_s = b * a.tokens / (time.perf_counter() - t0)
                 mx.clear_cache()
                 ms = 1e3 * secs / max(steps, 1)
-                print(f"B={b} rep={rep} {arm}: {steps} decode steps, {ms:.2f} ms/step", flush=True)
+                print(f"B={b} rep={rep} {arm}: {steps} decode steps, {ms:.2f} ms/step, {tok_s:.1f} tok/s", flush=True)
                 if rep:
                     results.setdefault(f"B={b}", {}).setdefault(arm, []).append(ms)
+                    rates.setdefault(f"B={b}", {}).setdefault(arm, []).append(tok_s)
     for h in hosted.values():
         h.close()
-    if served is not None:
-        served.close()
+    for d in served.values():
+        d.close()
     if main_profile is not None:
         profiling.write(main_profile, Path(a.profile_dir) / f"main-{os.getpid()}")
     summary = {
-        b: {arm: {"median_ms": statistics.median(v), "min": min(v), "max": max(v)} for arm, v in arms_.items()}
+        b: {
+            arm: {
+                "median_ms": statistics.median(v),
+                "min": min(v),
+                "max": max(v),
+                "median_tok_s": statistics.median(rates[b][arm]),
+                "tok_s_min": min(rates[b][arm]),
+                "tok_s_max": max(rates[b][arm]),
+            }
+            for arm, v in arms_.items()
+        }
         for b, arms_ in results.items()
     }
     print(json.dumps(summary, indent=1))
     with open(a.out, "w") as f:
-        json.dump({"samples": results, "summary": summary}, f, indent=1)
+        json.dump({"samples": results, "tok_s": rates, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

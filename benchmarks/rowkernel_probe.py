@@ -33,7 +33,7 @@ VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 
 
 #: Outputs per warp of the mirrored kernel that part 1 times (the first is the module's default).
-MIRRORED_R = (qmv_rows.OUTS_PER_WARP, 2, 4)
+MIRRORED_R = tuple(dict.fromkeys((qmv_rows.OUTS_PER_WARP, 1, 2, 4)))
 
 
 def use(variant: tuple[int, int]) -> None:
@@ -201,13 +201,14 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="only the mirrored kernel per shape; fewer whole-model rungs")
+    ap.add_argument("--whole-only", action="store_true", help="skip part 1 (per shape)")
     a = ap.parse_args()
     install()
     print("implementation", rowkernel.implementation(), "usable", rowkernel.usable(), flush=True)
     loaded = load(a.model)
     report: dict[str, Any] = {"usable": rowkernel.usable(), "mirrored_usable": qmv_rows.usable()}
     print("mirrored usable", report["mirrored_usable"], flush=True)
-    report["shapes"] = shapes(loaded.model, a.quick)
+    report["shapes"] = {} if a.whole_only else shapes(loaded.model, a.quick)
     report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size, quick=a.quick)
     report["mirrored_shapes"] = qmv_rows.report()
     print(json.dumps(report["whole_model"], indent=1))

@@ -40,11 +40,10 @@ MAX_ROWS = 8
 #: Warps per block.
 WARPS = 8
 #: Output features per warp. Any value gives every output the same operations in the same order
-#: (only how x is fetched changes); larger values share each x tile between outputs. The kernel
-#: measured byte-equal on the H200 (docs/benchmarks.md section 11, commit 4bc165d) predates this
-#: parameter: the source as it stands, at any value, has compiled under NVRTC but not run on a GPU;
-#: the first-use checks (``usable``, ``_matches``) keep it off wherever it does not match MLX.
-OUTS_PER_WARP = 1
+#: (only how x is fetched changes); larger values share each x tile between outputs. On the H200 8B
+#: synth every layer shape and the head were byte-equal to MLX's one-row call at 1, 5 and 8 rows for
+#: 1, 2 and 4 outputs per warp, and 4 was the fastest at 5 rows (docs/benchmarks.md section 12).
+OUTS_PER_WARP = 4
 
 _HEADER = """
 // MLX's default kernel header brings libcu++'s FP_* classification macros; cutlass declares the same

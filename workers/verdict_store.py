@@ -20,7 +20,7 @@ from workers.probe_results import Verdict
 log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 
 
 def _file_sha256(path: Path, memo: dict[str, Any]) -> str:
