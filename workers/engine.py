@@ -7,7 +7,7 @@ nothing of sockets, so it can be driven directly by tests and benchmarks.
 It owns the sequences and the batch; what it holds besides lives in its own module: the burst
 runner (``workers.bursting``), the verdict holder (``workers.verdicts``) and the pin's tax
 measurement (``workers.pintax``). The types it speaks are in ``workers.jobs`` and exported here.
-At about 480 lines it is over the ~400 of the other modules because its one idea, a sequence's life
+At about 500 lines it is over the ~400 of the other modules because its one idea, a sequence's life
 in the batch (admit, step, pause, resume, cancel, finish, its KV handed to the prefix cache), does
 not split further without passing the sequence table around; the accessors at the end that keep
 the engine's surface (verdicts, burst counters, the pin's tax) delegate in a line each.

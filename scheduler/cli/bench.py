@@ -82,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         type=shell_words,
         default=[],
         help="extra 'mlx-batchd serve' options for every daemon the bench starts, as one shell-quoted string "
-        '(e.g. "--engine-thread" or "--admit-window-ms 0"); recorded in the report',
+        "after '=' (e.g. --daemon-args=--engine-thread, or --daemon-args='--admit-window-ms 0'); recorded in the report",
     )
     p.add_argument(
         "--process-pin",

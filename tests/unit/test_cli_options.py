@@ -138,5 +138,6 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert (args.priority, args.top_p, args.seed) == (-1000, 1.0, 0)
     args = build_parser().parse_args(["bench", "--daemon-args", "--engine-thread --admit-window-ms '0'"])
     assert args.daemon_args == ["--engine-thread", "--admit-window-ms", "0"]
+    assert build_parser().parse_args(["bench", "--daemon-args=--engine-thread"]).daemon_args == ["--engine-thread"]
     args = build_parser().parse_args(["serve", "--admit-window-ms", "0", "--mlx-cache-limit-mb", "512"])
     assert (args.admit_window_ms, args.mlx_cache_limit_mb) == (0.0, 512.0)
