@@ -9,7 +9,8 @@
    and row-exactness at M = 5; and the mirrored kernel (``qmv_rows``): each row of a 1-, 5- and
    8-row call byte-equal to MLX's own one-row call, and its milliseconds.
 2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
-   mirrored, per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps.
+   mirrored, per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps, with
+   the part of each spent building the graph before any kernel runs.
 """
 
 from __future__ import annotations
@@ -161,17 +162,23 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         mx.eval([c.state for c in cache])
         return cache
 
-    def step_ms(level: Level, tokens: int) -> float:
-        times = []
+    def step_ms(level: Level, tokens: int) -> tuple[float, float]:
+        """Median milliseconds of the whole forward, and of building its graph alone (Python and
+        MLX's graph construction, before any kernel runs): what the GPU cannot hide at B = 1."""
+        times, builds = [], []
         for rep in range(7):
             cache = fresh()
             block = mx.array([[11 + rep + j for j in range(tokens)]])
             tic = time.perf_counter()
             with scoped(level):
                 c = wrap_caches(cache) if level.per_query and tokens > 1 else cache
-                mx.eval(model(block, cache=c))
+                out = model(block, cache=c)
+                built = time.perf_counter()
+                mx.eval(out)
             times.append((time.perf_counter() - tic) * 1e3)
-        return sorted(times[2:])[len(times[2:]) // 2]
+            builds.append((built - tic) * 1e3)
+        mid = len(times[2:]) // 2
+        return sorted(times[2:])[mid], sorted(builds[2:])[mid]
 
     out: dict[str, Any] = {}
     runs: list[tuple[str, Level, tuple[int, int]]] = [
@@ -184,7 +191,10 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS[1:]]
     for name, level, variant in runs:
         use(variant)
-        out[name] = {f"block{t}_ms" if t > 1 else "step_ms": step_ms(level, t) for t in (1, 5, 9)}
+        out[name] = {}
+        for t in (1, 5, 9):
+            key = f"block{t}" if t > 1 else "step"
+            out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)
         print(name, out[name], flush=True)
     use(VARIANTS[0])
     base = out["wide"]["step_ms"]

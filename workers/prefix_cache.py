@@ -217,8 +217,10 @@ def _past_window(cache: list[Any]) -> bool:
 
 
 def _compact(cache: list[Any]) -> list[Any]:
-    """The cache with each ``KVCache`` cut to its tokens (a burst's grows in 4,096-token steps), evaluated,
-    so an entry holds what ``nbytes`` says and no graph reaching into a batch's buffers."""
+    """The cache with each ``KVCache`` cut to its tokens (a burst's grows in 4,096-token steps), its
+    evaluation queued, so an entry holds what ``nbytes`` says and soon no graph reaching into a batch's
+    buffers. Queued, not waited for: a finishing step that blocked here would stall the GPU's pipeline
+    of the next batched steps once per finished sequence."""
     out: list[Any] = []
     for c in cache:
         keys: Any = getattr(c, "keys", None)
@@ -230,7 +232,7 @@ def _compact(cache: list[Any]) -> list[Any]:
             k.offset = c.offset
             c = k
         out.append(c)
-    mx.eval([c.state for c in out])
+    mx.async_eval([c.state for c in out])
     return out
 
 

@@ -52,6 +52,14 @@ def collect(t: EngineThreadRun, seqs: set[int]) -> tuple[dict[int, list[int]], d
     return tokens, ends
 
 
+def one_held_behind(t: EngineThreadRun, running: Job, arriving: Job) -> None:
+    """``running`` decodes, then ``arriving`` comes and is held."""
+    t.engine.submit(running)
+    first_tokens(t, running.seq)
+    t.engine.submit(arriving)
+    held(t, 1)
+
+
 def first_tokens(t: EngineThreadRun, seq: int) -> list[int]:
     while not (isinstance(s := t.next(), Tokens) and s.seq == seq):
         pass
@@ -88,10 +96,7 @@ def test_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
 def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path) -> None:
     """The engine goes idle with an arrival held: the loop must not wait for a command then."""
     with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
-        t.engine.submit(job(1, 300))
-        first_tokens(t, 1)
-        t.engine.submit(job(2, 6))
-        held(t, 1)
+        one_held_behind(t, job(1, 300), job(2, 6))
         tokens, ends = collect(t, {1, 2})
         assert (ends[1].reason, ends[2].reason) == ("length", "length")
         assert tokens[2] == alone(tiny_model, job(2, 6))
@@ -99,10 +104,7 @@ def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path) -> None:
 
 def test_a_held_arrival_can_be_cancelled(tiny_model: Path) -> None:
     with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
-        t.engine.submit(job(1, 40))
-        first_tokens(t, 1)
-        t.engine.submit(job(2, 400))
-        held(t, 1)
+        one_held_behind(t, job(1, 40), job(2, 400))
         t.engine.cancel(2)
         tokens, ends = collect(t, {1, 2})
         assert (ends[1].reason, ends[2].reason) == ("length", "cancelled")
