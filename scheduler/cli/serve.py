@@ -24,6 +24,7 @@ from scheduler.cli.errors import address_and_source, check_address, check_key_fi
 from scheduler.cli.options import (
     Parser,
     add_probe_policy,
+    float_in,
     fraction,
     host_port,
     http_address,
@@ -54,14 +55,14 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--prefill-step", type=positive_int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument(
         "--admit-window-ms",
-        type=non_negative_float,
+        type=float_in(0.0, 60_000.0),
         default=20.0,
         help="while the engine has work, an arrival waits at most this long for others to join the batch "
         "with it in one prefill wave (0 = next iteration)",
     )
     p.add_argument(
         "--mlx-cache-limit-mb",
-        type=non_negative_float,
+        type=float_in(0.0, float(2**30)),
         default=None,
         help="MiB of freed buffers MLX may keep for reuse (default: a quarter of MLX's memory limit)",
     )

@@ -70,6 +70,8 @@ BAD = [
     (["bench"], "--daemon-args", '"--engine-thread'),
     (["serve"], "--admit-window-ms", "-1"),
     (["serve"], "--mlx-cache-limit-mb", "-5"),
+    (["serve"], "--mlx-cache-limit-mb", "1e300"),
+    (["serve"], "--admit-window-ms", "1e300"),
     (["top"], "--timeout", "0"),
     (["top"], "--interval", "0"),
     (["top"], "--iterations", "-1"),
