@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from mlx_lm import load
 
 from tests.helpers.engine_thread import EngineThreadRun
@@ -21,9 +22,14 @@ def job(seq: int, n: int) -> Job:
     return Job(seq=seq, prompt=PROMPTS[seq], max_tokens=n)
 
 
-def alone(model: Path, j: Job) -> list[int]:
+@pytest.fixture(scope="module")
+def target(tiny_model: Path) -> Any:
+    return load(str(tiny_model))[0]
+
+
+def alone(target: Any, j: Job) -> list[int]:
     """The job's tokens on an engine of its own."""
-    engine = Engine(load(str(model))[0], eos_token_ids=(), vocab_size=260)
+    engine = Engine(target, eos_token_ids=(), vocab_size=260)
     engine.submit(j)
     out: list[int] = []
     while engine.has_work:
@@ -66,7 +72,7 @@ def first_tokens(t: EngineThreadRun, seq: int) -> list[int]:
     return list(s.tokens)
 
 
-def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_model: Path) -> None:
+def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_model: Path, target: Any) -> None:
     with EngineThreadRun(tiny_model, tax_interval_s=0, prefill_batch=3, admit_window_s=HOUR) as t:
         t.engine.submit(job(1, 400))
         got = {1: first_tokens(t, 1)}  # the engine is busy with seq 1 from here
@@ -81,8 +87,8 @@ def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_mo
     got[1] += tokens.get(1, []) + rest.get(1, [])
     for seq in (2, 3, 4):
         assert ends[seq].reason == "length"
-        assert tokens[seq] == alone(tiny_model, job(seq, 12)), seq
-    assert got[1] == alone(tiny_model, job(1, 400))[: len(got[1])]
+        assert tokens[seq] == alone(target, job(seq, 12)), seq
+    assert got[1] == alone(target, job(1, 400))[: len(got[1])]
 
 
 def test_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
@@ -93,13 +99,13 @@ def test_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
         assert t.engine.snapshot()["admission"]["delayed"] == 0
 
 
-def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path) -> None:
+def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path, target: Any) -> None:
     """The engine goes idle with an arrival held: the loop must not wait for a command then."""
     with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
         one_held_behind(t, job(1, 300), job(2, 6))
         tokens, ends = collect(t, {1, 2})
         assert (ends[1].reason, ends[2].reason) == ("length", "length")
-        assert tokens[2] == alone(tiny_model, job(2, 6))
+        assert tokens[2] == alone(target, job(2, 6))
 
 
 def test_a_held_arrival_can_be_cancelled(tiny_model: Path) -> None:
