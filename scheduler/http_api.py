@@ -25,10 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from scheduler.frontend import HARD_FRAME_FACTOR
 from scheduler.http_auth import tenant_for
 from scheduler.http_openai import HTTPError, Parsed, from_protocol, parse_body, with_tokens
 from scheduler.http_shapes import DONE, Reply, sse
+from scheduler.transport import HARD_FRAME_FACTOR
 
 if TYPE_CHECKING:
     from scheduler.frontend import FrontEnd, LocalConnection

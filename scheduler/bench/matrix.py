@@ -62,7 +62,7 @@ from scheduler.bench.arms import (
 )
 from scheduler.bench.b1 import b1_rows, write_b1
 from scheduler.bench.batched import Setup, batched_rows, write_report
-from scheduler.bench.output import progress
+from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.spreads import rotated
@@ -127,10 +127,8 @@ def _main(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     via_http = getattr(args, "via", "zeromq") == "http"
     if via_http and importlib.util.find_spec("httpx") is None:
-        from scheduler.cli import CommandError
-
         # Said before the model loads: the HTTP arms' client is not one of the daemon's dependencies.
-        raise CommandError("--via http needs httpx, the HTTP arms' client: pip install httpx")
+        raise BenchError("--via http needs httpx, the HTTP arms' client: pip install httpx")
     progress(f"bench: loading {args.model}")
     # One model for the in-process arms: the raw arm runs it with the project's patches lifted.
     loaded = load(args.model)

@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (a prompt longer than the model's context, a missing
+    client library): the command line prints it as one line and exits 1."""
+
+
 def write_whole(path: Path, text: str) -> None:
     """Whole or not at all: a run stopped mid-write keeps the previous version, never half a file."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.bench.arms import random_prompts, run_daemon, wait_idle
-from scheduler.bench.output import progress
+from scheduler.bench.output import BenchError, progress
 from scheduler.bench.prefix_report import (
     PREFIX_TARGETS,
     prefix_chat_rows,
@@ -188,7 +188,6 @@ def run_prefix(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from clients.sync import Client
-    from scheduler.cli import CommandError
     from scheduler.spawn import DaemonProcess
 
     plan = PrefixPlan.from_args(args)
@@ -246,7 +245,7 @@ def run_prefix(args: argparse.Namespace) -> int:
         context, vocab = int(model["context_length"]), int(model["vocab_size"])
         meta["context_length"] = context
         if (why := plan.too_long(context)) is not None:
-            raise CommandError(why)
+            raise BenchError(why)
         snapshot = clients["cache"].stats()["engine"].get("prefix_cache") or {}
         meta["prefix_cache"] = {k: snapshot.get(k) for k in ("serving", "max_bytes", "verdict")}
         if not snapshot.get("serving"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from scheduler.cli.errors import local_command
+from scheduler.cli.errors import CommandError, local_command
 from scheduler.cli.options import Parser, int_list, non_negative_float, positive_float, positive_int
 
 #: Where ``bench`` and ``bench-bursts`` write, relative to the current directory (never the package).
@@ -156,8 +156,12 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the workload matrix (or the prefix cache scenario)."""
     from scheduler.bench import main
+    from scheduler.bench.output import BenchError
 
-    return main(args)
+    try:
+        return main(args)
+    except BenchError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def run_bursts(args: argparse.Namespace) -> int:

@@ -226,7 +226,7 @@ def test_a_client_never_closed_does_not_keep_the_process_alive(daemon: Daemon) -
 
 
 CTRL_C = """
-import signal, sys, time
+import json, signal, sys, time
 from clients import Client, TokenEvent
 received = []
 
@@ -254,6 +254,7 @@ with Client(sys.argv[1], timeout=30) as client:
         stats = client.stats()
         print("in flight", stats["requests_in_flight"], flush=True)
         print("cancelled", stats["outcomes"].get("local", {}).get("cancelled", 0), flush=True)
+        print(json.dumps(stats["outcomes"]), flush=True)
         sys.exit(130)
 """
 
@@ -265,9 +266,9 @@ def test_ctrl_c_during_a_stream_cancels_the_request_and_propagates(tiny_model: P
         assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 130
-        interrupted, in_flight, cancelled = proc.stdout.read().splitlines()
+        interrupted, in_flight, cancelled, outcomes = proc.stdout.read().splitlines()
         assert interrupted.startswith("interrupted after") and float(interrupted.split()[-1]) < 3.0
-        assert in_flight == "in flight 0" and cancelled == "cancelled 1"
+        assert in_flight == "in flight 0" and cancelled == "cancelled 1", outcomes
     finally:
         proc.kill()
         proc.wait()

@@ -1,0 +1,122 @@
+"""The packages' layering, read from the source: ``clients`` <- ``scheduler`` -> ``workers`` and no arrow
+back, and no import cycle between modules, counting the imports made inside functions (a lazy import
+still ties two modules together) and leaving out those only a type checker sees."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("clients", "scheduler", "workers")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def imports(source: str, mods: dict[str, Path] | None = None) -> set[str]:
+    """The names every import statement in ``source`` reaches: a project module where one is meant
+    (``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``), else the top-level name."""
+    mods = _modules() if mods is None else mods
+    tree = ast.parse(source)
+    skip = _type_checking_only(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in mods else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: {d for d in imports(p.read_text(), mods) if d in mods and d != m} for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_a_cycle_is_found() -> None:
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+
+
+def test_workers_know_nothing_of_the_daemon_or_the_wire() -> None:
+    reach = {m: ds for m, ds in graph().items() if m.startswith("workers")}
+    wrong = {m: sorted(d for d in ds if d.split(".")[0] in ("clients", "scheduler")) for m, ds in reach.items()}
+    assert {m: ds for m, ds in wrong.items() if ds} == {}
+
+
+def test_clients_import_no_mlx_and_nothing_above_them() -> None:
+    mods = _modules()
+    wrong = {}
+    for m, path in mods.items():
+        if m.startswith("clients"):
+            bad = sorted(
+                d for d in imports(path.read_text(), mods) if d.split(".")[0] in ("mlx", "mlx_lm", *PACKAGES[1:])
+            )
+            if bad:
+                wrong[m] = bad
+    assert wrong == {}
+
+
+def test_lazy_imports_count_and_type_checking_ones_do_not() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from scheduler.frontend import FrontEnd\n"
+        "def f():\n    from workers import engine\n"
+    )
+    assert imports(source) == {"typing", "workers.engine"}
