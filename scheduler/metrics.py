@@ -86,6 +86,13 @@ _ENGINE: tuple[tuple[_Family, str, str, Callable[[EngineSnapshot], float]], ...]
         "Seconds spent in batched decode steps",
         lambda e: e["decode_seconds"],
     ),
+    (CounterMetricFamily, "prefill_steps", "Engine steps that ran a prefill chunk", lambda e: e["prefill_steps"]),
+    (
+        CounterMetricFamily,
+        "finish_steps",
+        "Engine steps in which a sequence of the decode batch finished (each filters every layer's cache)",
+        lambda e: e["finish_steps"],
+    ),
 )
 
 #: Burst counters, labelled by drafter: (name, help, read).

@@ -321,6 +321,8 @@ class Engine:
             self.counters.decode_seconds += time.perf_counter() - tic
             if solo and not prompt_responses:
                 self.runner.observe_classic(time.perf_counter() - tic)
+        self.counters.prefill_steps += bool(prompt_responses)
+        self.counters.finish_steps += any(r.finish_reason is not None for r in gen_responses)
         for pr in prompt_responses:
             s = self._by_uid.get(pr.uid)
             if s is not None and s.prefill_started is None:

@@ -190,6 +190,11 @@ class EngineCounters:
     step_seconds: float = 0.0
     step_errors: int = 0
     peak_batch_size: int = 0
+    #: Steps that ran a prefill chunk, and steps in which a sequence of the decode batch finished:
+    #: requests that arrive (and so finish) spread over many steps cost a batch cache merge for each
+    #: of the first and a batch filter for each of the second, in every layer.
+    prefill_steps: int = 0
+    finish_steps: int = 0
 
     def snapshot(self) -> CountersSnapshot:
         """The counters as the ``stats`` reply carries them (``stats.engine``)."""
@@ -204,4 +209,6 @@ class EngineCounters:
             "step_seconds": self.step_seconds,
             "step_errors": self.step_errors,
             "peak_batch_size": self.peak_batch_size,
+            "prefill_steps": self.prefill_steps,
+            "finish_steps": self.finish_steps,
         }

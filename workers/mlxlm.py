@@ -13,6 +13,9 @@ What each one is for, and why the public API is not enough:
 - ``pending_token``: the token the decode batch has sampled one step ahead for a sequence, and the
   logprob row it was drawn from. ``remove(..., return_prompt_caches=True)`` gives the cache and the
   tokens in it but drops this token, which pausing and bursts must emit.
+- ``batch_classes``: the decode and prefill batch classes, whose ``filter`` the engine replaces
+  with one that reads every layer's padding back in one round trip (``batch_filter``); no public
+  hook reaches the batches ``BatchGenerator`` makes.
 - ``merge_caches``: one batch cache from single-sequence caches, as ``BatchGenerator`` builds them
   (the pin-tax measurement and the prefix cache's exactness check run batched forwards themselves).
 - ``model_classes``: a config's model and argument classes, to check a model directory without
@@ -131,6 +134,15 @@ def pending_token(gen: Any, uid: int) -> tuple[mx.array, mx.array]:
     batch = _get(gen, "_generation_batch")
     idx = batch.uids.index(uid)
     return _get(batch, "_next_tokens")[idx], _get(batch, "_next_logprobs")[idx]
+
+
+def batch_classes() -> list[type]:
+    """mlx-lm's decode and prefill batch classes (each has ``filter(keep)`` and ``prompt_cache``)."""
+    generate = import_module("mlx_lm.generate")
+    classes: list[type] = [_get(generate, "GenerationBatch"), _get(generate, "PromptProcessingBatch")]
+    for cls in classes:
+        _get(cls, "filter")
+    return classes
 
 
 # --------------------------------------------------------------------------- caches, models, tokenizers

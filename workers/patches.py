@@ -2,8 +2,9 @@
 
 ``install`` wraps each projection method mlx-lm models use (``projections.pinnable``) and every
 loaded model module's ``scaled_dot_product_attention`` (``attention.per_query_sdpa``), once; at
-``wide`` the wrappers call straight through. ``stock`` takes them off for a block (the raw peer in
-benchmarks).
+``wide`` the wrappers call straight through. It also replaces the batches' ``filter`` with one that
+costs one host round trip per finishing step instead of one per layer (``batch_filter``). ``stock``
+takes them all off for a block (the raw peer in benchmarks).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
+from workers import mlxlm
 from workers.attention import per_query_sdpa
+from workers.batch_filter import filtered
 from workers.projections import pinnable
 
 _installed = False
@@ -33,6 +36,8 @@ def install() -> None:
         if not _installed:
             for cls, method in _projection_classes():
                 setattr(cls, method, pinnable(getattr(cls, method)))
+            for cls in mlxlm.batch_classes():
+                cls.filter = filtered(cls.filter)  # type: ignore[attr-defined]
             _installed = True
         for name, module in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or module is None:
@@ -51,6 +56,8 @@ def stock() -> Iterator[None]:
         if was:
             for cls, method in _projection_classes():
                 setattr(cls, method, getattr(cls, method).__wrapped__)
+            for cls in mlxlm.batch_classes():
+                cls.filter = cls.filter.__wrapped__  # type: ignore[attr-defined]
             _installed = False
         patched = {}
         for name, module in list(sys.modules.items()):

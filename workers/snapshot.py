@@ -38,6 +38,8 @@ class CountersSnapshot(TypedDict):
     step_seconds: float
     step_errors: int
     peak_batch_size: int
+    prefill_steps: int
+    finish_steps: int
 
 
 class PinRow(TypedDict):

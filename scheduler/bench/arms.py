@@ -42,7 +42,7 @@ def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: in
     return produced, wall
 
 
-STEP_COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds")
+STEP_COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps", "finish_steps")
 
 
 def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:

@@ -65,6 +65,8 @@ def stats_snapshot(
             "step_seconds": 0.3,
             "step_errors": 0,
             "peak_batch_size": 4,
+            "prefill_steps": 2,
+            "finish_steps": 1,
             "active_sequences": 1,
             "paused": 0,
             "batch_size": 1,

@@ -28,6 +28,8 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
     assert got[("mlx_batchd_tokens_total", (("kind", "generated"), ("tenant", "local")))] == 1600
     assert got[("mlx_batchd_requests_total", (("outcome", "cancelled"), ("tenant", "local")))] == 1
     assert got[("mlx_batchd_decode_seconds_total", ())] == engine["decode_seconds"]
+    assert got[("mlx_batchd_prefill_steps_total", ())] == engine["prefill_steps"] == 2
+    assert got[("mlx_batchd_finish_steps_total", ())] == engine["finish_steps"] == 1
     assert got[("mlx_batchd_prefix_cache_hits_total", ())] == engine["prefix_cache"].get("hit_tokens")
     assert got[("mlx_batchd_mlx_memory_bytes", (("kind", "peak"),))] == engine["memory"]["peak_bytes"]
     assert got[("mlx_batchd_burst_accepted_tokens_total", (("drafter", "prompt-lookup"),))] == 300

@@ -1,0 +1,39 @@
+"""The engine's step counters that say how a batch's arrivals and ends were spread: steps that ran a
+prefill chunk and steps in which a sequence finished (real ``Engine``, tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm import load
+
+from workers.engine import Engine, Finished, Job
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model: Path) -> Any:
+    return load(str(tiny_model))[0]
+
+
+def drain(engine: Engine) -> list[Finished]:
+    ends = []
+    while engine.has_work:
+        ends += [e for e in engine.step() if isinstance(e, Finished)]
+    return ends
+
+
+def test_arrivals_together_prefill_together_and_equal_budgets_end_together(target: Any) -> None:
+    engine = Engine(target, eos_token_ids=(), vocab_size=260)
+    for seq, budget in ((1, 2), (2, 2), (3, 5)):
+        engine.submit(Job(seq=seq, prompt=[5, 6, 7, seq], max_tokens=budget))
+    assert len(drain(engine)) == 3
+    wave = engine.counters.prefill_steps  # one wave's prefill steps (mlx-lm's own split of a prompt)
+    assert wave >= 1 and engine.counters.finish_steps == 2
+
+    for seq in (4, 5):  # two more waves, one sequence each
+        engine.submit(Job(seq=seq, prompt=[9, 9, 9, seq], max_tokens=3))
+        drain(engine)
+    snap = engine.counters.snapshot()
+    assert (snap["prefill_steps"], snap["finish_steps"]) == (3 * wave, 4)
