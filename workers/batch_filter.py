@@ -55,7 +55,7 @@ def filtered(original: Callable[[Any, list[int]], None]) -> Callable[[Any, list[
         stand_ins = []
         for c, k in zip(layers, kept):
             stand_ins.append(_Gathered(c.left_padding, keep, k))
-            c.left_padding = stand_ins[-1]
+            c.left_padding = stand_ins[-1]  # type: ignore[assignment]  # for this one filter call
         try:
             original(self, keep)
         finally:

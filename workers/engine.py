@@ -96,8 +96,9 @@ class Engine:
         # Where the backend's policy asks for it (MLX CUDA): about a second. Not in lockstep: the
         # plans come from timings, which differ per rank, and a projection every rank computes whole
         # (the unsplit lm_head) must run the same kernel everywhere or the ranks' tokens part.
-        if not lockstep:
-            fastpath.calibrate(model)
+        #: The row-count plans that calibration chose, by projection shape (``fastpath.plans_summary``):
+        #: timed in this process, so two processes serving one model may differ; stats carry them.
+        self.kernel_plans = {} if lockstep else fastpath.plans_summary(fastpath.calibrate(model))
 
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""

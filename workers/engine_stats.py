@@ -48,4 +48,5 @@ def engine_snapshot(engine: Engine, distributed: DistributedSnapshot, admission:
         },
         "admission": admission,
         "distributed": distributed,
+        "kernel_plans": engine.kernel_plans,
     }

@@ -161,6 +161,12 @@ def calibrate(model: nn.Module) -> dict[str, dict[int, int]]:
     return by_shape
 
 
+def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
+    """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
+    with the rows its kernel call runs on (``0``: as mlx-lm calls it), e.g. ``"2:0 3:8 ... 16:16"``."""
+    return {shape: " ".join(f"{rows}:{to}" for rows, to in sorted(plan.items())) for shape, plan in by_shape.items()}
+
+
 def attention_inputs(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
     """K/V as the fused attention should see them (a single sequence's contiguous where the backend needs it)."""
     if active().contiguous_kv and isinstance(keys, mx.array) and keys.shape[0] == 1:

@@ -212,6 +212,8 @@ class EngineSnapshot(CountersSnapshot):
     memory: MemorySnapshot
     admission: AdmissionSnapshot
     distributed: DistributedSnapshot
+    #: ``fastpath.plans_summary`` of this engine's calibration (empty where the backend has none).
+    kernel_plans: dict[str, str]
 
 
 @final

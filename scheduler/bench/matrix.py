@@ -232,6 +232,14 @@ def _main(args: argparse.Namespace) -> int:
                     probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
                 verdicts[name] = v
         meta["probe_seconds"] = probe_seconds
+        # Each process times its own row-count plans at load (fastpath.calibrate): a daemon whose
+        # plans differ from the engine alone's runs other kernels, which its ratio then includes.
+        plans = {"engine": engine.kernel_plans}
+        plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
+        meta["kernel_plans"] = plans
+        differ = [name for name, p in plans.items() if p != engine.kernel_plans]
+        if differ:
+            progress(f"bench: note: {', '.join(differ)} chose other row-count plans than the engine alone (meta)")
 
         def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
             if arm == "raw":

@@ -4,6 +4,7 @@ plans, and greedy tokens through the engine unchanged under every policy."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,6 +67,25 @@ def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) ->
         assert all(to == 0 or to >= rows for rows, to in plan.items())
         assert all(to in (0, rows, 8, 16) for rows, to in plan.items())
     assert fastpath._plans[id(model.layers[0])] is plans["Linear(32, 16)/None"]
+    summary = fastpath.plans_summary(plans)
+    assert summary.keys() == plans.keys()
+    for shape, line in summary.items():
+        assert line == " ".join(f"{rows}:{plans[shape][rows]}" for rows in (2, 3, 4))
+
+
+def test_an_engine_reports_the_plans_its_calibration_chose(tiny_model: Path, policy: None) -> None:
+    from workers.engine_stats import engine_snapshot
+    from workers.models import load
+
+    loaded = load(str(tiny_model))
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=3))
+    engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size)
+    plans = engine.kernel_plans
+    assert plans and all(line.startswith("2:") and " 3:" in line for line in plans.values())
+    unused: Any = {}
+    assert engine_snapshot(engine, unused, unused)["kernel_plans"] == plans
+    fastpath.set_active(fastpath.GENERIC)  # a policy that does not calibrate: nothing to report
+    assert Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size).kernel_plans == {}
 
 
 @pytest.mark.parametrize("name", ["off", "generic", "cuda"])
