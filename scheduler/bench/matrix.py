@@ -237,7 +237,7 @@ def _main(args: argparse.Namespace) -> int:
         plans = {"engine": engine.kernel_plans}
         plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
         meta["kernel_plans"] = plans
-        differ = [name for name, p in plans.items() if p != engine.kernel_plans]
+        differ = [name for name in clients if plans[name] != engine.kernel_plans]
         if differ:
             progress(f"bench: note: {', '.join(differ)} chose other row-count plans than the engine alone (meta)")
 
