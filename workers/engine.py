@@ -28,6 +28,7 @@ from workers import fastpath, faults, mlxlm
 from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
+from workers.demo import cache_dir
 from workers.drafters import Drafter
 from workers.jobs import (
     EngineCounters,
@@ -97,8 +98,11 @@ class Engine:
         # plans come from timings, which differ per rank, and a projection every rank computes whole
         # (the unsplit lm_head) must run the same kernel everywhere or the ranks' tokens part.
         #: The row-count plans that calibration chose, by projection shape (``fastpath.plans_summary``):
-        #: timed in this process, so two processes serving one model may differ; stats carry them.
-        self.kernel_plans = {} if lockstep else fastpath.plans_summary(fastpath.calibrate(model))
+        #: timed once per machine and kept (``workers.plan_store``), so every process serving the
+        #: model runs the same kernels; stats carry them.
+        self.kernel_plans = (
+            {} if lockstep else fastpath.plans_summary(fastpath.calibrate(model, cache_dir() / "kernel-plans"))
+        )
 
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""

@@ -19,14 +19,20 @@ mlx-lm behaviour, for comparison), ``=cuda`` forces the CUDA policy anywhere (te
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from workers import plan_store
+
+log = logging.getLogger("mlx_batchd")
 
 
 @dataclass(frozen=True)
@@ -113,46 +119,81 @@ def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int, key: i
     return out.reshape(*x.shape[:-1], out.shape[-1]), to
 
 
-def _ms(f: Callable[[], mx.array], reps: int = 8) -> float:
-    for _ in range(2):
-        mx.eval(f())
-    mx.synchronize()
-    tic = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(f())
-    mx.synchronize()
-    return (time.perf_counter() - tic) / reps
+#: Row counts a call may be padded to (besides its own).
+PADS = (8, 16)
+#: Calls per timed evaluation: one call alone times the launch and the host's wait, not the kernel.
+CALLS_PER_EVAL = 8
+#: Timed rounds per candidate, interleaved with the other candidates; the median is kept.
+ROUNDS = 5
+#: A candidate must beat flattened-unpadded by this fraction to be planned instead of it.
+MARGIN = 0.03
+
+
+def _ms(calls: list[Callable[[], mx.array]]) -> list[float]:
+    """Each candidate's milliseconds per call: ``CALLS_PER_EVAL`` calls evaluated together, the
+    candidates interleaved round by round (so a slow moment of the device lands on all of them),
+    the median of ``ROUNDS`` rounds."""
+    for f in calls:
+        mx.eval([f() for _ in range(CALLS_PER_EVAL)])
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(ROUNDS):
+        for i, f in enumerate(calls):
+            mx.synchronize()
+            tic = time.perf_counter()
+            mx.eval([f() for _ in range(CALLS_PER_EVAL)])
+            mx.synchronize()
+            samples[i].append(1e3 * (time.perf_counter() - tic) / CALLS_PER_EVAL)
+    return [sorted(s)[len(s) // 2] for s in samples]
 
 
 def _bound(f: Callable[..., mx.array], m: nn.Module, x: mx.array) -> Callable[[], mx.array]:
     return lambda: f(m, x)
 
 
-def calibrate(model: nn.Module) -> dict[str, dict[int, int]]:
-    """Time every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows, each way
-    (as called, flattened, padded to 8 or 16 rows), and plan the cheapest; returns the plans by
-    shape. A no-op unless the active policy calibrates. Costs about a second on a GPU."""
+def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    out = []
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Linear | nn.QuantizedLinear):
+            out.append((m, f"{type(m).__name__}{tuple(m.weight.shape)}/{getattr(m, 'bits', None)}"))
+    return out
+
+
+def _time_plan(m: nn.Module, n: int) -> dict[int, int]:
+    """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
+    flattened to ``(rows, D)``, or flattened and padded to a size in ``PADS``. Flattened-unpadded
+    is kept unless another way is cheaper by ``MARGIN``: near-ties are noise, not a plan."""
+    original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
+    bits = getattr(m, "bits", None)
+    d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
+    dtype = m.scales.dtype if bits else m.weight.dtype
+    plan: dict[int, int] = {}
+    for rows in range(2, n + 1):
+        ways = [0, rows, *(p for p in PADS if p > rows)]
+        shapes = [(rows, 1, d_in) if to == 0 else (to, d_in) for to in ways]
+        costs = dict(zip(ways, _ms([_bound(original, m, mx.zeros(s, dtype=dtype)) for s in shapes]), strict=True))
+        best = min(costs, key=lambda k: costs[k])
+        plan[rows] = best if costs[best] < (1 - MARGIN) * costs[rows] else rows
+    return plan
+
+
+def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int, int]]:
+    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (``_time_plan``)
+    and install the plans; returns them by shape. A no-op unless the active policy calibrates.
+    With ``store`` (``workers.plan_store``) the plans are timed once per machine and kept there, so
+    every process serving the model runs the same kernels; timing costs a few seconds on a GPU."""
     n = active().calibrate_rows
     if not n:
         return {}
-    by_shape: dict[str, dict[int, int]] = {}
-    for _, m in model.named_modules():
-        if not isinstance(m, nn.Linear | nn.QuantizedLinear):
-            continue
-        original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
-        bits = getattr(m, "bits", None)
-        shape = f"{type(m).__name__}{tuple(m.weight.shape)}/{bits}"
-        if shape not in by_shape:
-            d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
-            dtype = m.scales.dtype if bits else m.weight.dtype
-            plan: dict[int, int] = {}
-            for rows in range(2, n + 1):
-                costs = {0: _ms(_bound(original, m, mx.zeros((rows, 1, d_in), dtype=dtype)))}
-                for to in sorted({rows, 8, 16}):
-                    if to >= rows:
-                        costs[to] = _ms(_bound(original, m, mx.zeros((to, d_in), dtype=dtype)))
-                plan[rows] = min(costs, key=lambda k: costs[k])
-            by_shape[shape] = plan
+    projections = _projections(model)
+    first = {shape: m for m, shape in reversed(projections)}
+    shapes = sorted(first)
+    tic = time.perf_counter()
+    by_shape, stored = plan_store.load_or_time(
+        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}
+    )
+    how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
+    log.info("kernel plans for %d projection shapes %s", len(shapes), how)
+    for m, shape in projections:
         if id(m) not in _plans:
             # Keyed by id: a dead module's entry must go with it, or a later module that Python
             # gives the same id would inherit a plan timed for another shape (and policy).

@@ -13,8 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
+from workers.backend import backend_fingerprint
 from workers.probe_results import Verdict
 
 log = logging.getLogger("mlx_batchd.probe")
@@ -48,16 +47,6 @@ def model_fingerprint(model_dir: Path, cache_dir: Path) -> str:
     cache_dir.mkdir(parents=True, exist_ok=True)
     memo_path.write_text(json.dumps(memo))
     return h.hexdigest()
-
-
-def backend_fingerprint() -> dict[str, str]:
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    return {
-        "device": str(mx.default_device()),
-        "device_name": str(info.get("device_name", "")),
-        "architecture": str(info.get("architecture", "")),
-        "mlx": str(getattr(mx, "__version__", "unknown")),
-    }
 
 
 def pairing_fingerprint(pairing: dict[str, Any]) -> str:

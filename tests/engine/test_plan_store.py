@@ -1,0 +1,114 @@
+"""Kernel plans timed once per machine and kept: the next process reads them, a forged file is
+never trusted, concurrent starts time once, and near-ties keep the flattened call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.nn as nn
+import pytest
+
+from tests.helpers.fastpath import policy as policy
+from workers import fastpath, plan_store
+
+SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.QuantizedLinear(32, 64, bits=4, group_size=32), nn.Linear(16, 32))
+
+
+def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
+    tmp_path: Path, policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    first = fastpath.calibrate(_model(), tmp_path)
+    assert sorted(first) == SHAPES and len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_timing(m: nn.Module, n: int) -> dict[int, int]:
+        raise AssertionError("timed again although the plans were stored")
+
+    monkeypatch.setattr(fastpath, "_time_plan", no_timing)
+    again = _model()
+    assert fastpath.calibrate(again, tmp_path) == first
+    assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=5))
+    with pytest.raises(AssertionError, match="timed again"):  # another row range is another key
+        fastpath.calibrate(_model(), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {
+            "Linear(32, 16)/None": {"2": 2, "3": 2, "4": 4},
+            "QuantizedLinear(64, 4)/4": {"2": 0, "3": 8, "4": 4},
+        },  # 3 -> 2 rows
+        {
+            "Linear(32, 16)/None": {"2": 2, "3": 3, "4": 4},
+            "QuantizedLinear(64, 4)/4": {"2": 0, "3": 9, "4": 4},
+        },  # no pad 9
+        {
+            "Linear(32, 16)/None": {"2": 2, "3": 3},
+            "QuantizedLinear(64, 4)/4": {"2": 0, "3": 8, "4": 4},
+        },  # a row missing
+        {"Linear(32, 16)/None": {"2": 2, "3": 3, "4": 4}},  # a shape missing
+        ["not", "plans"],
+    ],
+)
+def test_a_forged_or_damaged_plan_file_is_timed_again_and_rewritten(
+    tmp_path: Path, forged: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    timed = {"Linear(32, 16)/None": {2: 2, 3: 8, 4: 4}, "QuantizedLinear(64, 4)/4": {2: 0, 3: 3, 4: 16}}
+    path = tmp_path / f"{plan_store.plan_key(SHAPES, 4, (8, 16))}.json"
+    path.write_text(json.dumps(forged))
+    plans, stored = plan_store.load_or_time(tmp_path, SHAPES, 4, (8, 16), lambda: timed)
+    assert (plans, stored) == (timed, False) and "ignoring the stored kernel plans" in caplog.text
+    assert plan_store.load_or_time(tmp_path, SHAPES, 4, (8, 16), lambda: {}) == (timed, True)
+
+
+def test_processes_starting_together_time_the_plans_once(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from pathlib import Path
+        from workers import plan_store
+        def time_plans():
+            with open({str(tmp_path / "timings")!r}, "a") as f:
+                f.write(sys.argv[1] + "\\n")
+            time.sleep(1.0)
+            return {{"Linear(8, 8)/None": {{2: int(sys.argv[1]) % 2 * 6 + 2}}}}
+        plans, stored = plan_store.load_or_time(Path({str(tmp_path / "store")!r}), ["Linear(8, 8)/None"], 2, (8,), time_plans)
+        print(json.dumps([plans, stored]))
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(i)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+        )
+        for i in range(3)
+    ]
+    outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert len((tmp_path / "timings").read_text().split()) == 1
+    assert len({json.dumps(plans) for plans, _ in outs}) == 1
+    assert sorted(stored for _, stored in outs) == [False, True, True]
+
+
+def test_a_near_tie_keeps_the_flattened_call_and_a_clear_win_is_planned(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Costs per way, in the order _time_plan asks for them: as called (0), flattened (rows), pads.
+    costs = {2: [0.99, 1.0, 0.5, 0.6], 3: [0.985, 1.0, 0.99, 0.991], 4: [1.0, 1.0, 1.0, 1.0]}
+
+    def fake_ms(calls: list[object]) -> list[float]:
+        rows = 2 + fake_ms.calls  # type: ignore[attr-defined]
+        fake_ms.calls += 1  # type: ignore[attr-defined]
+        return costs[rows][: len(calls)]
+
+    fake_ms.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(fastpath, "_ms", fake_ms)
+    assert fastpath._time_plan(nn.Linear(8, 8), 4) == {2: 8, 3: 3, 4: 4}

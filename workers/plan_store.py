@@ -1,0 +1,98 @@
+"""Row-count plans kept on disk, so every process on a machine runs a model's projections one way.
+
+``fastpath.calibrate`` times each projection shape at load. Timed in each process, the plans came
+out differently from one start to the next (on an H200 the bench's engine and its daemon chose
+different plans for the same model in the same minute), and two processes serving one model then
+ran different kernels: a benchmark compared the plans' luck as much as the processes. Plans are
+therefore timed once per machine and kept, keyed by everything they depend on (the backend and its
+versions, the projection shapes, the policy's row range, ``PLAN_VERSION``), under
+``$MLX_BATCHD_CACHE/kernel-plans/``; deleting that folder re-times them. A file lock makes one
+process time while the others wait and then read its plans.
+
+A stored file is used only when it reads back as valid plans for exactly the shapes asked for:
+a damaged or forged file is never trusted (it is timed again and rewritten), and no value in it can
+make a projection drop or mix rows (every planned call covers its rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from workers.backend import backend_fingerprint
+
+log = logging.getLogger("mlx_batchd")
+
+#: Bump when the timing method changes, so stored plans are timed again.
+PLAN_VERSION = 2
+
+Plans = dict[str, dict[int, int]]
+
+
+def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> str:
+    body = {"backend": backend_fingerprint(), "shapes": sorted(shapes), "rows": max_rows, "pads": list(pads)}
+    return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
+
+
+def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> Plans:
+    """``plans`` as read from a file, checked: every shape, every row count 2..max_rows, each
+    planned to 0 (as called) or to a call of at least its rows (itself or a pad size)."""
+    if not isinstance(plans, dict) or set(plans) != set(shapes):
+        raise ValueError("the file holds plans for other shapes")
+    out: Plans = {}
+    for shape, plan in plans.items():
+        if not isinstance(plan, dict):
+            raise ValueError(f"{shape}: not a plan")
+        parsed = {int(rows): int(to) for rows, to in plan.items()}
+        if set(parsed) != set(range(2, max_rows + 1)):
+            raise ValueError(f"{shape}: other row counts")
+        for rows, to in parsed.items():
+            if not (to == 0 or to == rows or (to in pads and to > rows)):
+                raise ValueError(f"{shape}: {rows} rows planned to {to}")
+        out[shape] = parsed
+    return out
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (where the platform has ``fcntl``; elsewhere none, and two
+    processes starting at once may each time their own plans: the last one written is kept)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on a platform MLX serves from
+        yield
+        return
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_or_time(
+    root: Path | None, shapes: list[str], max_rows: int, pads: tuple[int, ...], time_plans: Callable[[], Plans]
+) -> tuple[Plans, bool]:
+    """The stored plans for these shapes, or ``time_plans()`` stored for the next process; returns
+    the plans and whether they came from the store. ``root`` ``None``: always timed, never stored."""
+    if root is None:
+        return time_plans(), False
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{plan_key(shapes, max_rows, pads)}.json"
+    with _locked(root / "plans.lock"):
+        if path.exists():
+            try:
+                return valid(json.loads(path.read_text()), shapes, max_rows, pads), True
+            except Exception as exc:  # anything in the file, however odd, means "time again"
+                log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
+        plans = time_plans()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({shape: {str(r): t for r, t in p.items()} for shape, p in plans.items()}, indent=1))
+        tmp.replace(path)
+        return plans, False
