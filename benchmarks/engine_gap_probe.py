@@ -8,6 +8,8 @@ workload runs here under each way of hosting the engine, alternating, and the en
 counters give milliseconds per decode step:
 
 - ``main``: ``Engine.step`` in a loop on the main thread (the bench's engine arm);
+- ``main~G``: the same, with G prompts submitted per step (arrivals spread over steps, as a daemon's
+  clients arrive, against all at once);
 - ``thread``: the same loop on a second thread;
 - ``loop``: ``EngineThread`` (the daemon's engine loop) in this process, events dropped;
 - ``process``: ``EngineProcess`` (the daemon's default: the engine loop in a child process, events
@@ -59,21 +61,38 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab - 10) for _ in range(32)] for _ in range(n)]
 
 
-def drive_engine(engine: Engine, ps: list[list[int]], tokens: int) -> tuple[int, float]:
-    before = (engine.counters.decode_steps, engine.counters.decode_seconds)
-    for i, p in enumerate(ps):
-        engine.submit(Job(seq=i, prompt=p, max_tokens=tokens))
+def drive_engine(engine: Engine, ps: list[list[int]], tokens: int, group: int = 0) -> tuple[int, float, int]:
+    """Submit every prompt, then step until all end; ``group`` > 0 submits that many per step instead
+    (arrivals spread over steps, as a daemon's clients arrive)."""
+    c = engine.counters
+    before = (c.decode_steps, c.decode_seconds, c.prefill_steps)
+    group = group or len(ps)
+    for start in range(0, len(ps), group):
+        for i in range(start, min(start + group, len(ps))):
+            engine.submit(Job(seq=i, prompt=ps[i], max_tokens=tokens))
+        if start + group < len(ps):
+            engine.step()
     while engine.has_work:
         engine.step()
-    return engine.counters.decode_steps - before[0], engine.counters.decode_seconds - before[1]
+    c = engine.counters
+    return _delta((c.decode_steps, c.decode_seconds, c.prefill_steps), before)
 
 
-def on_thread(engine: Engine, ps: list[list[int]], tokens: int) -> tuple[int, float]:
-    out: list[tuple[int, float]] = []
+def on_thread(engine: Engine, ps: list[list[int]], tokens: int) -> tuple[int, float, int]:
+    out: list[tuple[int, float, int]] = []
     t = threading.Thread(target=lambda: out.append(drive_engine(engine, ps, tokens)))
     t.start()
     t.join()
     return out[0]
+
+
+def _counters(snap: Any) -> tuple[int, float, int]:
+    """Decode steps, their seconds and prefill steps from an engine snapshot."""
+    return int(snap.get("decode_steps", 0)), float(snap.get("decode_seconds", 0.0)), int(snap.get("prefill_steps", 0))
+
+
+def _delta(after: tuple[int, float, int], before: tuple[int, float, int]) -> tuple[int, float, int]:
+    return after[0] - before[0], after[1] - before[1], after[2] - before[2]
 
 
 class Hosted:
@@ -100,11 +119,10 @@ class Hosted:
             elif isinstance(s, Finished):
                 self.done.release()
 
-    def counters(self) -> tuple[int, float]:
-        snap = self.handle.snapshot()
-        return int(snap.get("decode_steps", 0)), float(snap.get("decode_seconds", 0.0))
+    def counters(self) -> tuple[int, float, int]:
+        return _counters(self.handle.snapshot())
 
-    def run(self, ps: list[list[int]], tokens: int) -> tuple[int, float]:
+    def run(self, ps: list[list[int]], tokens: int) -> tuple[int, float, int]:
         """Decode steps and their seconds; ``self.wall`` is the time from the first submit to the
         last end (the pauses around it, for the counters, are not in it)."""
         time.sleep(0.3)  # the process's snapshot is pushed at most every 0.1 s while idle
@@ -118,7 +136,7 @@ class Hosted:
         self.wall = time.perf_counter() - tic
         time.sleep(0.3)
         after = self.counters()
-        return after[0] - before[0], after[1] - before[1]
+        return _delta(after, before)
 
     def close(self) -> None:
         self.handle.shutdown()
@@ -138,11 +156,10 @@ class Served:
         self.proc.wait_ready()
         self.client = Client(self.proc.address, timeout=3600)
 
-    def counters(self) -> tuple[int, float]:
-        engine = self.client.stats()["engine"]
-        return int(engine.get("decode_steps", 0)), float(engine.get("decode_seconds", 0.0))
+    def counters(self) -> tuple[int, float, int]:
+        return _counters(self.client.stats()["engine"])
 
-    def run(self, ps: list[list[int]], tokens: int, threads: bool) -> tuple[int, float]:
+    def run(self, ps: list[list[int]], tokens: int, threads: bool) -> tuple[int, float, int]:
         before = self.counters()
         if threads:
             with ThreadPoolExecutor(len(ps)) as pool:
@@ -159,7 +176,7 @@ class Served:
 
             anyio.run(all_at_once)
         after = self.counters()
-        return after[0] - before[0], after[1] - before[1]
+        return _delta(after, before)
 
     def close(self) -> None:
         self.client.close()
@@ -199,21 +216,26 @@ def main() -> None:
                 if arm == "main":
                     if main_profile is not None:
                         main_profile.enable()
-                    steps, secs = drive_engine(engine, ps, a.tokens)
+                    steps, secs, prefills = drive_engine(engine, ps, a.tokens)
                     if main_profile is not None:
                         main_profile.disable()
+                elif arm.startswith("main~"):
+                    steps, secs, prefills = drive_engine(engine, ps, a.tokens, group=int(arm.partition("~")[2]))
                 elif arm == "thread":
-                    steps, secs = on_thread(engine, ps, a.tokens)
+                    steps, secs, prefills = on_thread(engine, ps, a.tokens)
                 elif arm.startswith("daemon"):
                     window = arm.partition("@")[2]
-                    steps, secs = served[window].run(ps, a.tokens, threads=arm != "daemon-1client")
+                    steps, secs, prefills = served[window].run(ps, a.tokens, threads=arm != "daemon-1client")
                 else:
-                    steps, secs = hosted[arm].run(ps, a.tokens)
+                    steps, secs, prefills = hosted[arm].run(ps, a.tokens)
                 wall = hosted[arm].wall if arm in hosted else time.perf_counter() - t0
                 tok_s = b * a.tokens / wall
                 mx.clear_cache()
                 ms = 1e3 * secs / max(steps, 1)
-                print(f"B={b} rep={rep} {arm}: {steps} decode steps, {ms:.2f} ms/step, {tok_s:.1f} tok/s", flush=True)
+                print(
+                    f"B={b} rep={rep} {arm}: {steps} decode steps, {ms:.2f} ms/step, {prefills} prefill steps, {tok_s:.1f} tok/s",
+                    flush=True,
+                )
                 if rep:
                     results.setdefault(f"B={b}", {}).setdefault(arm, []).append(ms)
                     rates.setdefault(f"B={b}", {}).setdefault(arm, []).append(tok_s)
