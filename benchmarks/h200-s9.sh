@@ -6,6 +6,7 @@
 # same gap probe: CPU quota and throttling, NUMA, and which threads use the CPU (top, each second).
 # PART=s: the engine alone with its arrivals spread over steps (4 and 1 prompts a step) beside the
 # daemon at admission windows of 20 and 100 ms; Poisson arrivals twice (the second is the figure).
+# PART=t: one daemon, Poisson arrivals with random prompt lengths, one length, then the random ones again.
 # Runs from the repository root.
 set -uo pipefail
 source benchmarks/h200-steps.sh
@@ -33,4 +34,6 @@ elif [ "$PART" = s ]; then
       --poisson-rate 4 --poisson-requests 32 --out "$R/poisson-$run"
   done
   rm -f "$R"/*/*.png
+elif [ "$PART" = t ]; then
+  step ttft 170 python3 benchmarks/ttft_probe.py --model /tmp/m8b --out "$R/ttft.json"
 fi

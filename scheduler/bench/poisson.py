@@ -12,26 +12,31 @@ from typing import Any
 from scheduler.bench.output import save_png, write_whole
 
 
-def run_poisson(address: str, rate: float, n: int, vocab: int, max_tokens: int, seed: int = 7) -> dict[str, Any]:
-    """Mixed arrivals: ``n`` requests at Poisson times (``rate`` per second), random prompt lengths
-    and budgets, through one async client; client-side TTFT, inter-token gaps and durations."""
+def run_poisson(
+    address: str,
+    rate: float,
+    n: int,
+    vocab: int,
+    max_tokens: int,
+    seed: int = 7,
+    prompt_lengths: tuple[int, int] = (4, 64),
+) -> dict[str, Any]:
+    """Mixed arrivals: ``n`` requests at Poisson times (``rate`` per second), prompt lengths drawn
+    from ``prompt_lengths`` (low inclusive, high exclusive; equal: one length) and random budgets,
+    through one async client; client-side TTFT, inter-token gaps and durations."""
     import anyio
 
     from clients.client import AsyncClient
     from clients.events import TokenEvent
 
     rng = random.Random(seed)
+    low, high = prompt_lengths
     plan = []
     t = 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
-        plan.append(
-            (
-                t,
-                [rng.randrange(4, min(vocab, 256)) for _ in range(rng.randrange(4, 64))],
-                rng.randrange(8, max_tokens + 1),
-            )
-        )
+        length = rng.randrange(low, high) if high > low else low
+        plan.append((t, [rng.randrange(4, min(vocab, 256)) for _ in range(length)], rng.randrange(8, max_tokens + 1)))
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
