@@ -20,6 +20,7 @@ counters give milliseconds per decode step:
   thread per sequence), to separate the clients' cost from the front end's;
 - ``daemon@W``: a daemon started with ``--admit-window-ms W`` (``workers/admission.py``), driven as
   ``daemon``; several windows side by side say what holding arrivals for a prefill wave buys.
+  ``daemon@W/I`` adds ``--admit-idle-window-ms I`` (arrivals that find the engine idle).
 
 Each arm also reports its wall-clock tokens per second (all sequences' tokens over the time from
 the first submit to the last token), which counts prefill and admission as well as decode steps.
@@ -183,6 +184,12 @@ class Served:
         self.proc.stop()
 
 
+def daemon_args(windows: str) -> list[str]:
+    """``W`` or ``W/I`` (an arm's text after ``daemon@``) as the daemon's admission options."""
+    busy, _, idle = windows.partition("/")
+    return [*(("--admit-window-ms", busy) if busy else ()), *(("--admit-idle-window-ms", idle) if idle else ())]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -204,7 +211,7 @@ def main() -> None:
     if a.profile_dir:
         os.environ[profiling.ENV] = a.profile_dir  # read by the daemon's engine process only: it starts next
     windows = sorted({k.partition("@")[2] for k in arms if k.startswith("daemon")})
-    served = {w: Served(a.model, *(("--admit-window-ms", w) if w else ())) for w in windows}
+    served = {w: Served(a.model, *daemon_args(w)) for w in windows}
     results: dict[str, dict[str, list[float]]] = {}
     rates: dict[str, dict[str, list[float]]] = {}
     for b in [int(x) for x in a.batches.split(",")]:

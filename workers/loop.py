@@ -118,7 +118,7 @@ class EngineThread:
         self._busy_since: float | None = None
         #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
         s = self._settings
-        self._admission = AdmissionWaves(min(s.prefill_batch, s.max_batch), s.admit_window_s)
+        self._admission = AdmissionWaves(min(s.prefill_batch, s.max_batch), s.admit_window_s, s.admit_idle_window_s)
 
     def start(self) -> None:
         self._thread.start()
@@ -251,18 +251,18 @@ class EngineThread:
             time.sleep(1.0)  # the word leaves with the engine process's socket
             os._exit(1)
 
-    def _commands(self, block: bool) -> list[Command]:
-        """The inbox's commands; when ``block``, the first is waited for (across ranks for at most
-        ``IDLE_WAIT_S``: the other ranks wait inside the next plan's collective meanwhile)."""
+    def _commands(self, block: bool, timeout: float | None = None) -> list[Command]:
+        """The inbox's commands; when ``block``, the first is waited for (for at most ``timeout``, and
+        across ranks for at most ``IDLE_WAIT_S``: the other ranks wait inside the next plan's
+        collective meanwhile)."""
         cmds: list[Command] = []
         if block:
-            if not self.world.distributed:
-                cmds.append(self._inbox.get())
-            else:
-                try:
-                    cmds.append(self._inbox.get(timeout=IDLE_WAIT_S))
-                except queue.Empty:
-                    return cmds
+            if self.world.distributed:
+                timeout = IDLE_WAIT_S if timeout is None else min(timeout, IDLE_WAIT_S)
+            try:
+                cmds.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return cmds
         while True:
             try:
                 cmds.append(self._inbox.get_nowait())
@@ -277,7 +277,9 @@ class EngineThread:
             if idle and self._cache_dirty:
                 self._release_cache()
             self._busy_since = None
-            cmds = self._commands(block=idle)
+            # With arrivals held for an idle engine's window, wait for more until they are due.
+            holding = self._admission.wait_s(time.monotonic()) if not engine.has_work else None
+            cmds = self._commands(block=idle or holding is not None, timeout=holding)
             self._busy_since = time.monotonic()
             if self._apply(engine, self._decide(engine, cmds, idle)):
                 return
@@ -362,7 +364,7 @@ class EngineThread:
                 self._note(events)
         # The probe runs a draw at a time, only while the engine is idle, so serving never
         # waits for it (a request arriving mid-draw waits for that one draw at most).
-        if engine.probing and not engine.has_work:
+        if engine.probing and not engine.has_work and not self._admission.held:
             self._cache_dirty = True
             engine.probe_step()
         return False
@@ -438,4 +440,9 @@ class EngineThread:
 
     def admission_snapshot(self) -> AdmissionSnapshot:
         a = self._admission
-        return {"window_ms": 1e3 * a.window_s, "held": len(a.held), "delayed": a.delayed}
+        return {
+            "window_ms": 1e3 * a.window_s,
+            "idle_window_ms": 1e3 * a.idle_window_s,
+            "held": len(a.held),
+            "delayed": a.delayed,
+        }

@@ -175,10 +175,11 @@ class MemorySnapshot(TypedDict):
 
 
 class AdmissionSnapshot(TypedDict):
-    """Admission waves (``workers.admission``): the hold window, arrivals waiting now, and arrivals
-    held past the iteration that took them since start."""
+    """Admission waves (``workers.admission``): the hold windows (busy, idle engine), arrivals waiting
+    now, and arrivals held past the iteration that took them since start."""
 
     window_ms: float
+    idle_window_ms: float
     held: int
     delayed: int
 

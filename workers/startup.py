@@ -34,6 +34,9 @@ class EngineSettings:
     #: While the engine has work, an arrival waits at most this long for others so that they join
     #: the batch in one prefill wave (``workers.admission``); 0 admits each on the next iteration.
     admit_window_s: float = 0.02
+    #: The same for arrivals that find the engine idle, so that clients starting together form one
+    #: wave (``workers.admission``); 0 admits the first at once.
+    admit_idle_window_s: float = 0.0
     pin_scope: PinScope = "scoped"
     #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
     probe_k: int | None = None

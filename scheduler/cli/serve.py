@@ -61,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "with it in one prefill wave (0 = next iteration)",
     )
     p.add_argument(
+        "--admit-idle-window-ms",
+        type=float_in(0.0, 1_000.0),
+        default=0.0,
+        help="the same for arrivals that find the engine idle, so that clients starting together join "
+        "in one prefill wave (0 = at once)",
+    )
+    p.add_argument(
         "--mlx-cache-limit-mb",
         type=float_in(0.0, float(2**30)),
         default=None,
@@ -182,6 +189,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step,
         admit_window_s=args.admit_window_ms / 1e3,
+        admit_idle_window_s=args.admit_idle_window_ms / 1e3,
         mlx_cache_limit_bytes=None if args.mlx_cache_limit_mb is None else int(args.mlx_cache_limit_mb * 2**20),
         pin_scope=args.pin_scope,
         probe_k=args.probe_k,

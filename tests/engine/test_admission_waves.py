@@ -81,7 +81,12 @@ def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_mo
         held(t, 2)
         t.engine.submit(job(4, 12))  # the third makes a full wave
         tokens, ends = collect(t, {2, 3, 4})
-        assert t.engine.snapshot()["admission"] == {"window_ms": HOUR * 1e3, "held": 0, "delayed": 2}
+        assert t.engine.snapshot()["admission"] == {
+            "window_ms": HOUR * 1e3,
+            "idle_window_ms": 0.0,
+            "held": 0,
+            "delayed": 2,
+        }
         t.engine.cancel(1)
         rest, _ = collect(t, {1})
     got[1] += tokens.get(1, []) + rest.get(1, [])
@@ -116,3 +121,28 @@ def test_a_held_arrival_can_be_cancelled(tiny_model: Path) -> None:
         assert (ends[1].reason, ends[2].reason) == ("length", "cancelled")
         assert 2 not in tokens or len(tokens[2]) < 400
         assert t.engine.snapshot()["active_sequences"] == 0
+
+
+def test_an_idle_window_gathers_clients_that_start_together_into_one_wave(tiny_model: Path, target: Any) -> None:
+    with EngineThreadRun(tiny_model, tax_interval_s=0, prefill_batch=3, admit_idle_window_s=HOUR) as t:
+        t.engine.submit(job(2, 6))
+        held(t, 1)  # the engine is idle, yet it waits for others
+        t.engine.submit(job(3, 6))
+        held(t, 2)
+        t.engine.submit(job(4, 6))  # a full wave goes in at once
+        tokens, ends = collect(t, {2, 3, 4})
+        snap = t.engine.snapshot()
+    assert snap["admission"]["delayed"] == 2 and snap["prefill_steps"] == 2  # one wave: its chunk, its last token
+    for seq in (2, 3, 4):
+        assert (ends[seq].reason, tokens[seq]) == ("length", alone(target, job(seq, 6))), seq
+
+
+def test_an_idle_window_ends_without_another_arrival(tiny_model: Path) -> None:
+    """The loop must wake when the window ends, not wait for a command that may never come."""
+    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_idle_window_s=0.3) as t:
+        tic = time.monotonic()
+        t.engine.submit(job(2, 6))
+        tokens, ends = collect(t, {2})
+        waited = time.monotonic() - tic
+    assert ends[2].reason == "length" and len(tokens[2]) == 6
+    assert waited >= 0.3  # held for the window (an upper bound would be a timing assertion)

@@ -3,6 +3,8 @@ what arrived, whether the engine has work, and the clock (passed in, so nothing 
 
 from __future__ import annotations
 
+import pytest
+
 from workers.admission import AdmissionWaves
 from workers.commands import Cancel, Command, Shutdown, Submit
 from workers.jobs import Job
@@ -66,3 +68,16 @@ def test_a_cancel_or_shutdown_lets_every_held_arrival_in_first() -> None:
     ]
     assert a.take([sub(5)], busy=True, now=0.2) == []
     assert seqs(a.take([Shutdown("error", "shutdown", "bye")], busy=True, now=0.3)) == [5, "Shutdown"]
+
+
+def test_an_idle_window_holds_arrivals_for_an_idle_engine_until_it_ends_or_a_wave_fills() -> None:
+    a = AdmissionWaves(wave=3, window_s=10.0, idle_window_s=0.01)
+    assert a.wait_s(0.0) is None  # nothing held: the loop may block for the next command
+    assert a.take([sub(1)], busy=False, now=1.0) == []
+    assert a.wait_s(1.004) == pytest.approx(0.006)
+    assert seqs(a.take([], busy=False, now=1.01)) == [1]
+    assert a.wait_s(1.02) is None
+    assert a.take([sub(2)], busy=False, now=2.0) == []
+    assert a.take([sub(3)], busy=False, now=2.001) == []
+    assert seqs(a.take([sub(4)], busy=False, now=2.002)) == [2, 3, 4]  # a full wave goes at once
+    assert a.delayed == 3

@@ -31,6 +31,8 @@ BAD = [
     (["serve"], "--max-queued", "0"),
     (["serve"], "--kv-budget-mb", "-1"),
     (["serve"], "--kv-budget-mb", "inf"),
+    (["serve"], "--admit-idle-window-ms", "-1"),
+    (["serve"], "--admit-idle-window-ms", "5000"),
     (["serve"], "--max-inflight-per-client", "0"),
     (["serve"], "--max-unsent-per-client", "0"),
     (["serve"], "--metrics", "9464"),
@@ -142,4 +144,5 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert args.daemon_args == ["--engine-thread", "--admit-window-ms", "0"]
     assert build_parser().parse_args(["bench", "--daemon-args=--engine-thread"]).daemon_args == ["--engine-thread"]
     args = build_parser().parse_args(["serve", "--admit-window-ms", "0", "--mlx-cache-limit-mb", "512"])
-    assert (args.admit_window_ms, args.mlx_cache_limit_mb) == (0.0, 512.0)
+    assert (args.admit_window_ms, args.mlx_cache_limit_mb, args.admit_idle_window_ms) == (0.0, 512.0, 0.0)
+    assert build_parser().parse_args(["serve", "--admit-idle-window-ms", "12.5"]).admit_idle_window_ms == 12.5
