@@ -7,6 +7,8 @@
 # PART=s: the engine alone with its arrivals spread over steps (4 and 1 prompts a step) beside the
 # daemon at admission windows of 20 and 100 ms; Poisson arrivals twice (the second is the figure).
 # PART=t: one daemon, Poisson arrivals with random prompt lengths, one length, then the random ones again.
+# PART=n: part t (its first run also compiles the fresh machine's kernels), then the gap probe at B = 16
+# with arrivals spread (main~4) and the daemon with and without a 10 ms idle admission window.
 # Runs from the repository root.
 set -uo pipefail
 source benchmarks/h200-steps.sh
@@ -36,4 +38,8 @@ elif [ "$PART" = s ]; then
   rm -f "$R"/*/*.png
 elif [ "$PART" = t ]; then
   step ttft 170 python3 benchmarks/ttft_probe.py --model /tmp/m8b --out "$R/ttft.json"
+elif [ "$PART" = n ]; then
+  step ttft 200 python3 benchmarks/ttft_probe.py --model /tmp/m8b --out "$R/ttft.json"
+  step gap16 330 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches 16 --repeats 4 \
+    --arms main,main~4,daemon@20,daemon@20/10 --out "$R/gap16.json"
 fi
