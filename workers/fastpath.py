@@ -151,7 +151,7 @@ def _bound(f: Callable[..., mx.array], m: nn.Module, x: mx.array) -> Callable[[]
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    out = []
+    out: list[tuple[nn.Module, str]] = []
     for _, m in model.named_modules():
         if isinstance(m, nn.Linear | nn.QuantizedLinear):
             out.append((m, f"{type(m).__name__}{tuple(m.weight.shape)}/{getattr(m, 'bits', None)}"))
