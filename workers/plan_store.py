@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ log = logging.getLogger("mlx_batchd")
 
 #: Bump when the timing method changes, so stored plans are timed again.
 PLAN_VERSION = 2
+
+#: The longest a process waits for another to finish timing (timing takes seconds).
+LOCK_WAIT_S = 120.0
+#: A plan file is a few kilobytes; a larger one is not read.
+MAX_FILE_BYTES = 1 << 20
 
 Plans = dict[str, dict[int, int]]
 
@@ -60,18 +66,29 @@ def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...]) -
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (where the platform has ``fcntl``; elsewhere none, and two
-    processes starting at once may each time their own plans: the last one written is kept)."""
+def _locked(path: Path) -> Iterator[bool]:
+    """An exclusive lock on ``path``, waited for at most ``LOCK_WAIT_S``; yields whether it is held
+    (a lock never released, say by a stuck process, must not stop the engine from starting). Where
+    the platform has no ``fcntl`` there is none, and two processes starting at once may each time
+    their own plans: the last one written is kept."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on a platform MLX serves from
-        yield
+        yield True
         return
     with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -85,9 +102,14 @@ def load_or_time(
         return time_plans(), False
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{plan_key(shapes, max_rows, pads)}.json"
-    with _locked(root / "plans.lock"):
+    with _locked(root / "plans.lock") as held:
+        if not held:
+            log.warning("kernel plans: %s stayed locked for %.0f s; timing them in this process", root, LOCK_WAIT_S)
+            return time_plans(), False
         if path.exists():
             try:
+                if path.stat().st_size > MAX_FILE_BYTES:
+                    raise ValueError(f"{path.stat().st_size} bytes, more than plans take")
                 return valid(json.loads(path.read_text()), shapes, max_rows, pads), True
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)

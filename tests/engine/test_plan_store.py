@@ -112,3 +112,23 @@ def test_a_near_tie_keeps_the_flattened_call_and_a_clear_win_is_planned(
     fake_ms.calls = 0  # type: ignore[attr-defined]
     monkeypatch.setattr(fastpath, "_ms", fake_ms)
     assert fastpath._time_plan(nn.Linear(8, 8), 4) == {2: 8, 3: 3, 4: 4}
+
+
+def test_a_lock_held_elsewhere_delays_start_up_a_bounded_time_then_plans_are_timed_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fcntl
+
+    monkeypatch.setattr(plan_store, "LOCK_WAIT_S", 0.3)
+    with (tmp_path / "plans.lock").open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)  # another process stuck while holding the lock
+        plans, stored = plan_store.load_or_time(tmp_path, SHAPES[:1], 2, (8,), lambda: {SHAPES[0]: {2: 8}})
+    assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "stayed locked" in caplog.text
+    assert not list(tmp_path.glob("*.json"))  # nothing written without the lock
+
+
+def test_an_oversized_plan_file_is_not_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / f"{plan_store.plan_key(SHAPES[:1], 2, (8,))}.json"
+    path.write_text(json.dumps({SHAPES[0]: {"2": 2}}) + " " * plan_store.MAX_FILE_BYTES)
+    plans, stored = plan_store.load_or_time(tmp_path, SHAPES[:1], 2, (8,), lambda: {SHAPES[0]: {2: 8}})
+    assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "more than plans take" in caplog.text
