@@ -12,13 +12,15 @@ at B = 64 that is what the daemon's engine did against the same 64 requests subm
 So while the engine has work, arrivals are held for at most ``window_s`` (from the first held one),
 and released as soon as a full prefill wave (``wave`` prompts) waits; never past a command that must
 keep its order behind them (a cancel, pause, resume or shutdown releases every held arrival first).
-An idle engine holds them for ``idle_window_s`` only (0, the default: not at all). Clients that
-start together reach an idle engine some milliseconds apart, and the first then starts a prefill wave
-of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client threads
-made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once; on the
-development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. The trade is TGI's ``max_waiting_tokens``: a bounded
-wait before the first token of a request that arrives mid-batch, for fewer interruptions of
-everyone's decode. ``window_s = 0`` turns it off.
+The trade is TGI's ``max_waiting_tokens``: a bounded wait before the first token of a request that
+arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`` turns it off.
+
+An idle engine holds arrivals for ``idle_window_s`` only (0, the default: not at all). Clients that
+start together reach an idle engine some milliseconds apart, and the first then starts a prefill
+wave of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client
+threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
+on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. The cost is
+the window itself on a lone request's first token.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ class AdmissionWaves:
 
     def take(self, cmds: list[Command], busy: bool, now: float) -> list[Command]:
         """The commands to apply this iteration, in arrival order; held submits stay for a later
-        one. ``busy``: the engine has sequences in flight (holding an arrival for an idle engine
-        would only delay it)."""
+        one. ``busy``: the engine has sequences in flight (``window_s`` applies; else ``idle_window_s``)."""
         window = self.window_s if busy else self.idle_window_s
         if window <= 0 or any(not isinstance(c, Submit) for c in cmds):
             return self._release(cmds)

@@ -94,9 +94,10 @@ class Engine:
         #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
         self.prefix_cache: PrefixCache | None = None
         self._gen = self._new_generator()
-        # Where the backend's policy asks for it (MLX CUDA): about a second. Not in lockstep: the
-        # plans come from timings, which differ per rank, and a projection every rank computes whole
-        # (the unsplit lm_head) must run the same kernel everywhere or the ranks' tokens part.
+        # Where the backend's policy asks for it (MLX CUDA): a few seconds the first time on a machine,
+        # then read from the store. Not in lockstep: the plans come from timings, which differ per
+        # machine, and a projection every rank computes whole (the unsplit lm_head) must run the
+        # same kernel everywhere or the ranks' tokens part.
         #: The row-count plans that calibration chose, by projection shape (``fastpath.plans_summary``):
         #: timed once per machine and kept (``workers.plan_store``), so every process serving the
         #: model runs the same kernels; stats carry them.

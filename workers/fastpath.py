@@ -5,7 +5,8 @@ projection runs as B matrix-vector products, while the same rows as one ``(B, D)
 batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
 backend's fused attention is run-to-run reproducible for a single sequence only on contiguous K/V
 (over the cache's strided views it is not), which exactness needs. Small row counts are planned per
-projection shape by timing at load (``calibrate``): as mlx-lm calls them, flattened, or padded.
+projection shape by timing (``calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
+flattened, or padded.
 
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
 it makes no byte-identity promise beyond what the backend gives (MLX's CPU backend stays row-exact,

@@ -232,8 +232,9 @@ def _main(args: argparse.Namespace) -> int:
                     probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
                 verdicts[name] = v
         meta["probe_seconds"] = probe_seconds
-        # Each process times its own row-count plans at load (fastpath.calibrate): a daemon whose
-        # plans differ from the engine alone's runs other kernels, which its ratio then includes.
+        # Row-count plans are kept per machine (workers.plan_store), yet a daemon started with another
+        # $MLX_BATCHD_CACHE times its own: one whose plans differ from the engine alone's runs other
+        # kernels, which its ratio then includes.
         plans = {"engine": engine.kernel_plans}
         plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
         meta["kernel_plans"] = plans
