@@ -100,21 +100,30 @@ def load_or_time(
     the plans and whether they came from the store. ``root`` ``None``: always timed, never stored."""
     if root is None:
         return time_plans(), False
-    root.mkdir(parents=True, exist_ok=True)
     path = root / f"{plan_key(shapes, max_rows, pads)}.json"
-    with _locked(root / "plans.lock") as held:
+    with contextlib.ExitStack() as stack:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            held = stack.enter_context(_locked(root / "plans.lock"))
+        except OSError as exc:  # a cache folder that cannot be made or written: serve without a store
+            log.warning("kernel plans: cannot use %s (%s); timing them in this process", root, exc)
+            return time_plans(), False
         if not held:
             log.warning("kernel plans: %s stayed locked for %.0f s; timing them in this process", root, LOCK_WAIT_S)
             return time_plans(), False
         if path.exists():
             try:
-                if path.stat().st_size > MAX_FILE_BYTES:
-                    raise ValueError(f"{path.stat().st_size} bytes, more than plans take")
+                size = path.stat().st_size
+                if size > MAX_FILE_BYTES:
+                    raise ValueError(f"{size} bytes, more than plans take")
                 return valid(json.loads(path.read_text()), shapes, max_rows, pads), True
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
         plans = time_plans()
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({shape: {str(r): t for r, t in p.items()} for shape, p in plans.items()}, indent=1))
-        tmp.replace(path)
+        try:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({sh: {str(r): t for r, t in p.items()} for sh, p in plans.items()}, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("kernel plans: cannot keep them in %s (%s)", root, exc)
         return plans, False

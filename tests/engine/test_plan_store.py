@@ -132,3 +132,13 @@ def test_an_oversized_plan_file_is_not_read(tmp_path: Path, caplog: pytest.LogCa
     path.write_text(json.dumps({SHAPES[0]: {"2": 2}}) + " " * plan_store.MAX_FILE_BYTES)
     plans, stored = plan_store.load_or_time(tmp_path, SHAPES[:1], 2, (8,), lambda: {SHAPES[0]: {2: 8}})
     assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "more than plans take" in caplog.text
+
+
+def test_a_cache_folder_that_cannot_be_made_still_lets_the_engine_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's $MLX_BATCHD_CACHE pointing at a file: the plans are timed here, with a warning."""
+    root = tmp_path / "not-a-folder"
+    root.write_text("")
+    plans, stored = plan_store.load_or_time(root, SHAPES[:1], 2, (8,), lambda: {SHAPES[0]: {2: 8}})
+    assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "cannot use" in caplog.text
