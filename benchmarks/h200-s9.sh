@@ -43,3 +43,5 @@ elif [ "$PART" = n ]; then
   step gap16 330 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches 16 --repeats 4 \
     --arms main,main~4,daemon@20,daemon@20/10 --out "$R/gap16.json"
 fi
+# MLX CUDA's compiled kernels (PTX), to carry to a fresh machine next time (MLX_PTX_CACHE_DIR).
+du -sh /tmp/mlx 2>/dev/null && tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null

@@ -9,7 +9,8 @@
    and row-exactness at M = 5; and the mirrored kernel (``qmv_rows``): each row of a 1-, 5- and
    8-row call byte-equal to MLX's own one-row call, and its milliseconds.
 2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
-   mirrored, per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps, with
+   mirrored (as it runs, and "unfused": one kernel call per projection, one attention call per
+   query), per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps, with
    the part of each spent building the graph before any kernel runs.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +28,7 @@ import mlx.nn as nn
 from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import qmv_rows, rowkernel
+from workers import attention, qmv_rows, rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
 
@@ -127,7 +130,7 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
         row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
         for r in MIRRORED_R:
             qmv_rows.OUTS_PER_WARP = r
-            mirrored = {mm: qmv_rows._launch(x[:mm], *found) for mm in (1, 5, 8)}
+            mirrored = {mm: qmv_rows._launch(x[:mm], [found[:3]], found[3], found[4])[0] for mm in (1, 5, 8)}
             mx.eval(ones_mlx, mirrored)
             row[f"mirrored_R{r}"] = {
                 "equals_mlx_one_row": {
@@ -138,7 +141,9 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
                     for mm, out in mirrored.items()
                 },
                 "ms": {
-                    mm: round(timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], *f), 20), 4)
+                    mm: round(
+                        timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], [f[:3]], f[3], f[4])[0], 20), 4
+                    )
                     for mm in (1, 5, 8)
                 },
             }
@@ -151,6 +156,23 @@ def _kind(m: Any) -> tuple[str, tuple[mx.array, ...], dict[str, int]]:
     assert found is not None
     kind, weights, _, extra = found
     return kind, weights, extra
+
+
+@contextmanager
+def unfused(on: bool) -> Iterator[None]:
+    """The mirrored rung as it was before sibling projections shared a call and queries an attention
+    call: one kernel call per projection, one attention call per query (``on``), for comparison."""
+    if not on:
+        yield
+        return
+    siblings, width = dict(qmv_rows._siblings), attention.group_width
+    qmv_rows._siblings.clear()
+    attention.group_width = lambda *_: 1  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        qmv_rows._siblings.update(siblings)
+        attention.group_width = width  # type: ignore[assignment]
 
 
 def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = False) -> dict[str, Any]:
@@ -181,20 +203,24 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         return sorted(times[2:])[mid], sorted(builds[2:])[mid]
 
     out: dict[str, Any] = {}
+    r0 = MIRRORED_R[0]
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        *((f"mirrored-R{r}", Level.MIRRORED, (-r, 0)) for r in MIRRORED_R),
+        (f"mirrored-R{r0}", Level.MIRRORED, (-r0, 0)),
+        (f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)),
         (f"rowwise-R{VARIANTS[0][0]}V{VARIANTS[0][1]}", Level.ROWWISE, VARIANTS[0]),
     ]
     if not quick:
         runs.insert(2, ("per-query-1", Level.PER_QUERY_1, VARIANTS[0]))
+        runs[3:3] = [(f"mirrored-R{r}", Level.MIRRORED, (-r, 0)) for r in MIRRORED_R[1:]]
         runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS[1:]]
     for name, level, variant in runs:
         use(variant)
         out[name] = {}
-        for t in (1, 5, 9):
-            key = f"block{t}" if t > 1 else "step"
-            out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)
+        with unfused(name.endswith("-unfused")):
+            for t in (1, 5, 9):
+                key = f"block{t}" if t > 1 else "step"
+                out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)
         print(name, out[name], flush=True)
     use(VARIANTS[0])
     base = out["wide"]["step_ms"]
@@ -203,6 +229,7 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         for t in (5, 9):
             v[f"block{t}_in_wide_steps"] = round(v[f"block{t}_ms"] / base, 3)
             v[f"block{t}_in_own_steps"] = round(v[f"block{t}_ms"] / v["step_ms"], 3)
+    out["attention_group_widths"] = {repr(k[:4]): v for k, v in attention._widths.items()}
     return out
 
 

@@ -1,20 +1,47 @@
-"""Per-query attention: a block's attention computed one query at a time, as decode computes it.
+"""Per-query attention: a block's attention computed as decode computes it, query by query.
 
 At the per-query levels (``Level.per_query``) a block's T-token cache update is done as T one-token
 updates through the real cache's own update path (``PerQueryCache``), and each query attends with
 decode's single-query, mask-free call over exactly the view decode would have got
 (``per_query_sdpa``, patched over mlx-lm's ``scaled_dot_product_attention`` by ``patches.install``).
 The cache's physical order and memory layout are decode's by construction, rotating caches included.
+
+Consecutive queries may share one causal call (``group_width``) where that is measured to give each
+query decode's bytes: MLX CUDA's vector attention kernel, for example, walks each query's keys in
+the same order whatever the call's length and skips the causally masked ones, so up to 3 queries (its
+limit) in one call reproduce their one-query calls. One call per group instead of one per query cuts
+a verify block's attention launches and graph building. Whether it holds is measured per backend and
+shape on random data at first use (``_measure``), through the divergence seam like every other
+call, and the probe then checks the level end to end; where it does not hold, and always at
+``per-query-1``, one query per call.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from workers import fastpath, seam
+from workers.levels import Level, current_level
+
+log = logging.getLogger("mlx_batchd.attention")
+
+#: Most queries one grouped call may take (a verify block is at most 9 queries wide).
+MAX_GROUP = 8
+#: A group never spans a multiple of this many keys (decode's key counts on both sides of one), and
+#: a query whose decode saw exactly such a multiple attends alone: attention kernels change strategy
+#: at key counts like these (MLX CUDA goes from one pass to two above 1,024 keys), and a query must
+#: be computed by the strategy its decode step used.
+SPLIT = 1024
+#: Key counts (of the block's last query) the measurement checks a width at: short, past a strategy
+#: change, across one.
+_CHECK_ENDS = (MAX_GROUP + 2, 300, SPLIT + 3, 4 * SPLIT + 3)
+
+#: Measured widths by (query heads, KV heads, head dim, dtype, scale, seam).
+_widths: dict[tuple[Any, ...], int] = {}
 
 
 class PerQueryCache:
@@ -57,9 +84,95 @@ def wrap_caches(cache: list[Any] | None) -> list[Any] | None:
     return [c if c is None or isinstance(c, PerQueryCache) else PerQueryCache(c) for c in cache]
 
 
+def spans(lengths: list[int], width: int) -> list[tuple[int, int]]:
+    """Consecutive queries in groups of at most ``width``, given each query's decode key count
+    (``lengths``, one more per query): [first, last] index pairs, no group spanning a ``SPLIT``
+    multiple and such a multiple alone."""
+
+    def side(n: int) -> tuple[int, int]:
+        return n // SPLIT, (n - 1) // SPLIT
+
+    out: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or i - start == width or side(lengths[i]) != side(lengths[start]):
+            out.append((start, i - 1))
+            start = i
+    return out
+
+
+def _grouped(
+    original: Callable[..., mx.array],
+    queries: mx.array,
+    views: list[tuple[mx.array, mx.array]],
+    cache: Any,
+    scale: float,
+    width: int,
+    kwargs: dict[str, Any],
+) -> mx.array:
+    """The block's attention, one call per group of queries over the view after its last query's
+    update (causal inside the group; a one-query group is decode's own mask-free call)."""
+    outs = []
+    for first, last in spans([k.shape[2] for k, _ in views], width):
+        q = queries[:, :, first : last + 1]
+        n = last - first + 1
+        k, v = fastpath.attention_inputs(*views[last])
+        out = original(q, k, v, cache, scale=scale, mask="causal" if n > 1 else None, **kwargs)
+        outs.append(seam.apply("attention", out, n, None, q))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _measure(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> int:
+    """The widest group (``MAX_GROUP`` down to 2) whose calls give every query, at each of
+    ``_CHECK_ENDS``, the bytes of its own one-query call on random data of the block's shapes; 1
+    when none does."""
+    heads, kv_heads, dim = queries.shape[1], keys.shape[1], queries.shape[3]
+    t = MAX_GROUP + 1
+    for width in range(MAX_GROUP, 1, -1):
+        ok = True
+        for end in _CHECK_ENDS:
+            key = mx.random.key(end * 31 + width)
+            q = mx.random.normal((1, heads, t, dim), key=key).astype(queries.dtype)
+            k = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 1)).astype(keys.dtype)
+            v = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 2)).astype(keys.dtype)
+            views = [(k[:, :, : end - t + 1 + i], v[:, :, : end - t + 1 + i]) for i in range(t)]
+            grouped = _grouped(original, q, views, None, scale, width, {})
+            alone = _grouped(original, q, views, None, scale, 1, {})
+            mx.eval(grouped, alone)
+            if not bool(mx.array_equal(grouped.view(mx.uint8), alone.view(mx.uint8)).item()):
+                ok = False
+                break
+        if ok:
+            return width
+    return 1
+
+
+def group_width(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> int:
+    """Queries per attention call at the per-query levels for this shape (measured once per process
+    and shape, and again whenever the divergence seam changes)."""
+    key = (queries.shape[1], keys.shape[1], queries.shape[3], str(queries.dtype), scale, seam.divergence_seam)
+    width = _widths.get(key)
+    if width is None:
+        width = _widths[key] = _measure(original, queries, keys, scale)
+        log.info("per-query attention on %s: %d queries per call", key[:4], width)
+    return width
+
+
+def _consecutive(cache: Any, views: list[tuple[mx.array, mx.array]]) -> bool:
+    """Whether every view is a prefix of the last: a growing ``KVCache`` (not a rotating or a
+    quantized one), one key more per query."""
+    from mlx_lm.models.cache import KVCache
+
+    if not isinstance(cache, KVCache) or not isinstance(views[0][0], mx.array):
+        return False
+    n = views[0][0].shape[2]
+    return all(k.shape[2] == n + i for i, (k, _) in enumerate(views))
+
+
 def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """Wrap one model module's attention entry point: a forward through ``PerQueryCache`` attends
-    one query at a time over the views its updates returned; any other goes straight through."""
+    query by query (in measured groups) over the views its updates returned; any other goes
+    straight through."""
 
     def sdpa(
         queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any, **kwargs: Any
@@ -70,12 +183,11 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
             out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
             return seam.apply("attention", out, queries.shape[2], None, queries)
         real = cache._cache
-        outs = []
-        for i, (k, v) in enumerate(views):
-            q = queries[:, :, i : i + 1]
-            out = original(q, *fastpath.attention_inputs(k, v), real, scale=scale, mask=None, **kwargs)
-            outs.append(seam.apply("attention", out, 1, None, q))
-        return mx.concatenate(outs, axis=2)
+        width = 1
+        # ``per-query-1``, the last rung before "declined", stays exact by construction: one call per query.
+        if len(views) > 1 and not kwargs and current_level() is not Level.PER_QUERY_1 and _consecutive(real, views):
+            width = group_width(original, queries, views[0][0], scale)
+        return _grouped(original, queries, views, real, scale, width, kwargs)
 
     sdpa.__wrapped__ = original  # type: ignore[attr-defined]
     return sdpa

@@ -1,11 +1,37 @@
-"""What a measured fact about kernels depends on: the device, its architecture and MLX's version.
+"""What a measured fact about kernels depends on (the device, its architecture and MLX's version), and
+the process-wide choice of MLX's attention kernels.
 
 Probe verdicts and kernel plans are kept on disk and reused only on the backend that measured them.
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
+
+#: MLX CUDA's switch for its cuDNN attention. MLX reads it once per process, at the first attention
+#: call, so it is set before the engine's first forward.
+CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+#: Whether cuDNN attention is on where neither the environment nor ``--cudnn-attention`` says.
+CUDNN_ATTENTION_DEFAULT = False
+
+
+def configure_attention(cudnn: bool) -> bool:
+    """Whether MLX CUDA may run attention through cuDNN in this process: the operator's
+    ``MLX_CUDA_USE_CUDNN_SDPA`` where it is set, else ``cudnn`` (off by default, ``--cudnn-attention``).
+
+    Why off: cuDNN builds an attention graph for each exact prefill shape (batch and prompt length) in
+    each process, so every new prompt length pays for one in its time to first token. On the H200 8B
+    synth, Poisson arrivals with random prompt lengths read TTFT p50 456 ms against 215 ms for one
+    length; with cuDNN off, 223 and 215 ms; a 2,050-token prefill took 317-318 ms without cuDNN and
+    311-331 ms with it (docs/benchmarks.md section 15). Without it MLX runs prefill attention as
+    matrix products and decode attention in its own vector kernel. Other backends ignore the variable."""
+    value = os.environ.get(CUDNN_ATTENTION_ENV)
+    if value is None:
+        os.environ[CUDNN_ATTENTION_ENV] = "1" if cudnn else "0"
+        return cudnn
+    return value.strip() not in ("", "0")
 
 
 def backend_fingerprint() -> dict[str, str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from workers import qmv_rows
 from workers.exact import bytes_equal, bytes_view
 from workers.levels import Level, scoped
 from workers.patches import install
@@ -69,6 +70,7 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
     single-row calls for every M up to it (W = 1 when M = 2 already differs), and register the
     width for every module with that signature. Runs at wide, outside any pin."""
     install()
+    qmv_rows.register_siblings(model)
     report = WidthReport()
     by_sig: dict[str, list[int]] = {}
     probes: dict[str, tuple[Probe, int, mx.Dtype]] = {}

@@ -37,6 +37,7 @@ import msgpack
 
 from workers import faults
 from workers.admission import AdmissionWaves
+from workers.backend import configure_attention
 from workers.burst import Gate
 from workers.commands import (
     Cancel,
@@ -179,6 +180,7 @@ class EngineThread:
             if self.world.distributed:
                 check_same_settings(self.world, s)
             mx.set_cache_limit(buffer_cache_limit(s))
+            configure_attention(s.cudnn_attention)
             loaded = self._load()
             if loaded.shard is not None:
                 self._shard_mode = loaded.shard.mode

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.nn as nn
 
+from workers.backend import CUDNN_ATTENTION_DEFAULT, configure_attention
 from workers.kernels import WidthReport, measure_widths
 from workers.mlxlm import continuation_bpe_class, detokenizer_prototype, model_classes
 
@@ -194,8 +195,14 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
 
     With ``world`` of several ranks the weights are loaded lazily, checked to be the same on every
     rank and split (``distributed.prepare``) before anything else touches them, so each rank reads
-    only its shard; every later start-up forward (the KV measurement) is one all ranks make."""
+    only its shard; every later start-up forward (the KV measurement) is one all ranks make.
+
+    MLX CUDA's cuDNN attention is off from here on in this process unless the environment or the
+    engine's settings turned it on first (``backend.configure_attention``): every process that loads
+    a model (the daemon's engine, the probe, a benchmark's in-process arms) attends alike."""
     from mlx_lm.utils import load as mlx_load
+
+    configure_attention(CUDNN_ATTENTION_DEFAULT)
 
     path = check_model(spec)
     sharded = world is not None and world.distributed

@@ -126,7 +126,7 @@ def _through_kernel(
     flat = x.reshape(rows, x.shape[-1])
     out = None
     if not (extra or kwargs):
-        out = rowkernel.project(module, flat) if level is Level.ROWWISE else qmv_rows.project(module, original, flat)
+        out = rowkernel.project(module, flat) if level is Level.ROWWISE else qmv_rows.project(module, original, flat, x)
     if out is None:
         flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
         out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))

@@ -17,6 +17,12 @@ one-row call on random rows (``_matches``); a shape that differs in any byte (or
 not compile) falls back to decode's own one-row call per row, which is exact by construction, and
 the probe then verifies the level end to end like any other.
 
+A layer's projections that take the same input (q/k/v, gate/up: ``register_siblings``) run in one
+call over their weight matrices: each warp works in one matrix, on the outputs and with the
+arithmetic it has in that matrix's own call, so the outputs are unchanged, and a 32-layer block makes
+4 kernel calls a layer instead of 7 (fewer launches, and less graph building in Python). Each group's
+shapes are checked against MLX's one-row call like a single layer's.
+
 Switch: ``rowkernel.implementation()`` (``MLX_BATCHD_ROWKERNEL``). With ``reference`` (CPU tests)
 every row takes the fallback, so tests exercise the level's plumbing; the kernel itself can only
 be checked where MLX runs on CUDA (``benchmarks/rowkernel_probe.py``).
@@ -25,6 +31,7 @@ be checked where MLX runs on CUDA (``benchmarks/rowkernel_probe.py``).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -97,16 +104,14 @@ __device__ __forceinline__ void qr_load_x(const CT* x, int k, int idx, cutlass::
 
 #: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp (each keeps its own sums,
 #: in the same order whatever R: only the x tiles are shared); T the activation (and scale) dtype. K
-#: and N come from the shapes at run time. ``WARPS`` warps per block.
-_SOURCE = """
+#: and N come from the shapes at run time. ``WARPS`` warps per block. The prologue (``_ONE`` or
+#: ``_many``) picks the weight matrix, its output and the warp's first output feature ``n0``; the
+#: body is the same for one matrix and for several.
+_BODY = """
   using CT = typename qr_cutlass<T>::type;
   using Q = typename qr_quant<BITS>::type;
   constexpr int E = BITS <= 4 ? 16 : 8;
   using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
-  const int K = static_cast<int>(x_shape[1]);
-  const int N = static_cast<int>(w_shape[0]);
-  const int lane = threadIdx.x & 31;
-  const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (n0 >= N) return;
   const int groups = K / GS;
   const CT* xc = reinterpret_cast<const CT*>(x);
@@ -116,9 +121,9 @@ _SOURCE = """
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int n = n0 + r < N ? n0 + r : N - 1;
-    wrow[r] = reinterpret_cast<const uint8_t*>(w) + (size_t)n * ((size_t)K * BITS / 8);
-    srow[r] = reinterpret_cast<const CT*>(scales) + (size_t)n * groups;
-    brow[r] = reinterpret_cast<const CT*>(biases) + (size_t)n * groups;
+    wrow[r] = reinterpret_cast<const uint8_t*>(wp) + (size_t)n * ((size_t)K * BITS / 8);
+    srow[r] = reinterpret_cast<const CT*>(sp) + (size_t)n * groups;
+    brow[r] = reinterpret_cast<const CT*>(bp) + (size_t)n * groups;
   }
   cutlass::Array<Acc, E> sums[R][M];
   #pragma unroll
@@ -155,19 +160,65 @@ _SOURCE = """
       for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
       if (lane == 0 && n0 + r < N) {
         const CT o = static_cast<CT>(s);
-        out[(size_t)m * N + n0 + r] = *reinterpret_cast<const T*>(&o);
+        op[(size_t)m * N + n0 + r] = *reinterpret_cast<const T*>(&o);
       }
     }
   }
 """
 
-_kernel: Any = None
-#: Per layer shape (out, in, bits, group size, dtype): whether the kernel reproduced MLX's one-row call.
+_ONE = """
+  const int K = static_cast<int>(x_shape[1]);
+  const int N = static_cast<int>(w_shape[0]);
+  const int lane = threadIdx.x & 31;
+  const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  const auto* wp = w;
+  const auto* sp = scales;
+  const auto* bp = biases;
+  auto* op = out;
+"""
+
+
+def _many(count: int) -> str:
+    """The prologue for ``count`` weight matrices on the same rows (a layer's q/k/v or gate/up): the
+    grid's warps cover the first matrix's outputs, then the second's, ...; each warp works in one
+    matrix, on the outputs it would have in that matrix's own call."""
+    lines = [
+        "  const int K = static_cast<int>(x_shape[1]);",
+        "  const int lane = threadIdx.x & 31;",
+        "  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
+        "  const char* wp = nullptr; const char* sp = nullptr; const char* bp = nullptr; T* op = nullptr;",
+        "  int N = 0;",
+    ]
+    for j in range(count):
+        lines += [
+            "  if (op == nullptr) {",
+            f"    const int n = static_cast<int>(w{j}_shape[0]);",
+            "    if (warp < (n + R - 1) / R) {",
+            f"      wp = reinterpret_cast<const char*>(w{j}); sp = reinterpret_cast<const char*>(scales{j});",
+            f"      bp = reinterpret_cast<const char*>(biases{j}); op = out{j}; N = n;",
+            "    } else {",
+            "      warp -= (n + R - 1) / R;",
+            "    }",
+            "  }",
+        ]
+    lines += ["  if (op == nullptr) return;", "  const int n0 = warp * R;"]
+    return "\n".join(lines) + "\n"
+
+
+#: Kernels by number of weight matrices per call.
+_kernels: dict[int, Any] = {}
+#: Per layer shapes (one, or a sibling group's) and dtype: whether the kernel reproduced MLX's one-row call.
 _matches_mlx: dict[tuple[Any, ...], bool] = {}
 #: Whether the kernel compiled (``None`` until first tried).
 _compiled: bool | None = None
 #: The start-up check (``usable``): ``None`` until run.
 _checked: bool | None = None
+#: Projections of one layer that the model calls on the same input, computed in one kernel call.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: id(module) -> its sibling group (weak references, in ``SIBLINGS`` order).
+_siblings: dict[int, tuple[weakref.ref[Any], ...]] = {}
+#: id(module) -> (the input it was computed on, its output), kept by a sibling's call until its own.
+_kept: dict[int, tuple[Any, mx.array]] = {}
 
 
 def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
@@ -185,49 +236,71 @@ def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int
     return module["weight"], scales, biases, int(module.bits), int(module.group_size)
 
 
-def _launch(x: mx.array, w: mx.array, s: mx.array, b: mx.array, bits: int, gs: int) -> mx.array:
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlx_batchd_qmv_rows",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["out"],
-            source=_SOURCE,
+def _kernel(count: int) -> Any:
+    """The kernel over ``count`` weight matrices (made once per count)."""
+    kernel = _kernels.get(count)
+    if kernel is None:
+        if count == 1:
+            names, outs, source = ["x", "w", "scales", "biases"], ["out"], _ONE + _BODY
+        else:
+            names = ["x", *(f"{n}{j}" for j in range(count) for n in ("w", "scales", "biases"))]
+            outs, source = [f"out{j}" for j in range(count)], _many(count) + _BODY
+        kernel = _kernels[count] = mx.fast.cuda_kernel(
+            name=f"mlx_batchd_qmv_rows_{count}",
+            input_names=names,
+            output_names=outs,
+            source=source,
             header=_HEADER,
         )
-    n, m, r = int(w.shape[0]), int(x.shape[0]), OUTS_PER_WARP
-    blocks = -(-n // (WARPS * r))
-    return _kernel(
-        inputs=[x, w, s, b],
-        template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r)],
-        grid=(blocks * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+    return kernel
 
 
-def _matches(module: Any, original: Callable[..., mx.array], found: tuple[Any, ...], dtype: Any) -> bool:
-    """The kernel on 5 random rows (and on each alone) against MLX's own one-row call on each row,
-    byte for byte (the call ``original`` makes for classic decode)."""
+def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int) -> list[mx.array]:
+    """``x``'s rows (at most ``MAX_ROWS``) against each (weight, scales, biases) in one kernel call."""
+    m, r = int(x.shape[0]), OUTS_PER_WARP
+    warps = sum(-(-int(w.shape[0]) // r) for w, _, _ in mats)
+    blocks = -(-warps // WARPS)
+    return list(
+        _kernel(len(mats))(
+            inputs=[x, *(a for mat in mats for a in mat)],
+            template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r)],
+            grid=(blocks * WARPS * 32, 1, 1),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(m, int(w.shape[0])) for w, _, _ in mats],
+            output_dtypes=[x.dtype] * len(mats),
+        )
+    )
+
+
+def _matches(
+    modules: tuple[Any, ...], original: Callable[..., mx.array], found: list[tuple[Any, ...]], dtype: Any
+) -> bool:
+    """The kernel over ``modules`` (one, or siblings in one call) on 5 random rows and on each row
+    alone, against MLX's own one-row call of each module on each row, byte for byte (the call
+    ``original`` makes for classic decode)."""
     global _compiled
-    w, s, b, bits, gs = found
+    w, s, b, bits, gs = found[0]
     k = int(s.shape[1]) * gs
+    mats = [(f[0], f[1], f[2]) for f in found]
     x = (mx.random.normal((5, k), key=mx.random.key(k + int(w.shape[0]))) * 0.5).astype(dtype)
     try:
-        five = _launch(x, w, s, b, bits, gs)
-        ones = [_launch(x[i : i + 1], w, s, b, bits, gs) for i in range(5)]
-        mlx_rows = [original(module, x[i : i + 1]) for i in range(5)]
+        five = _launch(x, mats, bits, gs)
+        ones = [_launch(x[i : i + 1], mats, bits, gs) for i in range(5)]
+        mlx_rows = [[original(module, x[i : i + 1]) for i in range(5)] for module in modules]
         mx.eval(five, ones, mlx_rows)
         _compiled = True
-    except Exception as exc:  # a JIT failure leaves every shape on the fallback
-        log.warning("the mirrored kernel is unavailable: %s", exc)
+    except Exception as exc:
+        if len(modules) > 1:  # the group's layers then run one call each
+            log.warning("the mirrored kernel over %d matrices is unavailable: %s", len(modules), exc)
+            return False
+        log.warning("the mirrored kernel is unavailable: %s", exc)  # every shape on the fallback
         _compiled = False
         return False
-    bits_of = mx.uint16
+    u16 = mx.uint16
     return all(
-        bool(mx.array_equal(five[i : i + 1].view(bits_of), mlx_rows[i].view(bits_of)).item())
-        and bool(mx.array_equal(ones[i].view(bits_of), mlx_rows[i].view(bits_of)).item())
+        bool(mx.array_equal(five[j][i : i + 1].view(u16), mlx_rows[j][i].view(u16)).item())
+        and bool(mx.array_equal(ones[i][j].view(u16), mlx_rows[j][i].view(u16)).item())
+        for j in range(len(modules))
         for i in range(5)
     )
 
@@ -246,36 +319,88 @@ def usable() -> bool:
         call = type(module).__call__
         original = getattr(call, "__wrapped__", call)
         found = covered(module, mx.zeros((1, 512), dtype=mx.bfloat16))
-        _checked = found is not None and _matches(module, original, found, mx.bfloat16)
+        _checked = found is not None and _matches((module,), original, [found], mx.bfloat16)
         if not _checked:
             log.warning("the mirrored kernel does not reproduce MLX's one-row call: the level is off")
     return _checked
 
 
-def project(module: Any, original: Callable[..., mx.array], x: mx.array) -> mx.array | None:
-    """``module``'s projection of ``x``'s rows (shape (rows, in)) through the kernel, in calls of at
-    most ``MAX_ROWS`` rows, or ``None`` where the module, its shape or this backend is not covered
-    (the caller then makes decode's own one-row call per row)."""
-    if rowkernel.implementation() != "cuda" or _compiled is False:
+def register_siblings(model: Any) -> int:
+    """Note each layer's projections that take the same input (``SIBLINGS``: q/k/v, gate/up), so that
+    the first of them called at ``mirrored`` computes them all in one kernel call; returns the
+    number of groups. Kept as weak references: a model that goes away takes its groups with it."""
+    count = 0
+    for _, parent in model.named_modules():
+        for names in SIBLINGS:
+            found = [parent.get(n) for n in names] if isinstance(parent, dict) else []
+            members = [m for m in found if isinstance(m, nn.QuantizedLinear)]
+            if len(members) < 2 or len({(int(m["scales"].shape[1]), m.bits, m.group_size) for m in members}) > 1:
+                continue
+            refs = tuple(weakref.ref(m) for m in members)
+            for m in members:
+                _siblings[id(m)] = refs
+            count += 1
+    return count
+
+
+def _group(module: Any) -> tuple[Any, ...] | None:
+    refs = _siblings.get(id(module))
+    if refs is None:
         return None
-    found = covered(module, x)
-    if found is None:
+    members = tuple(r() for r in refs)
+    if any(m is None for m in members) or not any(m is module for m in members):
         return None
-    w, s, b, bits, gs = found
-    key = (tuple(w.shape), bits, gs, str(x.dtype))
+    return members
+
+
+def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.array) -> list[mx.array] | None:
+    """Each module's projection of ``x``'s rows through the kernel (all in one call per ``MAX_ROWS``
+    rows), or ``None`` where a module, its shape or this backend is not covered."""
+    found = [covered(m, x) for m in modules]
+    if any(f is None for f in found):
+        return None
+    mats = [(f[0], f[1], f[2]) for f in found]  # type: ignore[index]
+    bits, gs = found[0][3], found[0][4]  # type: ignore[index]
+    key = (tuple((tuple(w.shape), tuple(s.shape)) for w, s, _ in mats), bits, gs, str(x.dtype))
     ok = _matches_mlx.get(key)
     if ok is None:
-        ok = _matches_mlx[key] = _matches(module, original, found, x.dtype)
+        ok = _matches_mlx[key] = _matches(modules, original, found, x.dtype)  # type: ignore[arg-type]
         log.info("mirrored kernel on %s: %s", key, "matches MLX's one-row call" if ok else "differs; one-row calls")
     if not ok:
         return None
-    parts = [_launch(x[i : i + MAX_ROWS], w, s, b, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
-    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    if isinstance(module, nn.QuantizedLinear) and "bias" in module:
-        out = out + module["bias"]
-    return out
+    parts = [_launch(x[i : i + MAX_ROWS], mats, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
+    outs = [p[0] if len(parts) == 1 else mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True)]
+    return [
+        o + m["bias"] if isinstance(m, nn.QuantizedLinear) and "bias" in m else o
+        for m, o in zip(modules, outs, strict=True)
+    ]
+
+
+def project(module: Any, original: Callable[..., mx.array], x: mx.array, source: Any = None) -> mx.array | None:
+    """``module``'s projection of ``x``'s rows (shape (rows, in)) through the kernel, in calls of at
+    most ``MAX_ROWS`` rows, or ``None`` where the module, its shape or this backend is not covered
+    (the caller then makes decode's own one-row call per row).
+
+    ``source`` is the array the model called the module with: when the module has siblings
+    (``register_siblings``) the first of them called on it computes them all in one call and keeps the
+    others' outputs for their own calls on that same array."""
+    if rowkernel.implementation() != "cuda" or _compiled is False:
+        return None
+    kept = _kept.pop(id(module), None)
+    if kept is not None and source is not None and kept[0] is source:
+        return kept[1]
+    group = _group(module) if source is not None else None
+    if group is not None:
+        outs = _through(group, original, x)
+        if outs is not None:
+            for m, o in zip(group, outs, strict=True):
+                if m is not module:
+                    _kept[id(m)] = (source, o)
+            return next(o for m, o in zip(group, outs, strict=True) if m is module)
+    outs = _through((module,), original, x)
+    return None if outs is None else outs[0]
 
 
 def report() -> dict[str, bool]:
-    """Which layer shapes the kernel reproduced MLX's one-row call on (for the probe's report)."""
+    """Which layer shapes (one, or a sibling group's) the kernel reproduced MLX's one-row call on."""
     return {repr(k): v for k, v in _matches_mlx.items()}

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from workers.backend import CUDNN_ATTENTION_DEFAULT
 from workers.burst import BurstSettings
 from workers.engine import Engine, Job, PinScope
 from workers.lockstep import Broadcaster
@@ -35,8 +36,13 @@ class EngineSettings:
     #: the batch in one prefill wave (``workers.admission``); 0 admits each on the next iteration.
     admit_window_s: float = 0.02
     #: The same for arrivals that find the engine idle, so that clients starting together form one
-    #: wave (``workers.admission``); 0 admits the first at once.
-    admit_idle_window_s: float = 0.0
+    #: wave (``workers.admission``); 0 admits the first at once. 10 ms: on the H200 8B synth, 16
+    #: clients starting together then decode at 0.95-0.97 of the engine alone against 0.85 with 0
+    #: (docs/benchmarks.md section 15), for 10 ms on a lone request's time to first token.
+    admit_idle_window_s: float = 0.01
+    #: MLX CUDA's cuDNN attention (``workers.backend.configure_attention``): off unless asked for or
+    #: set in the environment.
+    cudnn_attention: bool = CUDNN_ATTENTION_DEFAULT
     pin_scope: PinScope = "scoped"
     #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
     probe_k: int | None = None

@@ -118,6 +118,7 @@ def _main(args: argparse.Namespace) -> int:
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
     from workers import fastpath
+    from workers.backend import configure_attention
     from workers.engine import Engine
     from workers.models import load
     from workers.startup import EngineSettings, buffer_cache_limit
@@ -140,6 +141,7 @@ def _main(args: argparse.Namespace) -> int:
     # process whose cache grew to the device's size would leave the daemon arm none.
     cache_limit = buffer_cache_limit(EngineSettings())
     mx.set_cache_limit(cache_limit)
+    cudnn_attention = configure_attention(EngineSettings().cudnn_attention)  # as the daemons' engines
     engine = Engine(
         model,
         eos_token_ids=loaded.info.eos_token_ids,
@@ -204,6 +206,7 @@ def _main(args: argparse.Namespace) -> int:
         "process_pin": args.process_pin,
         "daemon_args": daemon_args,
         "mlx_cache_limit_bytes": cache_limit,
+        "cudnn_attention": cudnn_attention,
         "via": "http" if via_http else "zeromq",
         "http_url": http_url,
         "weight_bytes": weight_bytes,

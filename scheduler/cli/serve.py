@@ -63,9 +63,15 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument(
         "--admit-idle-window-ms",
         type=float_in(0.0, 1_000.0),
-        default=0.0,
+        default=10.0,
         help="the same for arrivals that find the engine idle, so that clients starting together join "
         "in one prefill wave (0 = at once)",
+    )
+    p.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let MLX CUDA run attention through cuDNN (off by default: it builds a graph per new prompt "
+        "shape, which new prompt lengths pay in time to first token; MLX_CUDA_USE_CUDNN_SDPA overrides)",
     )
     p.add_argument(
         "--mlx-cache-limit-mb",
@@ -190,6 +196,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prefill_step=args.prefill_step,
         admit_window_s=args.admit_window_ms / 1e3,
         admit_idle_window_s=args.admit_idle_window_ms / 1e3,
+        cudnn_attention=args.cudnn_attention,
         mlx_cache_limit_bytes=None if args.mlx_cache_limit_mb is None else int(args.mlx_cache_limit_mb * 2**20),
         pin_scope=args.pin_scope,
         probe_k=args.probe_k,

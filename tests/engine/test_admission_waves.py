@@ -73,7 +73,9 @@ def first_tokens(t: EngineThreadRun, seq: int) -> list[int]:
 
 
 def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_model: Path, target: Any) -> None:
-    with EngineThreadRun(tiny_model, tax_interval_s=0, prefill_batch=3, admit_window_s=HOUR) as t:
+    with EngineThreadRun(
+        tiny_model, tax_interval_s=0, prefill_batch=3, admit_window_s=HOUR, admit_idle_window_s=0
+    ) as t:
         t.engine.submit(job(1, 400))
         got = {1: first_tokens(t, 1)}  # the engine is busy with seq 1 from here
         t.engine.submit(job(2, 12))
@@ -96,8 +98,8 @@ def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_mo
     assert got[1] == alone(target, job(1, 400))[: len(got[1])]
 
 
-def test_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
-    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
+def test_without_an_idle_window_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
+    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR, admit_idle_window_s=0) as t:
         t.engine.submit(job(2, 6))
         tokens, ends = collect(t, {2})
         assert ends[2].reason == "length" and len(tokens[2]) == 6

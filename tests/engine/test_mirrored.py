@@ -27,6 +27,7 @@ from workers import qmv_rows
 from workers.engine import Engine
 from workers.kernels import Level, bytes_equal, scoped
 from workers.probe import ProbePolicy, make_draws, probe
+from workers.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 
@@ -88,10 +89,12 @@ def test_a_stand_in_kernel_equal_to_mlx_is_used_and_one_that_differs_falls_back(
     monkeypatch.setattr(qmv_rows.rowkernel, "implementation", lambda: "cuda")
     launches: list[int] = []
 
-    def equal(x: mx.array, w: mx.array, s: mx.array, b: mx.array, bits: int, gs: int) -> mx.array:
+    def equal(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
         launches.append(x.shape[0])
-        rows = [mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])]
-        return mx.concatenate(rows, axis=0)
+        return [
+            mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])])
+            for w, s, b in mats
+        ]
 
     q = _quantized()
     original = type(q).__call__
@@ -105,15 +108,48 @@ def test_a_stand_in_kernel_equal_to_mlx_is_used_and_one_that_differs_falls_back(
     assert len(launches) == checks + 2  # 11 rows: calls of 8 and 3; the check is not repeated
     assert list(qmv_rows.report().values()) == [True]
 
-    def off_by_one_step(x: mx.array, w: mx.array, s: mx.array, b: mx.array, bits: int, gs: int) -> mx.array:
-        out = equal(x, w, s, b, bits, gs)
-        return (out.view(mx.uint16) ^ mx.array(1, dtype=mx.uint16)).view(mx.bfloat16)
+    def off_by_one_step(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
+        return [(o.view(mx.uint16) ^ mx.array(1, dtype=mx.uint16)).view(mx.bfloat16) for o in equal(x, mats, bits, gs)]
 
     other = nn.QuantizedLinear(256, 40, bits=4, group_size=64)
     other.set_dtype(mx.bfloat16)
     monkeypatch.setattr(qmv_rows, "_launch", off_by_one_step)
     assert qmv_rows.project(other, original, x) is None
     assert sorted(qmv_rows.report().values()) == [False, True]
+
+
+@pytest.mark.usefixtures("fresh_checks")
+def test_a_layers_siblings_share_one_stand_in_launch_and_keep_decodes_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stand-in for the CUDA launch (the kernel cannot run here) on a 4-bit model: at mirrored the
+    first of q/k/v (and of gate/up) computes the group in one launch, the others take their outputs
+    from it, and the block's logits are wide's (on this row-exact CPU) byte for byte."""
+    model = load_measured(write_model(tmp_path / "q4", llama_config(quant_bits=4), seed=3))
+    layers = len(model.model.layers)
+    assert qmv_rows.register_siblings(model) == 2 * layers
+    monkeypatch.setattr(qmv_rows.rowkernel, "implementation", lambda: "cuda")
+    launches: list[int] = []
+
+    def equal(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
+        launches.append(len(mats))
+        return [
+            mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])])
+            for w, s, b in mats
+        ]
+
+    monkeypatch.setattr(qmv_rows, "_launch", equal)
+    tokens = mx.array([[(7 * i) % 250 + 3 for i in range(6)]])
+    wide = model(tokens, cache=make_prompt_cache(model))
+    for _ in range(2):  # the first block also runs each shape's check
+        launches.clear()
+        with scoped(Level.MIRRORED):
+            block = model(tokens, cache=make_prompt_cache(model))
+        mx.eval(wide, block)
+        assert bytes_equal(block, wide)
+    # Per layer: q/k/v in one launch, o alone, gate/up in one, down alone; then the tied head.
+    assert launches == [3, 1, 2, 1] * layers + [1]
+    assert not qmv_rows._kept  # every sibling's output was taken by its own call
 
 
 @pytest.mark.usefixtures("mirrored_ladder")

@@ -9,6 +9,7 @@ import argparse
 import pytest
 
 from scheduler.cli import build_parser
+from scheduler.cli.serve import engine_settings
 from scheduler.frontend import FrontEndSettings
 
 #: (subcommand and its required arguments, option, a value out of range).
@@ -144,5 +145,7 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert args.daemon_args == ["--engine-thread", "--admit-window-ms", "0"]
     assert build_parser().parse_args(["bench", "--daemon-args=--engine-thread"]).daemon_args == ["--engine-thread"]
     args = build_parser().parse_args(["serve", "--admit-window-ms", "0", "--mlx-cache-limit-mb", "512"])
-    assert (args.admit_window_ms, args.mlx_cache_limit_mb, args.admit_idle_window_ms) == (0.0, 512.0, 0.0)
+    assert (args.admit_window_ms, args.mlx_cache_limit_mb, args.admit_idle_window_ms) == (0.0, 512.0, 10.0)
     assert build_parser().parse_args(["serve", "--admit-idle-window-ms", "12.5"]).admit_idle_window_ms == 12.5
+    assert engine_settings(build_parser().parse_args(["serve"])).cudnn_attention is False
+    assert engine_settings(build_parser().parse_args(["serve", "--cudnn-attention"])).cudnn_attention is True
