@@ -15,12 +15,13 @@ keep its order behind them (a cancel, pause, resume or shutdown releases every h
 The trade is TGI's ``max_waiting_tokens``: a bounded wait before the first token of a request that
 arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`` turns it off.
 
-An idle engine holds arrivals for ``idle_window_s`` only (0, the default: not at all). Clients that
+An idle engine holds arrivals for ``idle_window_s`` (the engine's default is 10 ms; 0: not at all). Clients that
 start together reach an idle engine some milliseconds apart, and the first then starts a prefill
 wave of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client
 threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
-on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. The cost is
-the window itself on a lone request's first token.
+on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. On the H200,
+16 clients decoded at 0.955 of the engine alone with a 10 ms idle window against 0.854 without. The
+cost is the window itself on a lone request's first token.
 """
 
 from __future__ import annotations
