@@ -19,7 +19,11 @@ from workers.probe_results import Verdict
 log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
-PROBE_VERSION = 5
+PROBE_VERSION = 6
+#: A stored verdict larger than this is not read (one holds a few kilobytes).
+MAX_VERDICT_BYTES = 8 << 20
+#: A file-hash memo larger than this is not read (a model has a handful of files).
+MAX_MEMO_BYTES = 1 << 20
 
 
 def _file_sha256(path: Path, memo: dict[str, Any]) -> str:
@@ -38,14 +42,23 @@ def model_fingerprint(model_dir: Path, cache_dir: Path) -> str:
     """sha256 over the config and every weight file's content (file hashes memoised by size
     and mtime, so a 5 GB checkpoint is read once)."""
     memo_path = cache_dir / "file-hashes.json"
-    memo: dict[str, Any] = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+    memo: dict[str, Any] = {}
+    try:
+        if memo_path.is_file() and memo_path.stat().st_size <= MAX_MEMO_BYTES:
+            loaded = json.loads(memo_path.read_text())
+            memo = {k: v for k, v in loaded.items() if isinstance(v, str)} if isinstance(loaded, dict) else {}
+    except (OSError, ValueError) as exc:  # unreadable or damaged: the files are hashed again
+        log.warning("ignoring the file-hash memo %s (%s)", memo_path, exc)
     h = hashlib.sha256()
     for path in sorted(model_dir.iterdir()):
         if path.suffix in (".safetensors", ".json") and path.is_file():
             h.update(path.name.encode())
             h.update(_file_sha256(path, memo).encode())
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    memo_path.write_text(json.dumps(memo))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        memo_path.write_text(json.dumps(memo))
+    except OSError as exc:  # an unusable cache folder costs the memo only
+        log.warning("cannot keep the file-hash memo in %s (%s); weights are hashed again next start", cache_dir, exc)
     return h.hexdigest()
 
 
@@ -67,9 +80,11 @@ class VerdictStore:
         the file does not hold a valid verdict for exactly this pairing: a damaged or forged
         file is never trusted, and says so in the log."""
         path = self.path(fingerprint)
-        if not path.exists():
-            return None
         try:
+            if not path.is_file():
+                return None
+            if path.stat().st_size > MAX_VERDICT_BYTES:
+                raise ValueError(f"it holds more than {MAX_VERDICT_BYTES} bytes")
             verdict = Verdict.from_json(json.loads(path.read_text()))
             if verdict.fingerprint != fingerprint or pairing_fingerprint(verdict.pairing) != fingerprint:
                 raise ValueError("it is the verdict of another pairing")
@@ -80,10 +95,16 @@ class VerdictStore:
         return verdict
 
     def put(self, verdict: Verdict) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(verdict.fingerprint).with_suffix(".tmp")
-        tmp.write_text(json.dumps(verdict.to_json(), indent=2))
-        tmp.replace(self.path(verdict.fingerprint))
+        """Keep ``verdict``; a cache folder that cannot be made or written (an operator's
+        ``MLX_BATCHD_CACHE`` pointing at a file, a read-only home) costs the store only: the verdict
+        serves this process and the pairing is probed again at the next start."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.path(verdict.fingerprint).with_suffix(".tmp")
+            tmp.write_text(json.dumps(verdict.to_json(), indent=2))
+            tmp.replace(self.path(verdict.fingerprint))
+        except OSError as exc:
+            log.warning("cannot keep the verdict in %s (%s); it is probed again next start", self.root, exc)
 
 
 def serving_pairing(

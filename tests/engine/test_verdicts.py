@@ -26,7 +26,7 @@ from workers.kernels import measure_widths
 from workers.loop import EngineSettings, EngineThread, Ready, Signal
 from workers.models import load as load_model
 from workers.probe import make_draws, probe
-from workers.verdict_store import VerdictStore
+from workers.verdict_store import MAX_VERDICT_BYTES, VerdictStore, model_fingerprint
 
 VOCAB = 260
 K = 2
@@ -201,3 +201,37 @@ def test_a_forged_verdict_file_is_reprobed_across_a_restart_and_bursts_work(
         assert second.thread.snapshot()["bursts"]["rounds"] > 0
     assert any("ignoring the stored verdict" in r.getMessage() for r in caplog.records)
     assert json.loads(stored.read_text())["level"] == "wide"  # the store holds a real verdict again
+
+
+def test_an_oversized_verdict_file_is_not_read(
+    genuine: tuple[str, dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fingerprint, data = genuine
+    padded = json.dumps(data).encode() + b" " * MAX_VERDICT_BYTES
+    with caplog.at_level(logging.WARNING, logger="mlx_batchd.probe"):
+        assert _store_with(tmp_path, fingerprint, padded).get(fingerprint) is None
+    assert "more than" in caplog.text
+
+
+@pytest.mark.parametrize("memo", [b"{ damaged", b"[1, 2]", b'{"x": 5}'])
+def test_a_damaged_file_hash_memo_is_hashed_again(tiny_model: Path, tmp_path: Path, memo: bytes) -> None:
+    want = model_fingerprint(tiny_model, tmp_path / "fresh")
+    (tmp_path / "memo").mkdir()
+    (tmp_path / "memo" / "file-hashes.json").write_bytes(memo)
+    assert model_fingerprint(tiny_model, tmp_path / "memo") == want
+
+
+def test_a_cache_folder_that_cannot_be_used_still_serves_bursts(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's $MLX_BATCHD_CACHE pointing at a file: the pairing is probed and served, and the
+    verdict and the file-hash memo are not kept, with a warning each."""
+    root = tmp_path / "not-a-folder"
+    root.write_text("")
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(root))
+    with caplog.at_level(logging.WARNING, logger="mlx_batchd.probe"), Served(tiny_model) as served:
+        assert served.verdict()["level"] == "wide"
+        _, end = served.generate([5, 6, 7, 5, 6, 7, 5, 6], 30)
+        assert (end.reason, end.error_code) == ("length", None)
+        assert served.thread.snapshot()["bursts"]["rounds"] > 0
+    assert "cannot keep the verdict" in caplog.text and "cannot keep the file-hash memo" in caplog.text
