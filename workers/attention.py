@@ -1,10 +1,13 @@
 """Per-query attention: a block's attention computed as decode computes it, query by query.
 
-At the per-query levels (``Level.per_query``) a block's T-token cache update is done as T one-token
-updates through the real cache's own update path (``PerQueryCache``), and each query attends with
-decode's single-query, mask-free call over exactly the view decode would have got
-(``per_query_sdpa``, patched over mlx-lm's ``scaled_dot_product_attention`` by ``patches.install``).
-The cache's physical order and memory layout are decode's by construction, rotating caches included.
+At the per-query levels (``Level.per_query``) each query of a block attends with decode's
+single-query, mask-free call over exactly the view decode would have got (``per_query_sdpa``, patched
+over mlx-lm's ``scaled_dot_product_attention`` by ``patches.install``). The views come from the real
+cache's own update path (``PerQueryCache``): a growing ``KVCache`` with room for the block takes it
+in one update, and each query's view is a prefix of the one that update returns (same buffer, same
+strides as after its own one-token update); any other cache (rotating, quantized, or one due to grow)
+and every cache at ``per-query-1`` takes T one-token updates. The cache's physical order and memory
+layout are decode's by construction, rotating caches included.
 
 Consecutive queries may share one causal call (``group_width``) where that is measured to give each
 query decode's bytes: MLX CUDA's vector attention kernel, for example, walks each query's keys in
@@ -44,12 +47,56 @@ _CHECK_ENDS = (MAX_GROUP + 2, 300, SPLIT + 3, 4 * SPLIT + 3)
 _widths: dict[tuple[Any, ...], int] = {}
 
 
-class PerQueryCache:
-    """A cache proxy for a per-query forward: a T-token update is done as T one-token updates.
+class Views:
+    """Each block query's K/V as decode had it, by query: kept from one-token updates (``pairs``), or
+    sliced, only when asked for, from the view one whole-block update returned (``block``)."""
 
-    Each one-token update goes through the real cache's ``update_and_fetch``, exactly as decode
-    does, and the view it returns (decode's view: same buffer, same order, same strides) is kept
-    for that query's attention. Everything else is delegated to the real cache.
+    def __init__(self, lengths: list[int], at: Callable[[int], tuple[mx.array, mx.array]], prefixes: bool) -> None:
+        self.lengths = lengths
+        self.at = at
+        #: Whether every query's view is a prefix of the last one's (one key more per query).
+        self.prefixes = prefixes
+
+    @classmethod
+    def pairs(cls, views: list[tuple[mx.array, mx.array]]) -> Views:
+        lengths = [k.shape[2] if isinstance(k, mx.array) else -1 for k, _ in views]
+        prefixes = lengths[0] >= 0 and all(n == lengths[0] + i for i, n in enumerate(lengths))
+        return cls(lengths, views.__getitem__, prefixes)
+
+    @classmethod
+    def block(cls, keys: mx.array, values: mx.array, t: int) -> Views:
+        n = keys.shape[2]
+        lengths = [n - t + 1 + i for i in range(t)]
+
+        def at(i: int) -> tuple[mx.array, mx.array]:
+            return (keys, values) if i == t - 1 else (keys[:, :, : lengths[i]], values[:, :, : lengths[i]])
+
+        return cls(lengths, at, True)
+
+
+def _whole_block(cache: Any, t: int) -> bool:
+    """Whether a T-token update may be one update: a growing ``KVCache`` (not rotating, not
+    quantized) whose buffer holds the T keys without growing, so each query's view is a prefix, in
+    the same buffer with the same strides, of what T one-token updates would have returned; and not
+    at ``per-query-1``, which makes decode's own one-token updates by construction."""
+    from mlx_lm.models.cache import KVCache
+
+    return (
+        type(cache) is KVCache
+        and cache.keys is not None
+        and cache.offset + t <= cache.keys.shape[2]
+        and current_level() is not Level.PER_QUERY_1
+    )
+
+
+class PerQueryCache:
+    """A cache proxy for a per-query forward: each query of a T-token update gets decode's view.
+
+    A growing cache with room for the block takes the T tokens in one update and each query's view
+    is a prefix of the one it returns (``_whole_block``); any other cache is updated T times with one
+    token, through its own ``update_and_fetch`` exactly as decode does, and the view each update
+    returns (decode's view: same buffer, same order, same strides) is kept for that query's attention.
+    Everything else is delegated to the real cache.
     """
 
     def __init__(self, cache: Any) -> None:
@@ -58,17 +105,23 @@ class PerQueryCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         cache = self._cache
-        if keys.shape[2] == 1:
+        t = keys.shape[2]
+        if t == 1:
             self.__dict__["views"] = None
             return cache.update_and_fetch(keys, values)
-        views = []
-        for i in range(keys.shape[2]):
+        if _whole_block(cache, t):
+            k, v = cache.update_and_fetch(keys, values)
+            k, v = mx.array(k), mx.array(v)
+            self.__dict__["views"] = Views.block(k, v, t)
+            return k, v
+        pairs = []
+        for i in range(t):
             k, v = cache.update_and_fetch(keys[:, :, i : i + 1], values[:, :, i : i + 1])
             # A cache may hand back its buffer object itself, which the next update mutates in
             # place; ``mx.array`` takes a handle to the current value (no copy, same layout).
-            views.append((mx.array(k), mx.array(v)))
-        self.__dict__["views"] = views
-        return views[-1]
+            pairs.append((mx.array(k), mx.array(v)))
+        self.__dict__["views"] = Views.pairs(pairs)
+        return pairs[-1]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
@@ -104,7 +157,7 @@ def spans(lengths: list[int], width: int) -> list[tuple[int, int]]:
 def _grouped(
     original: Callable[..., mx.array],
     queries: mx.array,
-    views: list[tuple[mx.array, mx.array]],
+    views: Views,
     cache: Any,
     scale: float,
     width: int,
@@ -113,10 +166,10 @@ def _grouped(
     """The block's attention, one call per group of queries over the view after its last query's
     update (causal inside the group; a one-query group is decode's own mask-free call)."""
     outs = []
-    for first, last in spans([k.shape[2] for k, _ in views], width):
+    for first, last in spans(views.lengths, width):
         q = queries[:, :, first : last + 1]
         n = last - first + 1
-        k, v = fastpath.attention_inputs(*views[last])
+        k, v = fastpath.attention_inputs(*views.at(last))
         out = original(q, k, v, cache, scale=scale, mask="causal" if n > 1 else None, **kwargs)
         outs.append(seam.apply("attention", out, n, None, q))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
@@ -135,7 +188,7 @@ def _measure(original: Callable[..., mx.array], queries: mx.array, keys: mx.arra
             q = mx.random.normal((1, heads, t, dim), key=key).astype(queries.dtype)
             k = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 1)).astype(keys.dtype)
             v = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 2)).astype(keys.dtype)
-            views = [(k[:, :, : end - t + 1 + i], v[:, :, : end - t + 1 + i]) for i in range(t)]
+            views = Views.pairs([(k[:, :, : end - t + 1 + i], v[:, :, : end - t + 1 + i]) for i in range(t)])
             grouped = _grouped(original, q, views, None, scale, width, {})
             alone = _grouped(original, q, views, None, scale, 1, {})
             mx.eval(grouped, alone)
@@ -158,15 +211,12 @@ def group_width(original: Callable[..., mx.array], queries: mx.array, keys: mx.a
     return width
 
 
-def _consecutive(cache: Any, views: list[tuple[mx.array, mx.array]]) -> bool:
-    """Whether every view is a prefix of the last: a growing ``KVCache`` (not a rotating or a
-    quantized one), one key more per query."""
+def _growing(cache: Any, views: Views) -> bool:
+    """Whether every query's view is a prefix of the last one's in a growing ``KVCache`` (not a
+    rotating or a quantized one), so one call over the last view can serve them all."""
     from mlx_lm.models.cache import KVCache
 
-    if not isinstance(cache, KVCache) or not isinstance(views[0][0], mx.array):
-        return False
-    n = views[0][0].shape[2]
-    return all(k.shape[2] == n + i for i, (k, _) in enumerate(views))
+    return isinstance(cache, KVCache) and views.prefixes
 
 
 def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -185,8 +235,8 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
         real = cache._cache
         width = 1
         # ``per-query-1``, the last rung before "declined", stays exact by construction: one call per query.
-        if len(views) > 1 and not kwargs and current_level() is not Level.PER_QUERY_1 and _consecutive(real, views):
-            width = group_width(original, queries, views[0][0], scale)
+        if len(views.lengths) > 1 and not kwargs and current_level() is not Level.PER_QUERY_1 and _growing(real, views):
+            width = group_width(original, queries, views.at(0)[0], scale)
         return _grouped(original, queries, views, real, scale, width, kwargs)
 
     sdpa.__wrapped__ = original  # type: ignore[attr-defined]

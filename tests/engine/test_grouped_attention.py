@@ -11,14 +11,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import workers.seam
 from tests.reference import load_measured
 from workers import attention
 from workers.attention import MAX_GROUP, SPLIT, group_width, spans
 from workers.engine import Engine
-from workers.kernels import Level, bytes_equal
+from workers.kernels import LAYOUT_STEP, Level, bytes_equal
 from workers.synthetic import PRESETS, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
@@ -98,3 +98,41 @@ def test_a_verify_block_in_groups_equals_one_call_per_query(llama: Path, level: 
     assert calls == want
     assert bytes_equal(blocks[level], blocks[Level.PER_QUERY_1])
     attention._widths.clear()
+
+
+@pytest.mark.parametrize(
+    ("level", "prompt_len", "updates_per_layer"),
+    [
+        (Level.PER_QUERY, 40, 1),  # room in the buffer (LAYOUT_STEP keys): one update for the block
+        (Level.MIRRORED, 40, 1),
+        (Level.PER_QUERY, LAYOUT_STEP - 2, 5),  # the block would grow the buffer: one-token updates
+        (Level.PER_QUERY_1, 40, 5),  # exact by construction: decode's own one-token updates
+    ],
+)
+def test_a_block_takes_one_cache_update_where_the_buffer_has_room(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, level: Level, prompt_len: int, updates_per_layer: int
+) -> None:
+    """Each query's view is then a prefix of the block's view in the same buffer; the logits are
+    byte-identical to one-token updates (``per-query-1``)."""
+    model = load_measured(llama)
+    engine = Engine(model, eos_token_ids=(0,), vocab_size=260)
+    prompt = mx.array([[(7 * i) % 250 + 3 for i in range(prompt_len)]])
+    update = KVCache.update_and_fetch
+    calls: list[int] = []
+
+    def counted(self: KVCache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        calls.append(keys.shape[2])
+        return update(self, keys, values)
+
+    blocks = {}
+    for lv in (Level.PER_QUERY_1, level):
+        cache = make_prompt_cache(model)
+        mx.eval(engine.forward(prompt, cache))
+        monkeypatch.setattr(KVCache, "update_and_fetch", counted)
+        calls.clear()
+        with engine.pinned(lv, "verify"):
+            blocks[lv] = engine.forward(mx.array([[4, 5, 6, 7, 8]]), cache)
+            mx.eval(blocks[lv])
+        monkeypatch.setattr(KVCache, "update_and_fetch", update)
+    assert len(calls) == updates_per_layer * len(model.model.layers)
+    assert bytes_equal(blocks[level], blocks[Level.PER_QUERY_1])
