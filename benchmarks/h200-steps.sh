@@ -1,6 +1,8 @@
 # Sourced by the device scripts that run timed steps (h200-padded.sh, h200-rowwise.sh): MLX CUDA in
 # /tmp/site (installed by an earlier call on the same warm machine, or part2 carried), the
 # environment, the 8B synth at /tmp/m8b, and `step`, which runs a command within what is left of BUDGET.
+# MLX's compiled kernels from an earlier machine, where carried (.mlx-cuda/ptx): spares minutes of JIT.
+[ -f .mlx-cuda/ptx/ptx.tgz ] && [ ! -d /tmp/mlx ] && tar xzf .mlx-cuda/ptx/ptx.tgz -C /tmp
 [ -d /tmp/site/mlx ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=/tmp/mbc
 R=$OUT/r && mkdir -p $R
