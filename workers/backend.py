@@ -7,6 +7,7 @@ Probe verdicts and kernel plans are kept on disk and reused only on the backend 
 from __future__ import annotations
 
 import os
+import re
 
 import mlx.core as mx
 
@@ -31,7 +32,9 @@ def configure_attention(cudnn: bool) -> bool:
     if value is None:
         os.environ[CUDNN_ATTENTION_ENV] = "1" if cudnn else "0"
         return cudnn
-    return value.strip() not in ("", "0")
+    # MLX reads the variable with C's atoi: leading digits, anything else 0.
+    digits = re.match(r"\s*([+-]?\d+)", value)
+    return digits is not None and int(digits.group(1)) != 0
 
 
 def backend_fingerprint() -> dict[str, str]:

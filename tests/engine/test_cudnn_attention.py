@@ -24,7 +24,9 @@ def test_unset_it_follows_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ[CUDNN_ATTENTION_ENV] == "1"
 
 
-@pytest.mark.parametrize(("value", "on"), [("1", True), ("0", False), ("", False)])
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), ("0", False), ("", False), ("abc", False), ("00", False), (" 2x", True)]
+)
 def test_the_operators_setting_is_kept(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
     monkeypatch.setenv(CUDNN_ATTENTION_ENV, value)
     assert configure_attention(not on) is on
