@@ -6,12 +6,17 @@
    over max |reference|), row-exactness (each row of an M-row call byte-equal to the 1-row call),
    and milliseconds at M = 1, 2, 5, 8 against MLX's own quantized matmul at M = 1 and 5.
    Then each kernel variant (outputs per warp R, words per load VEC) at M = 1 and 5, with its error
-   and row-exactness at M = 5; and the mirrored kernel (``qmv_rows``): each row of a 1-, 5- and
-   8-row call byte-equal to MLX's own one-row call, and its milliseconds.
+   and row-exactness at M = 5; and the mirrored kernel (``qmv_rows``) at each (outputs per warp,
+   weight tiles loaded ahead) in ``MIRRORED``: each row of a 1-, 2-, 4-, 5- and 8-row call byte-equal
+   to MLX's own one-row call, and its milliseconds, beside MLX's as mlx-lm calls it and at its
+   cheapest way per row count (flattened, padded to 8 or 16: what batched decode's plans choose from).
+   ``--quick``: the mirrored kernel only.
 2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
-   mirrored (as it runs, and "unfused": one kernel call per projection, one attention call per
-   query), per-query-1 and rowwise (two variants), in milliseconds and in wide classic steps, with
-   the part of each spent building the graph before any kernel runs.
+   at wide with every quantized projection planned to the mirrored kernel (``fastpath.KERNEL``, one
+   row included: what a batched plan may choose), and at mirrored, for U = 1, 2, 4 tiles ahead;
+   without ``--quick`` also per-query-1, mirrored "unfused" (one kernel call per projection, one
+   attention call per query) and rowwise, in milliseconds and in wide classic steps, with the part
+   of each spent building the graph before any kernel runs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import mlx.nn as nn
 from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import attention, qmv_rows, rowkernel
+from workers import attention, fastpath, qmv_rows, rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
 
@@ -36,18 +41,23 @@ from workers.models import load
 VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 
 
-#: Outputs per warp of the mirrored kernel that part 1 times (the first is the module's default).
-MIRRORED_R = tuple(dict.fromkeys((qmv_rows.OUTS_PER_WARP, 1, 2, 4)))
+#: (outputs per warp, weight tiles loaded ahead) of the mirrored kernel that part 1 times (the first
+#: is the module's default).
+MIRRORED = tuple(dict.fromkeys(((qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL), (4, 1), (4, 2), (4, 4), (8, 2))))
+#: Rows per call that part 1 times the mirrored kernel (and MLX) at.
+MIRRORED_ROWS = (1, 2, 4, 5, 8)
+#: Unroll settings of the mirrored rung in part 2's whole-model runs.
+WHOLE_UNROLL = (1, 2, 4)
 
 
 def use(variant: tuple[int, int]) -> None:
-    """A rowkernel variant (outputs per warp, words per load), or (-r, 0): the mirrored kernel with r
-    outputs per warp (and the rowkernel's default)."""
+    """A rowkernel variant (outputs per warp, words per load), or (-r, u): the mirrored kernel with r
+    outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default)."""
     if variant[0] < 0:
-        qmv_rows.OUTS_PER_WARP = -variant[0]
+        qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = -variant[0], variant[1] or MIRRORED[0][1]
         variant = VARIANTS[0]
     else:
-        qmv_rows.OUTS_PER_WARP = MIRRORED_R[0]
+        qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
@@ -116,9 +126,10 @@ def shapes(model: nn.Module, quick: bool = False) -> dict[str, Any]:
 
 
 def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
-    """The mirrored kernel on this module, at each number of outputs per warp in ``MIRRORED_R``: each
-    row of a 1-, 5- and 8-row call byte-equal to MLX's own one-row call, and milliseconds per call
-    (MLX's own at 1 and 5 rows alongside)."""
+    """The mirrored kernel on this module at each (outputs per warp, tiles ahead) in ``MIRRORED``:
+    each row of a call of ``MIRRORED_ROWS`` rows byte-equal to MLX's own one-row call, and
+    milliseconds per call; MLX alongside, as mlx-lm calls it and at its cheapest way for each row
+    count (flattened, or padded to 8 or 16 rows: what batched decode's plan can choose from)."""
     found = qmv_rows.covered(m, x)
     if found is None:
         return {}
@@ -127,27 +138,34 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
     row: dict[str, Any] = {}
     with stock():
         ones_mlx = [original(m, x[i : i + 1]) for i in range(8)]
-        row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm]), 20), 4) for mm in (1, 5)}
-        for r in MIRRORED_R:
-            qmv_rows.OUTS_PER_WARP = r
-            mirrored = {mm: qmv_rows._launch(x[:mm], [found[:3]], found[3], found[4])[0] for mm in (1, 5, 8)}
+        row["mlx_ms"] = {mm: round(timeit(lambda mm=mm, x=x: m(x[:mm][:, None]), 20), 4) for mm in MIRRORED_ROWS}
+        row["mlx_best_ms"] = {}
+        for mm in MIRRORED_ROWS:
+            ways = {"called": row["mlx_ms"][mm]}
+            for to in dict.fromkeys((mm, 8, 16)):
+                if to >= mm:
+                    xs = x[:mm] if to == mm else mx.concatenate([x[:mm], mx.zeros((to - mm, x.shape[1]), x.dtype)])
+                    ways[f"rows{to}"] = round(timeit(lambda xs=xs: m(xs), 20), 4)
+            best = min(ways, key=lambda k: ways[k])
+            row["mlx_best_ms"][mm] = [best, ways[best]]
+        for r, u in MIRRORED:
+            qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = r, u
+            mirrored = {mm: qmv_rows._launch(x[:mm], [found[:3]], found[3], found[4])[0] for mm in MIRRORED_ROWS}
             mx.eval(ones_mlx, mirrored)
-            row[f"mirrored_R{r}"] = {
-                "equals_mlx_one_row": {
-                    mm: all(
-                        bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
-                        for i in range(mm)
-                    )
+            row[f"mirrored_R{r}U{u}"] = {
+                "equals_mlx_one_row": all(
+                    bool(mx.array_equal(out[i].view(mx.uint16), ones_mlx[i][0].view(mx.uint16)).item())
                     for mm, out in mirrored.items()
-                },
+                    for i in range(mm)
+                ),
                 "ms": {
                     mm: round(
                         timeit(lambda mm=mm, x=x, f=found: qmv_rows._launch(x[:mm], [f[:3]], f[3], f[4])[0], 20), 4
                     )
-                    for mm in (1, 5, 8)
+                    for mm in MIRRORED_ROWS
                 },
             }
-    qmv_rows.OUTS_PER_WARP = MIRRORED_R[0]
+    qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
     return row
 
 
@@ -173,6 +191,27 @@ def unfused(on: bool) -> Iterator[None]:
     finally:
         qmv_rows._siblings.update(siblings)
         attention.group_width = width  # type: ignore[assignment]
+
+
+@contextmanager
+def kernel_plans(model: nn.Module, on: bool) -> Iterator[None]:
+    """Every quantized projection planned to the mirrored kernel at 1..8 rows (``fastpath.KERNEL``),
+    classic decode's one row included: what batched decode's calibration may choose (``on``)."""
+    if not on:
+        yield
+        return
+    quantized = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    saved_plans, saved_one = dict(fastpath._plans), set(fastpath.one_row)
+    for m in quantized:
+        fastpath._plans[id(m)] = dict.fromkeys(range(1, qmv_rows.MAX_ROWS + 1), fastpath.KERNEL)
+        fastpath.one_row.add(id(m))
+    try:
+        yield
+    finally:
+        fastpath._plans.clear()
+        fastpath._plans.update(saved_plans)
+        fastpath.one_row.clear()
+        fastpath.one_row.update(saved_one)
 
 
 def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = False) -> dict[str, Any]:
@@ -203,21 +242,21 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         return sorted(times[2:])[mid], sorted(builds[2:])[mid]
 
     out: dict[str, Any] = {}
-    r0 = MIRRORED_R[0]
+    r0 = MIRRORED[0][0]
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        (f"mirrored-R{r0}", Level.MIRRORED, (-r0, 0)),
-        (f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)),
-        (f"rowwise-R{VARIANTS[0][0]}V{VARIANTS[0][1]}", Level.ROWWISE, VARIANTS[0]),
+        *((f"wide-kernel-U{u}", Level.WIDE, (-r0, u)) for u in WHOLE_UNROLL),
+        *((f"mirrored-R{r0}U{u}", Level.MIRRORED, (-r0, u)) for u in WHOLE_UNROLL),
     ]
     if not quick:
-        runs.insert(2, ("per-query-1", Level.PER_QUERY_1, VARIANTS[0]))
-        runs[3:3] = [(f"mirrored-R{r}", Level.MIRRORED, (-r, 0)) for r in MIRRORED_R[1:]]
+        runs.append((f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)))
+        runs.append((f"rowwise-R{VARIANTS[0][0]}V{VARIANTS[0][1]}", Level.ROWWISE, VARIANTS[0]))
+        runs.insert(1, ("per-query-1", Level.PER_QUERY_1, VARIANTS[0]))
         runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS[1:]]
     for name, level, variant in runs:
         use(variant)
         out[name] = {}
-        with unfused(name.endswith("-unfused")):
+        with unfused(name.endswith("-unfused")), kernel_plans(model, name.startswith("wide-kernel")):
             for t in (1, 5, 9):
                 key = f"block{t}" if t > 1 else "step"
                 out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)

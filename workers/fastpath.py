@@ -96,20 +96,41 @@ def set_active(policy: FastPath | None) -> None:
 
 
 #: Per projection module (by id): row count -> rows of the kernel call (0: leave the call as mlx-lm
-#: makes it). Filled by ``calibrate``; row counts not in a plan are flattened, unpadded.
+#: makes it; ``KERNEL``: the project's multi-row kernel). Filled by ``calibrate``; row counts not in
+#: a plan are flattened, unpadded (one row: as mlx-lm calls it).
 _plans: dict[int, dict[int, int]] = {}
+#: A plan's value for "through ``qmv_rows``": one pass over the weights for up to ``qmv_rows.MAX_ROWS``
+#: rows, each row computed with MLX's own one-row arithmetic (checked byte for byte against MLX's call
+#: per layer shape at first use, or not used). On MLX CUDA, below 8 rows MLX's batched kernel costs
+#: about one matrix-vector product per row.
+KERNEL = -1
+#: Row counts up to which a stored plan may say ``KERNEL`` (``qmv_rows.MAX_ROWS``).
+KERNEL_ROWS = 8
+#: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
+one_row: set[int] = set()
+
+RowKernel = Callable[[mx.array], "mx.array | None"]
 
 
-def project(call: Callable[[mx.array], mx.array], x: mx.array, rows: int, key: int = 0) -> tuple[mx.array, int]:
+def project(
+    call: Callable[[mx.array], mx.array], x: mx.array, rows: int, key: int = 0, kernel: RowKernel | None = None
+) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
-    A single row (classic B = 1 decode) is left exactly as mlx-lm calls it.
+    ``kernel`` computes flattened rows through the project's multi-row kernel (``None`` where that
+    does not take them): used where the plan says ``KERNEL``. A single row (classic B = 1 decode) is
+    left exactly as mlx-lm calls it unless its plan is ``KERNEL``.
     """
-    if rows == 1 or x.ndim < 2 or not active().flatten:
+    if x.ndim < 2 or not active().flatten:
         return call(x), rows
     plan = _plans.get(key)
-    to = rows if plan is None else plan.get(rows, rows)
-    if to == 0:
+    to = (1 if rows == 1 else rows) if plan is None else plan.get(rows, rows)
+    if to == KERNEL:
+        out = None if kernel is None else kernel(x.reshape(rows, x.shape[-1]))
+        if out is not None:
+            return out.reshape(*x.shape[:-1], out.shape[-1]), rows
+        to = rows
+    if to == 0 or rows == 1:
         return call(x), rows
     flat = x.reshape(rows, x.shape[-1])
     if to != rows:
@@ -151,6 +172,15 @@ def _bound(f: Callable[..., mx.array], m: nn.Module, x: mx.array) -> Callable[[]
     return lambda: f(m, x)
 
 
+def _bound_kernel(kernel: RowKernel, x: mx.array) -> Callable[[], mx.array]:
+    def call() -> mx.array:
+        out = kernel(x)
+        assert out is not None  # checked to take the module before it is timed
+        return out
+
+    return call
+
+
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     out: list[tuple[nn.Module, str]] = []
     for _, m in model.named_modules():
@@ -159,26 +189,54 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
+def _row_kernel(m: nn.Module, original: Callable[..., mx.array]) -> RowKernel | None:
+    """The project's multi-row kernel on ``m`` where it takes it here (an affine-quantized layer on
+    MLX CUDA, compiled and byte-equal to MLX's one-row call on this shape), else ``None``."""
+    from workers import qmv_rows
+
+    def kernel(x: mx.array) -> mx.array | None:
+        return qmv_rows.project(m, original, x)
+
+    d_in = m.weight.shape[-1] * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else 0
+    if not d_in:
+        return None
+    dtype = m.scales.dtype
+    return kernel if kernel(mx.zeros((1, d_in), dtype=dtype)) is not None else None
+
+
 def _time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
-    flattened to ``(rows, D)``, or flattened and padded to a size in ``PADS``. Flattened-unpadded
-    is kept unless another way is cheaper by ``MARGIN``: near-ties are noise, not a plan."""
+    flattened to ``(rows, D)``, flattened and padded to a size in ``PADS``, or ``KERNEL`` (up to its
+    rows, where it takes ``m``). Flattened-unpadded is kept unless another way is cheaper by
+    ``MARGIN``: near-ties are noise, not a plan. One row (classic decode) is timed as mlx-lm calls it
+    against ``KERNEL`` only, where the kernel takes ``m``."""
+    from workers import qmv_rows
+
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
     bits = getattr(m, "bits", None)
     d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
     dtype = m.scales.dtype if bits else m.weight.dtype
+    kernel = _row_kernel(m, original)
     plan: dict[int, int] = {}
-    for rows in range(2, n + 1):
-        ways = [0, rows, *(p for p in PADS if p > rows)]
-        shapes = [(rows, 1, d_in) if to == 0 else (to, d_in) for to in ways]
-        costs = dict(zip(ways, _ms([_bound(original, m, mx.zeros(s, dtype=dtype)) for s in shapes]), strict=True))
+    for rows in range(1 if kernel else 2, n + 1):
+        ways = [0, rows, *(p for p in PADS if p > rows)] if rows > 1 else [1]
+        if kernel is not None and rows <= qmv_rows.MAX_ROWS:
+            ways.append(KERNEL)
+        calls = [
+            _bound_kernel(kernel, mx.zeros((rows, d_in), dtype=dtype))
+            if to == KERNEL and kernel is not None
+            else _bound(original, m, mx.zeros((rows, 1, d_in) if to in (0, 1) else (to, d_in), dtype=dtype))
+            for to in ways
+        ]
+        costs = dict(zip(ways, _ms(calls), strict=True))
         best = min(costs, key=lambda k: costs[k])
         plan[rows] = best if costs[best] < (1 - MARGIN) * costs[rows] else rows
     return plan
 
 
 def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int, int]]:
-    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (``_time_plan``)
+    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
+    where the project's kernel takes the shape: ``_time_plan``)
     and install the plans; returns them by shape. A no-op unless the active policy calibrates.
     With ``store`` (``workers.plan_store``) the plans are timed once per machine and kept there, so
     every process serving the model runs the same kernels; timing costs a few seconds on a GPU."""
@@ -190,23 +248,42 @@ def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int
     shapes = sorted(first)
     tic = time.perf_counter()
     by_shape, stored = plan_store.load_or_time(
-        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}
+        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}, KERNEL_ROWS
     )
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(shapes), how)
     for m, shape in projections:
+        one_row.discard(id(m))
+        if by_shape[shape].get(1) == KERNEL:
+            one_row.add(id(m))
         if id(m) not in _plans:
             # Keyed by id: a dead module's entry must go with it, or a later module that Python
             # gives the same id would inherit a plan timed for another shape (and policy).
-            weakref.finalize(m, _plans.pop, id(m), None)
+            weakref.finalize(m, _forget, id(m))
         _plans[id(m)] = by_shape[shape]
     return by_shape
 
 
+def installed(model: nn.Module) -> dict[str, str]:
+    """The plans installed for ``model``'s projections (``plans_summary`` lines; empty when none):
+    part of what a verdict depends on, since a plan decides which kernel a batched wide forward runs."""
+    by_shape = {shape: _plans[id(m)] for m, shape in _projections(model) if id(m) in _plans}
+    return plans_summary(by_shape)
+
+
+def _forget(key: int) -> None:
+    _plans.pop(key, None)
+    one_row.discard(key)
+
+
 def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
     """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
-    with the rows its kernel call runs on (``0``: as mlx-lm calls it), e.g. ``"2:0 3:8 ... 16:16"``."""
-    return {shape: " ".join(f"{rows}:{to}" for rows, to in sorted(plan.items())) for shape, plan in by_shape.items()}
+    with the rows its kernel call runs on (``0``: as mlx-lm calls it; ``k``: the project's multi-row
+    kernel), e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:16"``."""
+    return {
+        shape: " ".join(f"{rows}:{'k' if to == KERNEL else to}" for rows, to in sorted(plan.items()))
+        for shape, plan in by_shape.items()
+    }
 
 
 def attention_inputs(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

@@ -31,7 +31,7 @@ from workers.backend import backend_fingerprint
 log = logging.getLogger("mlx_batchd")
 
 #: Bump when the timing method changes, so stored plans are timed again.
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 #: The longest a process waits for another to finish timing (timing takes seconds).
 LOCK_WAIT_S = 120.0
@@ -46,9 +46,11 @@ def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> str:
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
 
 
-def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> Plans:
-    """``plans`` as read from a file, checked: every shape, every row count 2..max_rows, each
-    planned to 0 (as called) or to a call of at least its rows (itself or a pad size)."""
+def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...], kernel_rows: int = 0) -> Plans:
+    """``plans`` as read from a file, checked: every shape, every row count 2..max_rows (and perhaps
+    one row), each planned to 0 (as called), to a call of at least its rows (itself or a pad size),
+    or to the project's kernel (``-1``, up to ``kernel_rows`` rows); one row only as called (1) or
+    to the kernel."""
     if not isinstance(plans, dict) or set(plans) != set(shapes):
         raise ValueError("the file holds plans for other shapes")
     out: Plans = {}
@@ -56,10 +58,13 @@ def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...]) -
         if not isinstance(plan, dict):
             raise ValueError(f"{shape}: not a plan")
         parsed = {int(rows): int(to) for rows, to in plan.items()}
-        if set(parsed) != set(range(2, max_rows + 1)):
+        if set(parsed) - {1} != set(range(2, max_rows + 1)):
             raise ValueError(f"{shape}: other row counts")
         for rows, to in parsed.items():
-            if not (to == 0 or to == rows or (to in pads and to > rows)):
+            kernel = to == -1 and rows <= kernel_rows
+            if rows == 1 and not (to == 1 or kernel):
+                raise ValueError(f"{shape}: one row planned to {to}")
+            if not (kernel or to == 0 or to == rows or (to in pads and to > rows)):
                 raise ValueError(f"{shape}: {rows} rows planned to {to}")
         out[shape] = parsed
     return out
@@ -94,7 +99,12 @@ def _locked(path: Path) -> Iterator[bool]:
 
 
 def load_or_time(
-    root: Path | None, shapes: list[str], max_rows: int, pads: tuple[int, ...], time_plans: Callable[[], Plans]
+    root: Path | None,
+    shapes: list[str],
+    max_rows: int,
+    pads: tuple[int, ...],
+    time_plans: Callable[[], Plans],
+    kernel_rows: int = 0,
 ) -> tuple[Plans, bool]:
     """The stored plans for these shapes, or ``time_plans()`` stored for the next process; returns
     the plans and whether they came from the store. ``root`` ``None``: always timed, never stored."""
@@ -116,7 +126,7 @@ def load_or_time(
                 size = path.stat().st_size
                 if size > MAX_FILE_BYTES:
                     raise ValueError(f"{size} bytes, more than plans take")
-                return valid(json.loads(path.read_text()), shapes, max_rows, pads), True
+                return valid(json.loads(path.read_text()), shapes, max_rows, pads, kernel_rows), True
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
         plans = time_plans()

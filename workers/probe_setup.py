@@ -1,7 +1,8 @@
 """What probing a (model, drafter) pairing needs once the model is loaded, built in one place.
 
 ``mlx-batchd probe`` and the engine's start-up probe both memoise verdicts by fingerprint, and the
-fingerprint covers the pairing's description (weights, config, drafter, cache types, backend) and
+fingerprint covers the pairing's description (weights, config, drafter, cache types, backend, the
+kernel plans installed for the model) and
 the draws. Built by one function, the two cannot drift apart: a verdict the command stored is the
 one serving finds for the same model and drafter, instead of a silent re-probe (or a verdict for
 different draws) after one copy changed and the other did not.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers import fastpath
 from workers.models import LoadedModel
 from workers.probe import ProbePolicy, Verdict, make_draws, probe_steps, sliding_window
 from workers.probe_draws import Draw, MakeCache
@@ -59,7 +61,14 @@ def probe_setup(loaded: LoadedModel, drafter: str, *, store: bool = True) -> Pro
     root = cache_dir()
     return ProbeSetup(
         make_cache=make_cache,
-        pairing=serving_pairing(Path(loaded.info.path), loaded.config, drafter, make_cache(), root / "probe"),
+        pairing=serving_pairing(
+            Path(loaded.info.path),
+            loaded.config,
+            drafter,
+            make_cache(),
+            root / "probe",
+            fastpath.installed(loaded.model),
+        ),
         store=VerdictStore(root / "verdicts") if store else None,
         vocab_size=loaded.info.vocab_size,
         context_length=loaded.info.context_length,

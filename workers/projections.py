@@ -135,6 +135,14 @@ def _through_kernel(
     return out.reshape(*lead, *out.shape[1:])
 
 
+def _row_kernel(module: Any, original: Callable[..., mx.array], rows: mx.array) -> mx.array | None:
+    """``rows`` through ``qmv_rows`` for a batched forward's plan (``fastpath.KERNEL``): one call per
+    projection (siblings are not grouped there: their plans may differ)."""
+    from workers import qmv_rows
+
+    return qmv_rows.project(module, original, rows)
+
+
 def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
@@ -148,12 +156,14 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         rows = _rows(x)
         level = current_level()
         if level is Level.WIDE:
-            # One row (classic B = 1 decode) or MoE experts (they route their rows themselves): as
-            # mlx-lm calls it, with as little Python as possible on the per-token path.
-            if rows == 1 or extra or kwargs:
+            # MoE experts (they route their rows themselves) and one row (classic B = 1 decode) unless
+            # its plan is the project's kernel: as mlx-lm calls it, with as little Python as possible.
+            if extra or kwargs or (rows == 1 and id(self) not in fastpath.one_row):
                 out = original(self, x, *extra, **kwargs)
                 return out if seam.divergence_seam is None else seam.apply("projection", out, rows, self, x)
-            out, kernel_rows = fastpath.project(lambda xs: original(self, xs), x, rows, id(self))
+            out, kernel_rows = fastpath.project(
+                lambda xs: original(self, xs), x, rows, id(self), lambda xs: _row_kernel(self, original, xs)
+            )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):
             return _through_kernel(level, self, original, x, extra, kwargs)

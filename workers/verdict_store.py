@@ -108,10 +108,16 @@ class VerdictStore:
 
 
 def serving_pairing(
-    model_dir: Path, config: dict[str, Any], drafter: str, cache: list[Any], cache_root: Path
+    model_dir: Path,
+    config: dict[str, Any],
+    drafter: str,
+    cache: list[Any],
+    cache_root: Path,
+    kernel_plans: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Everything that can change a verdict: weights and config, dtype and quantization (both in
-    the config and the weights), drafter, the cache types serving builds, backend and versions."""
+    the config and the weights), drafter, the cache types serving builds, backend and versions, and
+    the batched path's kernel plans installed for the model (``fastpath.installed``)."""
     return {
         "model": model_fingerprint(model_dir, cache_root),
         "model_type": config.get("model_type"),
@@ -119,4 +125,5 @@ def serving_pairing(
         "drafter": drafter,
         "caches": [type(c).__name__ + (f"({c.max_size})" if hasattr(c, "max_size") else "") for c in cache],
         "backend": backend_fingerprint(),
+        "kernel_plans": kernel_plans or {},
     }

@@ -41,6 +41,7 @@ def mirrored_ladder(cuda_ladder: None, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def fresh_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(qmv_rows, "_matches_mlx", {})
+    monkeypatch.setattr(qmv_rows, "_ready", {})
     monkeypatch.setattr(qmv_rows, "_compiled", None)
     monkeypatch.setattr(qmv_rows, "_checked", None)
 

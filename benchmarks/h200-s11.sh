@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Device calls (docs/benchmarks.md section 16), run from the repository root after MLX CUDA is staged
+# (as for h200-s10.sh; carry .mlx-cuda/ptx too).
+# PART=v: the mirrored kernel with U weight tiles loaded ahead (qmv_rows.UNROLL) per projection shape
+# and row count against MLX's cheapest way, the whole model at wide / wide with every projection
+# planned to the kernel / mirrored for U = 1, 2, 4; then, with the U whose 5-token mirrored block
+# was cheapest, the probe and B = 1 prompt lookup over 1,024 tokens.
+# PART=m: the whole bench matrix (kernel plans timed with the kernel as a way; U from $U).
+# PART=d: the demo pair with its MTP head, and `mlx-batchd demo`.
+set -uo pipefail
+source benchmarks/h200-steps.sh
+if [ "${PART:-v}" = v ]; then
+  step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --out "$R/rowkernel.json"
+  U=$(python3 -c "
+import json; w = json.load(open('$R/rowkernel.json'))['whole_model']
+print(min((v['block5_ms'], k.rsplit('U', 1)[1]) for k, v in w.items() if k.startswith('mirrored-'))[1])" 2>/dev/null || echo 1)
+  export MLX_BATCHD_QMV_UNROLL=$U && echo "U=$U"
+  step probe 90 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k 4 --no-store
+  step bench1 330 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
+    --tokens 1024 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
+elif [ "$PART" = m ]; then
+  export MLX_BATCHD_QMV_UNROLL=${U:-1}
+  step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1,4,8,16,32,64,128 --tokens 64 \
+    --repeats 3 --raw-max-batch 32 --out "$R/matrix"
+elif [ "$PART" = d ]; then
+  export MLX_BATCHD_QMV_UNROLL=${U:-1}
+  step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
+    --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
+  step demo 120 python3 -m scheduler demo
+fi
+rm -f "$R"/*/*.png
+find /tmp/mbc -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
+tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null
