@@ -5,6 +5,8 @@
 # and row count against MLX's cheapest way, the whole model at wide / wide with every projection
 # planned to the kernel / mirrored for U = 1, 2, 4; then, with the U whose 5-token mirrored block
 # was cheapest, the probe and B = 1 prompt lookup over 1,024 tokens.
+# PART=a: where a batched decode step's time goes (benchmarks/step_anatomy.py), then the demo pair
+# with its MTP head (128 tokens).
 # PART=m: the whole bench matrix (kernel plans timed with the kernel as a way; U from $U).
 # PART=d: the demo pair with its MTP head, and `mlx-batchd demo`.
 set -uo pipefail
@@ -18,6 +20,10 @@ print(min((v['block5_ms'], k.rsplit('U', 1)[1]) for k, v in w.items() if k.start
   step probe 90 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k 4 --no-store
   step bench1 330 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
     --tokens 1024 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
+elif [ "$PART" = a ]; then
+  step anatomy 200 python3 benchmarks/step_anatomy.py --model /tmp/m8b --out "$R/anatomy.json"
+  step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
+    --tokens 128 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
 elif [ "$PART" = m ]; then
   export MLX_BATCHD_QMV_UNROLL=${U:-1}
   step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1,4,8,16,32,64,128 --tokens 64 \
