@@ -120,3 +120,35 @@ def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path,
         assert run() == reference
     finally:
         fastpath._plans.clear()
+
+
+def test_projections_on_one_input_pad_it_once_and_each_keeps_its_own_rows(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v (and gate/up) take one input one after another: padded once for all of them; another
+    input (or another pad size) is padded afresh, and every output is its own call's real rows."""
+    fastpath.set_active(fastpath.FastPath("padded", flatten=True))
+    lins = [nn.Linear(8, n) for n in (5, 3, 3)]
+    for i, lin in enumerate(lins):
+        monkeypatch.setitem(fastpath._plans, 100 + i, {4: 16, 3: 8})
+    pads: list[int] = []
+    real_pad = fastpath._pad
+    monkeypatch.setattr(fastpath, "_pad", lambda flat, to: pads.append(to) or real_pad(flat, to))
+    x = mx.random.normal((4, 1, 8))
+    outs = [fastpath.project(lin, x, 4, key=100 + i)[0] for i, lin in enumerate(lins)]
+    assert pads == [16]
+    for lin, out in zip(lins, outs, strict=True):
+        assert bool(mx.all(kernels.bytes_view(out) == kernels.bytes_view(lin(x))).item())
+    fastpath.project(lins[0], mx.random.normal((4, 1, 8)), 4, key=100)
+    fastpath.project(lins[0], mx.random.normal((3, 1, 8)), 3, key=100)
+    assert pads == [16, 16, 8]
+
+
+def test_calibration_times_a_padded_way_with_its_padding(policy: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padding and the slice cost a step as much as a small projection: a padded way is timed
+    with them, as ``project`` runs it, not on an input padded beforehand."""
+    pads: list[int] = []
+    real_pad = fastpath._pad
+    monkeypatch.setattr(fastpath, "_pad", lambda flat, to: pads.append(to) or real_pad(flat, to))
+    fastpath._time_plan(nn.Linear(8, 8), 2)
+    assert set(pads) == {8, 16}
