@@ -129,7 +129,7 @@ def test_projections_on_one_input_pad_it_once_and_each_keeps_its_own_rows(
     input (or another pad size) is padded afresh, and every output is its own call's real rows."""
     fastpath.set_active(fastpath.FastPath("padded", flatten=True))
     lins = [nn.Linear(8, n) for n in (5, 3, 3)]
-    for i, lin in enumerate(lins):
+    for i in range(len(lins)):
         monkeypatch.setitem(fastpath._plans, 100 + i, {4: 16, 3: 8})
     pads: list[int] = []
     real_pad = fastpath._pad
