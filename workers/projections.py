@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers import fastpath, seam
+from workers import fastpath, qmv_rows, rowkernel, seam
 from workers.levels import Level, current_level
 from workers.widths import chunk_widths
 
@@ -119,8 +119,6 @@ def _through_kernel(
     (``rowkernel``), at ``mirrored`` the one that repeats decode's one-row arithmetic (``qmv_rows``,
     only on layer shapes measured equal to MLX's call). Where the kernel does not take the module,
     decode's own one-row call per row, which is exact by construction as well."""
-    from workers import qmv_rows, rowkernel
-
     rows = _rows(x)
     lead = x.shape[:-1]
     flat = x.reshape(rows, x.shape[-1])
@@ -138,8 +136,6 @@ def _through_kernel(
 def _row_kernel(module: Any, original: Callable[..., mx.array], rows: mx.array) -> mx.array | None:
     """``rows`` through ``qmv_rows`` for a batched forward's plan (``fastpath.KERNEL``): one call per
     projection (siblings are not grouped there: their plans may differ)."""
-    from workers import qmv_rows
-
     return qmv_rows.project(module, original, rows)
 
 

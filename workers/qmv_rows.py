@@ -34,6 +34,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -271,11 +272,35 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _siblings: dict[int, tuple[weakref.ref[Any], ...]] = {}
 #: id(module) -> (the input it was computed on, its output), kept by a sibling's call until its own.
 _kept: dict[int, tuple[Any, mx.array]] = {}
-#: id(module) -> (weak reference, activation dtype, (weight, scales, biases), bits, group size, bias)
-#: of single modules the kernel was checked on: later calls (classic decode's one row through a
-#: batched plan, ``fastpath.KERNEL``) skip the checks, which cost about what MLX's own call costs in
-#: Python. Used only while the module and its weight arrays are the ones checked.
-_ready: dict[int, tuple[weakref.ref[Any], Any, tuple[mx.array, mx.array, mx.array], int, int, Any]] = {}
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """Modules (one, or a sibling group) the kernel was checked on, with what their calls need."""
+
+    modules: tuple[weakref.ref[Any], ...]
+    dtype: Any
+    mats: list[tuple[mx.array, mx.array, mx.array]]
+    bits: int
+    gs: int
+    biases: list[Any]
+
+    def serves(self, modules: tuple[Any, ...], x: mx.array) -> bool:
+        """Whether these are still the checked modules with the checked weight arrays, on rows of
+        the checked dtype."""
+        if x.dtype != self.dtype:
+            return False
+        for ref, m, (w, s, _) in zip(self.modules, modules, self.mats, strict=True):
+            if m["weight"] is not w or m["scales"] is not s or ref() is not m:
+                return False
+        return True
+
+
+#: Module ids (one, or a sibling group's) -> what the kernel was checked on: later calls (every
+#: forward's projections) skip the checks and the shape keys, which cost a verify block's graph
+#: building about as much as MLX's own calls do. Used only while the modules and their weight arrays
+#: are the ones checked.
+_ready: dict[tuple[int, ...], _Ready] = {}
 
 
 def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
@@ -413,6 +438,25 @@ def _group(module: Any) -> tuple[Any, ...] | None:
 def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.array) -> list[mx.array] | None:
     """Each module's projection of ``x``'s rows through the kernel (all in one call per ``MAX_ROWS``
     rows), or ``None`` where a module, its shape or this backend is not covered."""
+    ids = tuple(id(m) for m in modules)
+    ready = _ready.get(ids)
+    if ready is None or not ready.serves(modules, x):
+        ready = _check(modules, original, x)
+        if ready is None:
+            return None
+        _ready[ids] = ready
+    mats, bits, gs = ready.mats, ready.bits, ready.gs
+    if x.shape[0] <= MAX_ROWS:
+        outs = _launch(x, mats, bits, gs)
+    else:
+        parts = [_launch(x[i : i + MAX_ROWS], mats, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
+        outs = [mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True)]
+    return [o if b is None else o + b for o, b in zip(outs, ready.biases, strict=True)]
+
+
+def _check(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.array) -> _Ready | None:
+    """The modules' kernel inputs where the kernel takes them and reproduced MLX's one-row call on
+    their shapes (checked once per shape group), else ``None``."""
     found = [covered(m, x) for m in modules]
     if any(f is None for f in found):
         return None
@@ -425,16 +469,8 @@ def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.
         log.info("mirrored kernel on %s: %s", key, "matches MLX's one-row call" if ok else "differs; one-row calls")
     if not ok:
         return None
-    if len(modules) == 1:
-        module = modules[0]
-        bias = module["bias"] if isinstance(module, nn.QuantizedLinear) and "bias" in module else None
-        _ready[id(module)] = (weakref.ref(module), x.dtype, mats[0], bits, gs, bias)
-    parts = [_launch(x[i : i + MAX_ROWS], mats, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
-    outs = [p[0] if len(parts) == 1 else mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True)]
-    return [
-        o + m["bias"] if isinstance(m, nn.QuantizedLinear) and "bias" in m else o
-        for m, o in zip(modules, outs, strict=True)
-    ]
+    biases = [m["bias"] if isinstance(m, nn.QuantizedLinear) and "bias" in m else None for m in modules]
+    return _Ready(tuple(weakref.ref(m) for m in modules), x.dtype, mats, bits, gs, biases)
 
 
 def project(module: Any, original: Callable[..., mx.array], x: mx.array, source: Any = None) -> mx.array | None:
@@ -464,13 +500,6 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array, source:
 
 
 def _one(module: Any, original: Callable[..., mx.array], x: mx.array) -> mx.array | None:
-    """One module's projection: straight to the launch when the module was checked (``_ready``)."""
-    ready = _ready.get(id(module))
-    if ready is not None and ready[1] == x.dtype and x.shape[0] <= MAX_ROWS:
-        mat = ready[2]
-        if module["weight"] is mat[0] and module["scales"] is mat[1] and ready[0]() is module:
-            out = _launch(x, [mat], ready[3], ready[4])[0]
-            return out if ready[5] is None else out + ready[5]
     outs = _through((module,), original, x)
     return None if outs is None else outs[0]
 
