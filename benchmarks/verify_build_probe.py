@@ -1,0 +1,80 @@
+"""Host-side cost of building a verify block's graph at ``mirrored`` (issue 14), runnable on the CPU.
+
+    python benchmarks/verify_build_probe.py
+
+On the H200 half of a 5-token mirrored verify was graph building in Python (docs/benchmarks.md
+section 16). Building does not depend on the backend's kernels, so this measures it here: a 32-layer
+4-bit llama of small width, the CUDA kernel policy forced, and the CUDA launch of the mirrored kernel
+replaced by a stand-in (MLX's own quantized matmul: named as such, since the kernel cannot run on a
+CPU). Prints the median build milliseconds of a classic step, a wide 5-token block and a mirrored
+one, and the Python function calls of building five mirrored blocks (deterministic, unlike this
+machine's timings).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from workers import fastpath, kernels, qmv_rows, rowkernel
+from workers.kernels import Level, scoped, wrap_caches
+from workers.models import load
+from workers.synthetic import llama_config, write_model
+
+
+def _stand_in(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
+    return [mx.quantized_matmul(x, w, s, b, True, gs, bits) for w, s, b in mats]
+
+
+def main() -> None:
+    rowkernel.implementation = lambda: "cuda"  # type: ignore[assignment]
+    qmv_rows._launch = _stand_in  # type: ignore[assignment]
+    fastpath.set_active(fastpath.CUDA)
+    kernels.install()
+    path = Path(tempfile.mkdtemp()) / "m32"
+    write_model(path, llama_config(hidden=256, layers=32, ffn=512, heads=8, kv_heads=2, quant_bits=4), seed=1)
+    model = load(str(path)).model
+    qmv_rows.register_siblings(model)
+    prompt = mx.array([[(7 * i) % 200 + 5 for i in range(12)]])
+
+    def fresh() -> list[Any]:
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=cache), [c.state for c in cache])
+        return cache
+
+    def build(level: Level, tokens: int) -> float:
+        cache = fresh()
+        tic = time.perf_counter()
+        with scoped(level):
+            out = model(
+                mx.array([[11 + j for j in range(tokens)]]),
+                cache=wrap_caches(cache) if level.per_query and tokens > 1 else cache,
+            )
+        built = time.perf_counter() - tic
+        mx.eval(out)
+        return built
+
+    for level, tokens in ((Level.WIDE, 1), (Level.WIDE, 5), (Level.MIRRORED, 5)):
+        build(level, tokens)
+        ms = statistics.median(build(level, tokens) for _ in range(9)) * 1e3
+        print(f"{level.value} {tokens}-token build: {ms:.2f} ms")
+    caches = [fresh() for _ in range(5)]
+    profile = cProfile.Profile()
+    profile.enable()
+    for cache in caches:
+        with scoped(Level.MIRRORED):
+            model(mx.array([[11, 12, 13, 14, 15]]), cache=wrap_caches(cache))
+    profile.disable()
+    print("python calls building five mirrored 5-token blocks:", pstats.Stats(profile).total_calls)
+
+
+if __name__ == "__main__":
+    main()
