@@ -10,9 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers import fastpath, kernels
-from workers.engine import Engine, Job, Tokens
+from workers.engine import Engine
 
 
 def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) -> None:
@@ -99,14 +100,7 @@ def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path,
 
     def run() -> dict[int, list[int]]:
         engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=16)
-        for i, p in enumerate(prompts):
-            engine.submit(Job(seq=i, prompt=p, max_tokens=12))
-        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        while engine.has_work:
-            for e in engine.step():
-                if isinstance(e, Tokens):
-                    out[e.seq] += e.tokens
-        return out
+        return greedy_tokens(engine, prompts, 12)
 
     fastpath.set_active(fastpath.OFF)
     with kernels.stock():

@@ -13,10 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
+from tests.helpers.mirrored import one_row_launch
 from tests.reference import load_measured
 from workers import fastpath, plan_store, qmv_rows
-from workers.engine import Engine, Job, Tokens
+from workers.engine import Engine
 from workers.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
@@ -32,15 +34,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(fastpath, "_plans", {})
     monkeypatch.setattr(fastpath, "one_row", set())
     launches: list[int] = []
-
-    def equal(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
-        launches.append(x.shape[0])
-        return [
-            mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])])
-            for w, s, b in mats
-        ]
-
-    monkeypatch.setattr(qmv_rows, "_launch", equal)
+    monkeypatch.setattr(qmv_rows, "_launch", one_row_launch(lambda x, mats: launches.append(x.shape[0])))
     return launches
 
 
@@ -54,15 +48,7 @@ def _model(tmp_path: Path) -> nn.Module:
 
 
 def _greedy(model: nn.Module, prompts: list[list[int]]) -> dict[int, list[int]]:
-    engine = Engine(model, eos_token_ids=(), vocab_size=256, max_batch=8)
-    for i, p in enumerate(prompts):
-        engine.submit(Job(seq=i, prompt=p, max_tokens=10))
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    while engine.has_work:
-        for e in engine.step():
-            if isinstance(e, Tokens):
-                out[e.seq] += e.tokens
-    return out
+    return greedy_tokens(Engine(model, eos_token_ids=(), vocab_size=256, max_batch=8), prompts, 10)
 
 
 def test_calibration_plans_the_kernel_where_it_is_cheapest_and_only_on_layers_it_takes(

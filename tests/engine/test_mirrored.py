@@ -21,7 +21,7 @@ import workers.seam
 from tests.engine.test_chain_levels import VOCAB, _classic_forwards, _generate, _pinned_engine
 from tests.engine.test_chain_levels import cuda_ladder as cuda_ladder
 from tests.engine.test_chain_levels import llama as llama
-from tests.helpers.mirrored import _quantized
+from tests.helpers.mirrored import _quantized, one_row_launch
 from tests.reference import load_measured
 from workers import qmv_rows
 from workers.engine import Engine
@@ -90,12 +90,7 @@ def test_a_stand_in_kernel_equal_to_mlx_is_used_and_one_that_differs_falls_back(
     monkeypatch.setattr(qmv_rows.rowkernel, "implementation", lambda: "cuda")
     launches: list[int] = []
 
-    def equal(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
-        launches.append(x.shape[0])
-        return [
-            mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])])
-            for w, s, b in mats
-        ]
+    equal = one_row_launch(lambda x, mats: launches.append(x.shape[0]))
 
     q = _quantized()
     original = type(q).__call__
@@ -132,12 +127,7 @@ def test_a_layers_siblings_share_one_stand_in_launch_and_keep_decodes_bytes(
     monkeypatch.setattr(qmv_rows.rowkernel, "implementation", lambda: "cuda")
     launches: list[int] = []
 
-    def equal(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
-        launches.append(len(mats))
-        return [
-            mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, s, b, True, gs, bits) for i in range(x.shape[0])])
-            for w, s, b in mats
-        ]
+    equal = one_row_launch(lambda x, mats: launches.append(len(mats)))
 
     monkeypatch.setattr(qmv_rows, "_launch", equal)
     tokens = mx.array([[(7 * i) % 250 + 3 for i in range(6)]])

@@ -1,4 +1,5 @@
-"""The fast-path tests' fixture: every test leaves the process's fast-path policy unset."""
+"""The fast-path tests' fixture (every test leaves the process's fast-path policy unset) and greedy
+tokens through an engine."""
 
 from __future__ import annotations
 
@@ -7,9 +8,22 @@ from collections.abc import Iterator
 import pytest
 
 from workers import fastpath
+from workers.engine import Engine, Job, Tokens
 
 
 @pytest.fixture()
 def policy() -> Iterator[None]:
     yield
     fastpath.set_active(None)
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[int, list[int]]:
+    """Each prompt's greedy tokens, all submitted at once and stepped until the engine is idle."""
+    for i, p in enumerate(prompts):
+        engine.submit(Job(seq=i, prompt=p, max_tokens=max_tokens))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while engine.has_work:
+        for e in engine.step():
+            if isinstance(e, Tokens):
+                out[e.seq] += e.tokens
+    return out
