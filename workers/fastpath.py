@@ -233,10 +233,10 @@ def _row_kernel(m: nn.Module, original: Callable[..., mx.array]) -> RowKernel | 
 def _time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
     flattened to ``(rows, D)``, flattened and padded to a size in ``PADS`` (timed with the padding and
-    the slice, as ``project`` makes them), or ``KERNEL`` (up to its
-    rows, where it takes ``m``). Flattened-unpadded is kept unless another way is cheaper by
-    ``MARGIN``: near-ties are noise, not a plan. One row (classic decode) is timed as mlx-lm calls it
-    against ``KERNEL`` only, where the kernel takes ``m``."""
+    the slice, as ``project`` makes them), or ``KERNEL`` (up to its rows, where it takes ``m``).
+    Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``: near-ties are noise, not
+    a plan. One row (classic decode) is timed as mlx-lm calls it against ``KERNEL`` only, where the
+    kernel takes ``m``."""
     from workers import qmv_rows
 
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)

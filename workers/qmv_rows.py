@@ -23,6 +23,9 @@ arithmetic it has in that matrix's own call, so the outputs are unchanged, and a
 4 kernel calls a layer instead of 7 (fewer launches, and less graph building in Python). Each group's
 shapes are checked against MLX's one-row call like a single layer's.
 
+Because each row is MLX's one-row call, batched forwards may use the kernel too where it is cheaper
+(``fastpath.KERNEL``: 1-8 rows, classic decode's one row included), without changing a byte.
+
 Switch: ``rowkernel.implementation()`` (``MLX_BATCHD_ROWKERNEL``). With ``reference`` (CPU tests)
 every row takes the fallback, so tests exercise the level's plumbing; the kernel itself can only
 be checked where MLX runs on CUDA (``benchmarks/rowkernel_probe.py``).
