@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers import plan_store
+from workers import plan_store, qmv_rows
 
 log = logging.getLogger("mlx_batchd")
 
@@ -104,8 +104,6 @@ _plans: dict[int, dict[int, int]] = {}
 #: per layer shape at first use, or not used). On MLX CUDA, below 8 rows MLX's batched kernel costs
 #: about one matrix-vector product per row.
 KERNEL = -1
-#: Row counts up to which a stored plan may say ``KERNEL`` (``qmv_rows.MAX_ROWS``).
-KERNEL_ROWS = 8
 #: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
 one_row: set[int] = set()
 
@@ -218,7 +216,6 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def _row_kernel(m: nn.Module, original: Callable[..., mx.array]) -> RowKernel | None:
     """The project's multi-row kernel on ``m`` where it takes it here (an affine-quantized layer on
     MLX CUDA, compiled and byte-equal to MLX's one-row call on this shape), else ``None``."""
-    from workers import qmv_rows
 
     def kernel(x: mx.array) -> mx.array | None:
         return qmv_rows.project(m, original, x)
@@ -237,8 +234,6 @@ def _time_plan(m: nn.Module, n: int) -> dict[int, int]:
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``: near-ties are noise, not
     a plan. One row (classic decode) is timed as mlx-lm calls it against ``KERNEL`` only, where the
     kernel takes ``m``."""
-    from workers import qmv_rows
-
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
     bits = getattr(m, "bits", None)
     d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
@@ -277,7 +272,7 @@ def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int
     shapes = sorted(first)
     tic = time.perf_counter()
     by_shape, stored = plan_store.load_or_time(
-        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}, KERNEL_ROWS
+        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}, qmv_rows.MAX_ROWS
     )
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(shapes), how)

@@ -133,12 +133,6 @@ def _through_kernel(
     return out.reshape(*lead, *out.shape[1:])
 
 
-def _row_kernel(module: Any, original: Callable[..., mx.array], rows: mx.array) -> mx.array | None:
-    """``rows`` through ``qmv_rows`` for a batched forward's plan (``fastpath.KERNEL``): one call per
-    projection (siblings are not grouped there: their plans may differ)."""
-    return qmv_rows.project(module, original, rows)
-
-
 def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
@@ -157,8 +151,10 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if extra or kwargs or (rows == 1 and id(self) not in fastpath.one_row):
                 out = original(self, x, *extra, **kwargs)
                 return out if seam.divergence_seam is None else seam.apply("projection", out, rows, self, x)
+            # A plan's ``fastpath.KERNEL`` rows: one kernel call per projection (siblings are not
+            # grouped here: their plans may differ).
             out, kernel_rows = fastpath.project(
-                lambda xs: original(self, xs), x, rows, id(self), lambda xs: _row_kernel(self, original, xs)
+                lambda xs: original(self, xs), x, rows, id(self), lambda xs: qmv_rows.project(self, original, xs)
             )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):
