@@ -8,7 +8,8 @@ neither. Here every layer of the model runs one decode row per sequence up to a 
 norm, 2: + q/k/v projections, 3: + reshapes and RoPE, 4: + cache update, 5: + attention, 6: + o
 projection and residual, 7: + post norm and MLP, 8: + residual), all layers in one evaluation, so
 the difference between consecutive stages is what that stage costs a step (milliseconds, median of
-``REPS``; build = Python and graph building before evaluation). Projections run as the engine runs
+``REPS``; build = Python and graph building before evaluation). Each layer's input waits for the
+previous layer's stage output (``_after``), as in a forward. Projections run as the engine runs
 them (patched, with the plans calibration picks).
 """
 
@@ -62,6 +63,13 @@ def stage(layer: nn.Module, x: mx.array, cache: Any, s: int) -> Any:
     return r + m
 
 
+def _after(x: mx.array, out: Any) -> mx.array:
+    """``x`` made to wait for ``out``: MLX CUDA runs kernels that share no data side by side, so
+    layers run on one input time how many finish together, not a forward's chain of layers."""
+    first = out[0] if isinstance(out, list) else out
+    return x + (first.reshape(-1)[:1] * 0).astype(x.dtype)
+
+
 def time_stage(model: nn.Module, b: int, s: int, context: int) -> tuple[float, float]:
     layers = model.model.layers
     cache = make_prompt_cache(model)
@@ -72,7 +80,11 @@ def time_stage(model: nn.Module, b: int, s: int, context: int) -> tuple[float, f
     for i in range(REPS + 3):
         mx.synchronize()
         tic = time.perf_counter()
-        outs = [stage(layer, x, c, s) for layer, c in zip(layers, cache, strict=True)]
+        outs, h = [], x
+        for layer, c in zip(layers, cache, strict=True):
+            out = stage(layer, h, c, s)
+            outs.append(out)
+            h = _after(h, out)
         built = time.perf_counter()
         mx.eval(outs)
         if s >= 4:

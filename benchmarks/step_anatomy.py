@@ -17,7 +17,7 @@ building is reported on its own):
 - ``no-attention``: ``batch-cache`` with the fused attention replaced by its query (what everything
   but attention costs);
 - ``projections``: only the model's quantized projections, each called as the plan calls it, all
-  in one evaluation (the weight-reading floor of a step).
+  in one evaluation (the weight-reading floor of a step), side by side and chained.
 """
 
 from __future__ import annotations
@@ -98,14 +98,21 @@ def no_attention() -> Iterator[None]:
         mx.fast.scaled_dot_product_attention = real  # type: ignore[assignment]
 
 
-def projections_ms(model: nn.Module, b: int) -> float:
-    """Every quantized projection of the model once on B rows, as the plans call it, in one eval."""
+def projections_ms(model: nn.Module, b: int, chained: bool) -> float:
+    """Every quantized projection of the model once on B rows, as the plans call it, in one eval;
+    ``chained``: each call's input waits for the previous call's output, as in a forward (MLX CUDA
+    runs kernels that share no data side by side, so unchained it times how many finish together)."""
     mods = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     xs = {id(m): mx.zeros((b, 1, m.weight.shape[-1] * 32 // m.bits), dtype=m.scales.dtype) for m in mods}
     mx.eval(list(xs.values()))
 
     def run() -> list[mx.array]:
-        return [m(xs[id(m)]) for m in mods]
+        outs, dep = [], mx.array(0, dtype=mx.bfloat16)
+        for m in mods:
+            x = xs[id(m)] if not chained else xs[id(m)] + dep.astype(xs[id(m)].dtype)
+            outs.append(m(x))
+            dep = outs[-1].reshape(-1)[:1] * 0
+        return outs
 
     samples = []
     for i in range(STEPS + 3):
@@ -127,7 +134,9 @@ def main() -> None:
     loaded = load(a.model)
     model = loaded.model
     fastpath.set_active(fastpath.CUDA if fastpath.detect() is fastpath.CUDA else fastpath.GENERIC)
-    report: dict[str, Any] = {"plans": fastpath.plans_summary(fastpath.calibrate(model)), "by_batch": {}}
+    check: dict[int, dict[str, Any]] = {}
+    plans = fastpath.plans_summary(fastpath.calibrate(model, report=check))
+    report: dict[str, Any] = {"plans": plans, "forward_check": check, "by_batch": {}}
     policies: dict[str, Callable[[], None]] = {
         "off": lambda: fastpath.set_active(fastpath.OFF),
         "generic": lambda: fastpath.set_active(fastpath.GENERIC),
@@ -144,7 +153,8 @@ def main() -> None:
         row["batch-cache"] = forward_ms(model, b, batch_cache=True)
         with no_attention():
             row["no-attention"] = forward_ms(model, b, batch_cache=True)
-        row["projections_ms"] = projections_ms(model, b)
+        row["projections_ms"] = projections_ms(model, b, chained=False)
+        row["projections_chained_ms"] = projections_ms(model, b, chained=True)
         report["by_batch"][b] = row
         print(b, json.dumps(row), flush=True)
     with open(a.out, "w") as f:

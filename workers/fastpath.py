@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -161,48 +162,6 @@ def _pad(flat: mx.array, to: int) -> mx.array:
 
 #: Row counts a call may be padded to (besides its own).
 PADS = (8, 16)
-#: Calls per timed evaluation: one call alone times the launch and the host's wait, not the kernel.
-CALLS_PER_EVAL = 8
-#: Timed rounds per candidate, interleaved with the other candidates; the median is kept.
-ROUNDS = 5
-#: A candidate must beat flattened-unpadded by this fraction to be planned instead of it.
-MARGIN = 0.03
-
-
-def _ms(calls: list[Callable[[], mx.array]]) -> list[float]:
-    """Each candidate's milliseconds per call: ``CALLS_PER_EVAL`` calls evaluated together, the
-    candidates interleaved round by round (so a slow moment of the device lands on all of them),
-    the median of ``ROUNDS`` rounds."""
-    for f in calls:
-        mx.eval([f() for _ in range(CALLS_PER_EVAL)])
-    samples: list[list[float]] = [[] for _ in calls]
-    for _ in range(ROUNDS):
-        for i, f in enumerate(calls):
-            mx.synchronize()
-            tic = time.perf_counter()
-            mx.eval([f() for _ in range(CALLS_PER_EVAL)])
-            mx.synchronize()
-            samples[i].append(1e3 * (time.perf_counter() - tic) / CALLS_PER_EVAL)
-    return [sorted(s)[len(s) // 2] for s in samples]
-
-
-def _bound(f: Callable[..., mx.array], m: nn.Module, x: mx.array) -> Callable[[], mx.array]:
-    return lambda: f(m, x)
-
-
-def _bound_padded(f: Callable[..., mx.array], m: nn.Module, x: mx.array, to: int) -> Callable[[], mx.array]:
-    """A padded call as ``project`` makes it (padding and slice included: they cost a step as much
-    as a small projection does), without the padding shared with a sibling's call."""
-    return lambda: f(m, _pad(x, to))[: x.shape[0]]
-
-
-def _bound_kernel(kernel: RowKernel, x: mx.array) -> Callable[[], mx.array]:
-    def call() -> mx.array:
-        out = kernel(x)
-        assert out is not None  # checked to take the module before it is timed
-        return out
-
-    return call
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -213,70 +172,42 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _row_kernel(m: nn.Module, original: Callable[..., mx.array]) -> RowKernel | None:
-    """The project's multi-row kernel on ``m`` where it takes it here (an affine-quantized layer on
-    MLX CUDA, compiled and byte-equal to MLX's one-row call on this shape), else ``None``."""
-
-    def kernel(x: mx.array) -> mx.array | None:
-        return qmv_rows.project(m, original, x)
-
-    d_in = m.weight.shape[-1] * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else 0
-    if not d_in:
-        return None
-    dtype = m.scales.dtype
-    return kernel if kernel(mx.zeros((1, d_in), dtype=dtype)) is not None else None
-
-
-def _time_plan(m: nn.Module, n: int) -> dict[int, int]:
-    """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
-    flattened to ``(rows, D)``, flattened and padded to a size in ``PADS`` (timed with the padding and
-    the slice, as ``project`` makes them), or ``KERNEL`` (up to its rows, where it takes ``m``).
-    Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``: near-ties are noise, not
-    a plan. One row (classic decode) is timed as mlx-lm calls it against ``KERNEL`` only, where the
-    kernel takes ``m``."""
-    original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
-    bits = getattr(m, "bits", None)
-    d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
-    dtype = m.scales.dtype if bits else m.weight.dtype
-    kernel = _row_kernel(m, original)
-    plan: dict[int, int] = {}
-    for rows in range(1 if kernel else 2, n + 1):
-        ways = [0, rows, *(p for p in PADS if p > rows)] if rows > 1 else [1]
-        if kernel is not None and rows <= qmv_rows.MAX_ROWS:
-            ways.append(KERNEL)
-        calls = [
-            _bound_kernel(kernel, mx.zeros((rows, d_in), dtype=dtype))
-            if to == KERNEL and kernel is not None
-            else _bound_padded(original, m, mx.zeros((rows, d_in), dtype=dtype), to)
-            if to > rows
-            else _bound(original, m, mx.zeros((rows, 1, d_in) if to in (0, 1) else (to, d_in), dtype=dtype))
-            for to in ways
-        ]
-        costs = dict(zip(ways, _ms(calls), strict=True))
-        best = min(costs, key=lambda k: costs[k])
-        plan[rows] = best if costs[best] < (1 - MARGIN) * costs[rows] else rows
-    return plan
-
-
-def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int, int]]:
+def calibrate(
+    model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
+) -> dict[str, dict[int, int]]:
     """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
-    where the project's kernel takes the shape: ``_time_plan``)
-    and install the plans; returns them by shape. A no-op unless the active policy calibrates.
-    With ``store`` (``workers.plan_store``) the plans are timed once per machine and kept there, so
-    every process serving the model runs the same kernels; timing costs a few seconds on a GPU."""
+    where the project's kernel takes the shape), check each row count's plans on the model's decode
+    forward (``workers.plan_timing``), and install them; returns them by shape. A no-op unless the
+    active policy calibrates. With ``store`` (``workers.plan_store``) the plans are timed once per
+    machine and kept there, so every process serving the model runs the same kernels; timing costs
+    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds."""
+    from workers import plan_timing
+
     n = active().calibrate_rows
     if not n:
         return {}
     projections = _projections(model)
     first = {shape: m for m, shape in reversed(projections)}
     shapes = sorted(first)
+
+    def timed() -> dict[str, dict[int, int]]:
+        plans = {shape: plan_timing.time_plan(first[shape], n) for shape in shapes}
+        if not plan_timing.decodes(model):
+            return plans
+        kernel_shapes = {shape for shape in shapes if 1 in plans[shape]}  # one row is timed where the kernel takes it
+        return plan_timing.forward_checked(model, plans, kernel_shapes, n, report)
+
     tic = time.perf_counter()
-    by_shape, stored = plan_store.load_or_time(
-        store, shapes, n, PADS, lambda: {shape: _time_plan(first[shape], n) for shape in shapes}, qmv_rows.MAX_ROWS
-    )
+    by_shape, stored = plan_store.load_or_time(store, shapes, n, PADS, timed, qmv_rows.MAX_ROWS)
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(shapes), how)
-    for m, shape in projections:
+    install(model, by_shape)
+    return by_shape
+
+
+def install(model: nn.Module, by_shape: dict[str, dict[int, int]]) -> None:
+    """Route ``model``'s projections by ``by_shape`` (each module shares its shape's plan)."""
+    for m, shape in _projections(model):
         one_row.discard(id(m))
         if by_shape[shape].get(1) == KERNEL:
             one_row.add(id(m))
@@ -285,7 +216,6 @@ def calibrate(model: nn.Module, store: Path | None = None) -> dict[str, dict[int
             # gives the same id would inherit a plan timed for another shape (and policy).
             weakref.finalize(m, _forget, id(m))
         _plans[id(m)] = by_shape[shape]
-    return by_shape
 
 
 def installed(model: nn.Module) -> dict[str, str]:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, kernels
+from workers import fastpath, kernels, plan_timing
 from workers.engine import Engine
 
 
@@ -144,5 +144,5 @@ def test_calibration_times_a_padded_way_with_its_padding(policy: None, monkeypat
     pads: list[int] = []
     real_pad = fastpath._pad
     monkeypatch.setattr(fastpath, "_pad", lambda flat, to: pads.append(to) or real_pad(flat, to))
-    fastpath._time_plan(nn.Linear(8, 8), 2)
+    plan_timing.time_plan(nn.Linear(8, 8), 2)
     assert set(pads) == {8, 16}

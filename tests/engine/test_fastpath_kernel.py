@@ -17,7 +17,7 @@ from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from tests.helpers.mirrored import one_row_launch
 from tests.reference import load_measured
-from workers import fastpath, plan_store, qmv_rows
+from workers import fastpath, plan_store, plan_timing, qmv_rows
 from workers.engine import Engine
 from workers.synthetic import llama_config, write_model
 
@@ -38,9 +38,22 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
-def _kernel_cheapest(calls: list[Any]) -> list[float]:
+def _kernel_cheapest(calls: list[Any], *_: Any) -> list[float]:
     """Timings in which the last way asked for (the kernel, where offered) is the cheapest."""
     return [1.0] * (len(calls) - 1) + [0.5]
+
+
+def _plans_kept(model: Any, rows: int, installs: list[Any]) -> list[float]:
+    """Forward timings in which the per-shape plans (the first candidate) are the cheapest."""
+    return [0.5] + [1.0] * (len(installs) - 1)
+
+
+@pytest.fixture
+def kernel_cheapest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration timings (stand-ins: the CUDA kernel cannot run here) that plan the kernel wherever
+    it takes a shape, and a forward check that keeps those plans."""
+    monkeypatch.setattr(plan_timing, "_ms", _kernel_cheapest)
+    monkeypatch.setattr(plan_timing, "forward_ms", _plans_kept)
 
 
 def _model(tmp_path: Path) -> nn.Module:
@@ -52,10 +65,9 @@ def _greedy(model: nn.Module, prompts: list[list[int]]) -> dict[int, list[int]]:
 
 
 def test_calibration_plans_the_kernel_where_it_is_cheapest_and_only_on_layers_it_takes(
-    stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+    stand_in: list[int], kernel_cheapest: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=10))
-    monkeypatch.setattr(fastpath, "_ms", _kernel_cheapest)
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
     model = nn.Sequential(nn.Linear(256, 256), q)
@@ -70,7 +82,9 @@ def test_calibration_plans_the_kernel_where_it_is_cheapest_and_only_on_layers_it
     assert fastpath.plans_summary(plans)["QuantizedLinear(64, 32)/4"].startswith("1:k 2:k ")
 
 
-def test_a_kernel_that_differs_from_mlx_is_never_planned(stand_in: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kernel_that_differs_from_mlx_is_never_planned(
+    stand_in: list[int], kernel_cheapest: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     off = qmv_rows._launch
 
     def off_by_one_step(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
@@ -78,7 +92,6 @@ def test_a_kernel_that_differs_from_mlx_is_never_planned(stand_in: list[int], mo
 
     monkeypatch.setattr(qmv_rows, "_launch", off_by_one_step)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    monkeypatch.setattr(fastpath, "_ms", _kernel_cheapest)
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
     plans = fastpath.calibrate(nn.Sequential(q))
@@ -86,7 +99,7 @@ def test_a_kernel_that_differs_from_mlx_is_never_planned(stand_in: list[int], mo
 
 
 def test_batched_and_one_row_decode_through_the_kernel_keep_every_token(
-    tmp_path: Path, stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stand_in: list[int], kernel_cheapest: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy tokens of a mixed batch (prefill, batched decode, a lone sequence's last steps) with
     every quantized projection planned to the kernel at 1..8 rows are the stock engine's, and the
@@ -96,7 +109,6 @@ def test_batched_and_one_row_decode_through_the_kernel_keep_every_token(
     fastpath.set_active(fastpath.OFF)
     reference = _greedy(model, prompts)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
-    monkeypatch.setattr(fastpath, "_ms", _kernel_cheapest)
     fastpath.calibrate(model)
     stand_in.clear()
     assert _greedy(model, prompts) == reference
@@ -114,7 +126,7 @@ def test_stored_plans_may_name_the_kernel_only_up_to_its_rows() -> None:
 
 
 def test_a_verdicts_pairing_names_the_kernel_plans_its_wide_forwards_ran_by(
-    tmp_path: Path, stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stand_in: list[int], kernel_cheapest: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A plan decides which kernel a batched wide forward runs, so a verdict measured under one set of
     plans is not the verdict for another: the plans are part of the pairing's fingerprint."""
@@ -127,7 +139,6 @@ def test_a_verdicts_pairing_names_the_kernel_plans_its_wide_forwards_ran_by(
     before = probe_setup(loaded, "none", store=False).pairing
     assert before["kernel_plans"] == {}
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    monkeypatch.setattr(fastpath, "_ms", _kernel_cheapest)
     fastpath.calibrate(loaded.model)
     after = probe_setup(loaded, "none", store=False).pairing
     assert after["kernel_plans"] == fastpath.installed(loaded.model)

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store
+from workers import fastpath, plan_store, plan_timing
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -32,7 +32,7 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     def no_timing(m: nn.Module, n: int) -> dict[int, int]:
         raise AssertionError("timed again although the plans were stored")
 
-    monkeypatch.setattr(fastpath, "_time_plan", no_timing)
+    monkeypatch.setattr(plan_timing, "time_plan", no_timing)
     again = _model()
     assert fastpath.calibrate(again, tmp_path) == first
     assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
@@ -101,17 +101,17 @@ def test_processes_starting_together_time_the_plans_once(tmp_path: Path) -> None
 def test_a_near_tie_keeps_the_flattened_call_and_a_clear_win_is_planned(
     policy: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Costs per way, in the order _time_plan asks for them: as called (0), flattened (rows), pads.
+    # Costs per way, in the order time_plan asks for them: as called (0), flattened (rows), pads.
     costs = {2: [0.99, 1.0, 0.5, 0.6], 3: [0.985, 1.0, 0.99, 0.991], 4: [1.0, 1.0, 1.0, 1.0]}
 
-    def fake_ms(calls: list[object]) -> list[float]:
+    def fake_ms(calls: list[object], *_: object) -> list[float]:
         rows = 2 + fake_ms.calls  # type: ignore[attr-defined]
         fake_ms.calls += 1  # type: ignore[attr-defined]
         return costs[rows][: len(calls)]
 
     fake_ms.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(fastpath, "_ms", fake_ms)
-    assert fastpath._time_plan(nn.Linear(8, 8), 4) == {2: 8, 3: 3, 4: 4}
+    monkeypatch.setattr(plan_timing, "_ms", fake_ms)
+    assert plan_timing.time_plan(nn.Linear(8, 8), 4) == {2: 8, 3: 3, 4: 4}
 
 
 def test_a_lock_held_elsewhere_delays_start_up_a_bounded_time_then_plans_are_timed_here(

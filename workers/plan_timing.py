@@ -1,0 +1,226 @@
+"""Timing the ways to run a projection on a row count, and checking the choice on whole forwards.
+
+MLX CUDA records a step's kernels as a CUDA graph whose edges are the data they share, so kernels that
+do not depend on each other may run at the same time. Calls timed side by side (eight calls on one
+input in one evaluation) measured how many calls the device completes together, not how long a
+forward waits for one: on the H200 8B synth such timings planned 2-8 rows to MLX's batched kernel
+on 16 padded rows, yet a B = 2 decode forward took 21.3 ms with those plans against 12.8 ms as
+mlx-lm calls it, and the 32 layers run side by side on one input took 11.3 ms at B = 16 against a
+20 ms forward. So here each timed call takes the previous call's output as part of its input (one
+chain: the next call waits for this one), and then, for each row count, the plans are checked on
+the model's own decode forward against running every projection one way (as called, flattened,
+padded, through the project's kernel): a forward is what a step pays for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from workers import fastpath, qmv_rows
+
+log = logging.getLogger("mlx_batchd")
+
+#: A way to run one projection: ``(rows, d_in)`` -> ``(rows, d_out)``.
+Way = Callable[[mx.array], mx.array]
+Plans = dict[str, dict[int, int]]
+
+#: Chained calls per timed evaluation: one call alone times the launch and the host's wait.
+CALLS_PER_EVAL = 8
+#: Timed rounds per candidate, interleaved with the other candidates; the median is kept.
+ROUNDS = 5
+#: A candidate must beat the default (flattened-unpadded for one projection, the per-shape plans for
+#: a forward) by this fraction to replace it: near-ties are noise, not a plan.
+MARGIN = 0.03
+#: Tokens of context before the timed decode forwards, and timed forwards per candidate.
+FORWARD_CONTEXT = 32
+FORWARD_ROUNDS = 3
+
+
+def _chain(call: Way, x: mx.array, n: int) -> mx.array:
+    """``n`` calls, each on ``x`` plus nothing of the previous call's output (so it waits for it)."""
+    for _ in range(n):
+        y = call(x)
+        x = x + (y[:, :1] * 0).astype(x.dtype)
+    return x
+
+
+def _ms(calls: list[Way], x: mx.array) -> list[float]:
+    """Each way's milliseconds per call on ``x``: ``CALLS_PER_EVAL`` chained calls in one evaluation,
+    the ways interleaved round by round (a slow moment of the device lands on all of them), the
+    median of ``ROUNDS`` rounds."""
+    for f in calls:
+        mx.eval(_chain(f, x, CALLS_PER_EVAL))
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(ROUNDS):
+        for i, f in enumerate(calls):
+            mx.synchronize()
+            tic = time.perf_counter()
+            mx.eval(_chain(f, x, CALLS_PER_EVAL))
+            mx.synchronize()
+            samples[i].append(1e3 * (time.perf_counter() - tic) / CALLS_PER_EVAL)
+    return [sorted(s)[len(s) // 2] for s in samples]
+
+
+def _way(f: Callable[..., mx.array], m: nn.Module, to: int) -> Way:
+    """``m`` called as ``project`` calls it on ``to`` rows: 0 or 1 as mlx-lm calls it (``(rows, 1, D)``),
+    the rows themselves flattened, or a larger pad size (padding and slice included: they cost a step
+    as much as a small projection does; the padding shared with a sibling's call is not counted)."""
+
+    def call(x: mx.array) -> mx.array:
+        rows = x.shape[0]
+        if to in (0, 1):
+            return f(m, x.reshape(rows, 1, x.shape[-1])).reshape(rows, -1)
+        if to == rows:
+            return f(m, x)
+        return f(m, fastpath._pad(x, to))[:rows]
+
+    return call
+
+
+def _kernel_way(kernel: fastpath.RowKernel) -> Way:
+    def call(x: mx.array) -> mx.array:
+        out = kernel(x)
+        assert out is not None  # checked to take the module before it is timed
+        return out
+
+    return call
+
+
+def row_kernel(m: nn.Module) -> fastpath.RowKernel | None:
+    """The project's multi-row kernel on ``m`` where it takes it here (an affine-quantized layer on
+    MLX CUDA, compiled and byte-equal to MLX's one-row call on this shape), else ``None``."""
+    original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
+
+    def kernel(x: mx.array) -> mx.array | None:
+        return qmv_rows.project(m, original, x)
+
+    d_in = m.weight.shape[-1] * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else 0
+    if not d_in:
+        return None
+    return kernel if kernel(mx.zeros((1, d_in), dtype=m.scales.dtype)) is not None else None
+
+
+def time_plan(m: nn.Module, n: int) -> dict[int, int]:
+    """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
+    flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``, or
+    ``fastpath.KERNEL`` (up to its rows, where it takes ``m``). Flattened-unpadded is kept unless
+    another way is cheaper by ``MARGIN``. One row (classic decode) is timed as mlx-lm calls it
+    against the kernel only, where the kernel takes ``m``."""
+    original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
+    bits = getattr(m, "bits", None)
+    d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
+    dtype = m.scales.dtype if bits else m.weight.dtype
+    kernel = row_kernel(m)
+    plan: dict[int, int] = {}
+    for rows in range(1 if kernel else 2, n + 1):
+        ways = [0, rows, *(p for p in fastpath.PADS if p > rows)] if rows > 1 else [1]
+        if kernel is not None and rows <= qmv_rows.MAX_ROWS:
+            ways.append(fastpath.KERNEL)
+        calls = [
+            _kernel_way(kernel) if to == fastpath.KERNEL and kernel is not None else _way(original, m, to)
+            for to in ways
+        ]
+        costs = dict(zip(ways, _ms(calls, mx.zeros((rows, d_in), dtype=dtype)), strict=True))
+        best = min(costs, key=lambda k: costs[k])
+        plan[rows] = best if costs[best] < (1 - MARGIN) * costs[rows] else rows
+    return plan
+
+
+# --------------------------------------------------------------------------- whole forwards
+
+
+def decodes(model: nn.Module) -> bool:
+    """Whether ``model`` runs a decode forward (takes a KV cache): the forward check needs one."""
+    try:
+        return "cache" in inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) -> list[float]:
+    """Milliseconds of one synchronous decode forward on ``rows`` sequences of ``FORWARD_CONTEXT``
+    tokens after each ``installs[i]()``: the candidates interleaved round by round, one untimed forward
+    each first, the median of ``FORWARD_ROUNDS``. The cache is cut back after each forward, so every
+    forward reads the same context."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((rows, FORWARD_CONTEXT), dtype=mx.int32), cache=cache))
+    token = mx.zeros((rows, 1), dtype=mx.int32)
+    trim = can_trim_prompt_cache(cache)
+
+    def one() -> float:
+        mx.synchronize()
+        tic = time.perf_counter()
+        mx.eval(model(token, cache=cache))
+        ms = 1e3 * (time.perf_counter() - tic)
+        if trim:
+            trim_prompt_cache(cache, 1)
+        return ms
+
+    for install in installs:
+        install()
+        one()
+    samples: list[list[float]] = [[] for _ in installs]
+    for _ in range(FORWARD_ROUNDS):
+        for i, install in enumerate(installs):
+            install()
+            samples[i].append(one())
+    return [sorted(s)[len(s) // 2] for s in samples]
+
+
+def candidates(plans: Plans, kernel_shapes: set[str], rows: int) -> list[tuple[str, dict[str, int]]]:
+    """Ways to run every projection on ``rows`` rows, by name: the per-shape plans first, then each
+    uniform way (the kernel where it takes the shape, the plan elsewhere); duplicates dropped. One row
+    concerns only the shapes the kernel takes (elsewhere it is always as mlx-lm calls it)."""
+    shapes = sorted(kernel_shapes) if rows == 1 else sorted(plans)
+    planned = {shape: plans[shape].get(rows, rows) for shape in shapes}
+    out = [("plans", planned)]
+    if rows == 1:
+        out.append(("as called", dict.fromkeys(shapes, 1)))
+    else:
+        out += [("as called", dict.fromkeys(shapes, 0)), ("flattened", dict.fromkeys(shapes, rows))]
+        out += [(f"padded to {p}", dict.fromkeys(shapes, p)) for p in fastpath.PADS if p > rows]
+    if kernel_shapes and rows <= qmv_rows.MAX_ROWS:
+        out.append(("kernel", {s: fastpath.KERNEL if s in kernel_shapes else v for s, v in planned.items()}))
+    unique: list[tuple[str, dict[str, int]]] = []
+    for name, option in out:
+        if all(option != o for _, o in unique):
+            unique.append((name, option))
+    return unique
+
+
+def forward_checked(
+    model: nn.Module, plans: Plans, kernel_shapes: set[str], n: int, report: dict[int, dict[str, Any]] | None = None
+) -> Plans:
+    """``plans`` with each row count's ways replaced by the uniform way whose decode forward is
+    cheaper by ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile). ``report``
+    (when given) gets each row count's forward milliseconds by candidate and the one kept."""
+    for rows in range(1 if kernel_shapes else 2, n + 1):
+        options = candidates(plans, kernel_shapes, rows)
+        if len(options) < 2:
+            continue
+
+        def install(option: dict[str, int], rows: int = rows) -> Callable[[], None]:
+            def apply() -> None:
+                for shape, to in option.items():
+                    plans[shape][rows] = to
+                fastpath.install(model, plans)
+
+            return apply
+
+        costs = forward_ms(model, rows, [install(o) for _, o in options])
+        best = min(range(len(options)), key=lambda i: costs[i])
+        kept = best if costs[best] < (1 - MARGIN) * costs[0] else 0
+        install(options[kept][1])()
+        timings = ", ".join(f"{name} {ms:.3f}" for (name, _), ms in zip(options, costs, strict=True))
+        log.info("kernel plans, %d rows: decode forward ms %s; kept %s", rows, timings, options[kept][0])
+        if report is not None:
+            report[rows] = {"ms": dict(zip((n for n, _ in options), costs, strict=True)), "kept": options[kept][0]}
+    return plans
