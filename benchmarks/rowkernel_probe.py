@@ -185,7 +185,7 @@ def unfused(on: bool) -> Iterator[None]:
         return
     siblings, width = dict(qmv_rows._siblings), attention.group_width
     qmv_rows._siblings.clear()
-    attention.group_width = lambda *_: 1  # type: ignore[assignment]
+    attention.group_width = lambda *_: (1, False)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -9,14 +9,15 @@ strides as after its own one-token update); any other cache (rotating, quantized
 and every cache at ``per-query-1`` takes T one-token updates. The cache's physical order and memory
 layout are decode's by construction, rotating caches included.
 
-Consecutive queries may share one causal call (``group_width``) where that is measured to give each
-query decode's bytes: MLX CUDA's vector attention kernel, for example, walks each query's keys in
-the same order whatever the call's length and skips the causally masked ones, so up to 3 queries (its
-limit) in one call reproduce their one-query calls. One call per group instead of one per query cuts
-a verify block's attention launches and graph building. Whether it holds is measured per backend and
-shape on random data at first use (``_measure``), through the divergence seam like every other
-call, and the probe then checks the level end to end; where it does not hold, and always at
-``per-query-1``, one query per call.
+Consecutive queries may share one call (``group_width``) where that is measured to give each query
+decode's bytes: first the project's kernel (``sdpa_rows``: MLX CUDA's vector attention kernel with
+each query over its own key count, where decode ran that kernel), then MLX's own causal call (on
+backends whose multi-query kernel walks each query's keys as decode does; MLX CUDA sends several
+queries to cuDNN instead). One call per group instead of one per query cuts a verify block's
+attention launches and graph building. Whether it holds is measured per backend and shape on random
+data at first use (``_measure``), through the divergence seam like every other call, and the probe
+then checks the level end to end; where it does not hold, and always at ``per-query-1``, one query
+per call.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers import fastpath, seam
+from workers import fastpath, sdpa_rows, seam
 from workers.levels import Level, current_level
 
 log = logging.getLogger("mlx_batchd.attention")
@@ -41,10 +42,10 @@ MAX_GROUP = 8
 SPLIT = 1024
 #: Key counts (of the block's last query) the measurement checks a width at: short, past a strategy
 #: change, across one.
-_CHECK_ENDS = (MAX_GROUP + 2, 300, SPLIT + 3, 4 * SPLIT + 3)
+_CHECK_ENDS = (MAX_GROUP + 2, 300, 2 * 256 + 4, SPLIT + 3, 4 * SPLIT + 3)
 
 #: Measured widths by (query heads, KV heads, head dim, dtype, scale, seam).
-_widths: dict[tuple[Any, ...], int] = {}
+_widths: dict[tuple[Any, ...], tuple[int, bool]] = {}
 
 
 class Views:
@@ -137,18 +138,27 @@ def wrap_caches(cache: list[Any] | None) -> list[Any] | None:
     return [c if c is None or isinstance(c, PerQueryCache) else PerQueryCache(c) for c in cache]
 
 
-def spans(lengths: list[int], width: int) -> list[tuple[int, int]]:
+def spans(lengths: list[int], width: int, alone_every: int | None = None) -> list[tuple[int, int]]:
     """Consecutive queries in groups of at most ``width``, given each query's decode key count
     (``lengths``, one more per query): [first, last] index pairs, no group spanning a ``SPLIT``
-    multiple and such a multiple alone."""
+    multiple and such a multiple alone (and a multiple of ``alone_every`` alone, when given)."""
 
     def side(n: int) -> tuple[int, int]:
         return n // SPLIT, (n - 1) // SPLIT
 
+    def alone(n: int) -> bool:
+        return alone_every is not None and n % alone_every == 0
+
     out: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or i - start == width or side(lengths[i]) != side(lengths[start]):
+        if (
+            i == len(lengths)
+            or i - start == width
+            or side(lengths[i]) != side(lengths[start])
+            or alone(lengths[i])
+            or alone(lengths[start])
+        ):
             out.append((start, i - 1))
             start = i
     return out
@@ -162,53 +172,82 @@ def _grouped(
     scale: float,
     width: int,
     kwargs: dict[str, Any],
+    kernel: bool = False,
 ) -> mx.array:
     """The block's attention, one call per group of queries over the view after its last query's
-    update (causal inside the group; a one-query group is decode's own mask-free call)."""
+    update: through the project's kernel (``kernel``, ``sdpa_rows``: each query over its own keys) or
+    MLX's causal call; a one-query group is decode's own mask-free call."""
     outs = []
-    for first, last in spans(views.lengths, width):
+    for first, last in spans(views.lengths, width, sdpa_rows.ALONE_EVERY if kernel else None):
         q = queries[:, :, first : last + 1]
         n = last - first + 1
         k, v = fastpath.attention_inputs(*views.at(last))
-        out = original(q, k, v, cache, scale=scale, mask="causal" if n > 1 else None, **kwargs)
+        if n > 1 and kernel:
+            out = sdpa_rows.attend(q, k, v, scale)
+        else:
+            out = original(q, k, v, cache, scale=scale, mask="causal" if n > 1 else None, **kwargs)
         outs.append(seam.apply("attention", out, n, None, q))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
-def _measure(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> int:
+def _measure(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> tuple[int, bool]:
     """The widest group (``MAX_GROUP`` down to 2) whose calls give every query, at each of
-    ``_CHECK_ENDS``, the bytes of its own one-query call on random data of the block's shapes; 1
-    when none does."""
+    ``_CHECK_ENDS``, the bytes of its own one-query call on random data of the block's shapes, and
+    whether the project's kernel gives it (tried first, where it takes the shapes; then MLX's causal
+    calls); (1, False) when neither does."""
     heads, kv_heads, dim = queries.shape[1], keys.shape[1], queries.shape[3]
     t = MAX_GROUP + 1
-    for width in range(MAX_GROUP, 1, -1):
-        ok = True
-        for end in _CHECK_ENDS:
-            key = mx.random.key(end * 31 + width)
-            q = mx.random.normal((1, heads, t, dim), key=key).astype(queries.dtype)
-            k = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 1)).astype(keys.dtype)
-            v = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 2)).astype(keys.dtype)
-            views = Views.pairs([(k[:, :, : end - t + 1 + i], v[:, :, : end - t + 1 + i]) for i in range(t)])
-            grouped = _grouped(original, q, views, None, scale, width, {})
+    kernel_takes = sdpa_rows.takes(queries, keys, keys)
+    for kernel in (True, False) if kernel_takes else (False,):
+        for width in range(MAX_GROUP, 1, -1):
+            if _holds(original, heads, kv_heads, dim, queries.dtype, keys.dtype, scale, t, width, kernel):
+                return width, kernel
+    return 1, False
+
+
+def _holds(
+    original: Callable[..., mx.array],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    q_dtype: Any,
+    kv_dtype: Any,
+    scale: float,
+    t: int,
+    width: int,
+    kernel: bool,
+) -> bool:
+    for end in _CHECK_ENDS:
+        key = mx.random.key(end * 31 + width)
+        q = mx.random.normal((1, heads, t, dim), key=key).astype(q_dtype)
+        k = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 1)).astype(kv_dtype)
+        v = mx.random.normal((1, kv_heads, end, dim), key=mx.random.key(end + 2)).astype(kv_dtype)
+        views = Views.pairs([(k[:, :, : end - t + 1 + i], v[:, :, : end - t + 1 + i]) for i in range(t)])
+        try:
+            grouped = _grouped(original, q, views, None, scale, width, {}, kernel)
             alone = _grouped(original, q, views, None, scale, 1, {})
             mx.eval(grouped, alone)
-            if not bool(mx.array_equal(grouped.view(mx.uint8), alone.view(mx.uint8)).item()):
-                ok = False
-                break
-        if ok:
-            return width
-    return 1
+        except Exception:  # a kernel that does not build or launch here is not used
+            if not kernel:
+                raise
+            log.warning("per-query attention: the project's kernel failed on this shape", exc_info=True)
+            return False
+        if not bool(mx.array_equal(grouped.view(mx.uint8), alone.view(mx.uint8)).item()):
+            return False
+    return True
 
 
-def group_width(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> int:
-    """Queries per attention call at the per-query levels for this shape (measured once per process
-    and shape, and again whenever the divergence seam changes)."""
+def group_width(original: Callable[..., mx.array], queries: mx.array, keys: mx.array, scale: float) -> tuple[int, bool]:
+    """Queries per attention call at the per-query levels for this shape, and whether through the
+    project's kernel (measured once per process and shape, and again whenever the divergence seam
+    changes)."""
     key = (queries.shape[1], keys.shape[1], queries.shape[3], str(queries.dtype), scale, seam.divergence_seam)
-    width = _widths.get(key)
-    if width is None:
-        width = _widths[key] = _measure(original, queries, keys, scale)
-        log.info("per-query attention on %s: %d queries per call", key[:4], width)
-    return width
+    found = _widths.get(key)
+    if found is None:
+        found = _widths[key] = _measure(original, queries, keys, scale)
+        how = "the project's kernel" if found[1] else "MLX's calls"
+        log.info("per-query attention on %s: %d queries per call (%s)", key[:4], found[0], how)
+    return found
 
 
 def _growing(cache: Any, views: Views) -> bool:
@@ -233,11 +272,11 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
             out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
             return seam.apply("attention", out, queries.shape[2], None, queries)
         real = cache._cache
-        width = 1
+        width, kernel = 1, False
         # ``per-query-1``, the last rung before "declined", stays exact by construction: one call per query.
         if len(views.lengths) > 1 and not kwargs and current_level() is not Level.PER_QUERY_1 and _growing(real, views):
-            width = group_width(original, queries, views.at(0)[0], scale)
-        return _grouped(original, queries, views, real, scale, width, kwargs)
+            width, kernel = group_width(original, queries, views.at(0)[0], scale)
+        return _grouped(original, queries, views, real, scale, width, kwargs, kernel)
 
     sdpa.__wrapped__ = original  # type: ignore[attr-defined]
     return sdpa

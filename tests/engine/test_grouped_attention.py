@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import workers.seam
 from tests.reference import load_measured
-from workers import attention
+from workers import attention, sdpa_rows
 from workers.attention import MAX_GROUP, SPLIT, group_width, spans
 from workers.engine import Engine
 from workers.kernels import LAYOUT_STEP, Level, bytes_equal
@@ -45,7 +45,7 @@ def _queries_keys() -> tuple[mx.array, mx.array]:
 
 def test_the_width_is_measured_here_cpu_groups_every_query_of_a_block() -> None:
     q, k = _queries_keys()
-    assert group_width(scaled_dot_product_attention, q, k, 0.125) == MAX_GROUP
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (MAX_GROUP, False)  # no project kernel here
 
 
 def test_injected_multi_query_divergence_makes_the_width_one() -> None:
@@ -54,7 +54,7 @@ def test_injected_multi_query_divergence_makes_the_width_one() -> None:
 
     workers.seam.divergence_seam = seam
     q, k = _queries_keys()
-    assert group_width(scaled_dot_product_attention, q, k, 0.125) == 1
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (1, False)
 
 
 def test_injected_divergence_past_three_queries_makes_the_width_three() -> None:
@@ -65,7 +65,7 @@ def test_injected_divergence_past_three_queries_makes_the_width_three() -> None:
 
     workers.seam.divergence_seam = seam
     q, k = _queries_keys()
-    assert group_width(scaled_dot_product_attention, q, k, 0.125) == 3
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (3, False)
 
 
 @pytest.mark.parametrize("level", [Level.PER_QUERY, Level.MIRRORED, Level.PER_QUERY_1])
@@ -136,3 +136,86 @@ def test_a_block_takes_one_cache_update_where_the_buffer_has_room(
         monkeypatch.setattr(KVCache, "update_and_fetch", update)
     assert len(calls) == updates_per_layer * len(model.model.layers)
     assert bytes_equal(blocks[level], blocks[Level.PER_QUERY_1])
+
+
+# --------------------------------------------------------------------------- the project's kernel
+
+
+def _one_query_calls(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Stand-in for ``sdpa_rows.attend`` (its CUDA kernels cannot run on this CPU): what the kernel is
+    to reproduce, each query's own one-query call over the keys before it and its own."""
+    n, total = queries.shape[2], keys.shape[2]
+    outs = []
+    for i in range(n):
+        end = total - n + 1 + i
+        q = queries[:, :, i : i + 1]
+        outs.append(scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], None, scale=scale, mask=None))
+    return mx.concatenate(outs, axis=2)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The kernel taken on this CPU, launched through the stand-in; returns the queries of each launch."""
+    calls: list[int] = []
+
+    def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        calls.append(queries.shape[2])
+        return _one_query_calls(queries, keys, values, scale)
+
+    monkeypatch.setattr(sdpa_rows, "takes", lambda *_: True)
+    monkeypatch.setattr(sdpa_rows, "attend", attend)
+    monkeypatch.setattr(attention, "_widths", {})  # measured afresh, with the kernel on offer
+    return calls
+
+
+def test_spans_leave_a_query_alone_where_decode_may_have_run_another_kernel() -> None:
+    assert spans([254, 255, 256, 257, 258], 8, 256) == [(0, 1), (2, 2), (3, 4)]
+    assert spans([254, 255, 256, 257, 258], 8) == [(0, 4)]
+    assert spans([255, 256], 8, 256) == [(0, 0), (1, 1)]
+
+
+def test_a_kernel_that_reproduces_one_query_calls_serves_every_group(kernel_calls: list[int]) -> None:
+    q, k = _queries_keys()
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (MAX_GROUP, True)
+    assert kernel_calls and max(kernel_calls) == MAX_GROUP
+
+
+def test_a_kernel_one_rounding_step_off_is_not_used(kernel_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by one bfloat16 step in one element: MLX's own grouped calls are measured instead."""
+
+    def off(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        out = _one_query_calls(queries, keys, values, scale)
+        bits = out.view(mx.uint16)
+        return mx.concatenate([(bits[..., :1] + 1).view(out.dtype), out[..., 1:]], axis=-1)
+
+    monkeypatch.setattr(sdpa_rows, "attend", off)
+    q, k = _queries_keys()
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (MAX_GROUP, False)
+
+
+def test_a_kernel_that_fails_here_is_not_used(kernel_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object) -> mx.array:
+        raise RuntimeError("stand-in: the kernel did not build")
+
+    monkeypatch.setattr(sdpa_rows, "attend", broken)
+    q, k = _queries_keys()
+    assert group_width(scaled_dot_product_attention, q, k, 0.125) == (MAX_GROUP, False)
+
+
+def test_a_verify_block_through_the_kernel_equals_one_call_per_query(llama: Path, kernel_calls: list[int]) -> None:
+    """The block's queries reach the kernel in groups (a multiple of 256 keys and of 1,024 alone, as
+    decode may have run other kernels there); the logits are byte-identical to ``per-query-1``'s."""
+    model = load_measured(llama)
+    engine = Engine(model, eos_token_ids=(0,), vocab_size=260)
+    blocks = {}
+    for prompt_len, want in ((40, [5]), (2 * 256 - 2, [1, 3])):  # 511 | 512 alone | 513 .. 515
+        prompt = mx.array([[(7 * i) % 250 + 3 for i in range(prompt_len)]])
+        for lv in (Level.PER_QUERY_1, Level.PER_QUERY, Level.PER_QUERY):
+            cache = make_prompt_cache(model)
+            mx.eval(engine.forward(prompt, cache))
+            kernel_calls.clear()
+            with engine.pinned(lv, "verify"):
+                blocks[lv] = engine.forward(mx.array([[4, 5, 6, 7, 8]]), cache)
+                mx.eval(blocks[lv])
+        assert kernel_calls == [n for n in want if n > 1] * len(model.model.layers)
+        assert bytes_equal(blocks[Level.PER_QUERY], blocks[Level.PER_QUERY_1])
