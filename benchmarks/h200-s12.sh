@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device calls for the work of 2026-12-02's fifth session (not yet run), from the repository root after
+# MLX CUDA is staged: call 1 carries .mlx-cuda/part1 (`mkdir -p /root/mlx-stage && cp .mlx-cuda/part1/*
+# /root/mlx-stage/`), call 2 carries .mlx-cuda/part2 and runs `PART=k BUDGET=560 bash benchmarks/h200-s12.sh;
+# cd $OUT && tar czf r.tgz r && rm -rf r` (.mlx-cuda/ from ../shared/device/prepare-mlx-cuda.sh).
+# PART=k: the verify block's attention in one launch (benchmarks/sdpa_rows_probe.py: bytes against MLX's
+# one-query calls, per key count, and the group width attention measures), the verify's cost in wide
+# steps (rowkernel_probe --quick --whole-only), and where a batched step goes with the plans that the
+# chained timings and the whole-forward check chose (step_anatomy: its forward_check has each row
+# count's forward milliseconds per candidate).
+# PART=p: the probe (8B synth, prompt lookup, K = 2, 4, 8) and B = 1 prompt lookup over 512 tokens.
+# PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run).
+# PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
+# PART=d: the demo pair with its MTP head, and `mlx-batchd demo`.
+set -uo pipefail
+source benchmarks/h200-steps.sh
+if [ "${PART:-k}" = k ]; then
+  step sdpa 90 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
+  step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --out "$R/rowkernel.json"
+  step anatomy 200 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
+elif [ "$PART" = p ]; then
+  for k in 2 4 8; do
+    step "probe-k$k" 90 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
+  done
+  step bench1 280 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
+    --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
+elif [ "$PART" = m ]; then
+  step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1,4,8,16,32,64,128 --tokens 64 \
+    --repeats 3 --raw-max-batch "${RAW:-64}" --out "$R/matrix"
+elif [ "$PART" = x ]; then
+  step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
+    --model /tmp/m8b --repeats 7 --out "$R/prefix"
+elif [ "$PART" = d ]; then
+  step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
+    --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
+  step demo 120 python3 -m scheduler demo
+fi
+rm -f "$R"/*/*.png
+find /tmp/mbc -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
+tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null
