@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import fastpath
+from workers import fastpath, plan_timing
 from workers.kernels import install
 from workers.models import load
 
@@ -105,7 +105,7 @@ def main() -> None:
     a = ap.parse_args()
     install()
     loaded = load(a.model)
-    report: dict[str, Any] = {"plans": fastpath.plans_summary(fastpath.calibrate(loaded.model)), "by_batch": {}}
+    report: dict[str, Any] = {"plans": fastpath.plans_summary(plan_timing.calibrate(loaded.model)), "by_batch": {}}
     for b in (int(x) for x in a.batches.split(",")):
         row: dict[str, Any] = {}
         prev = 0.0

@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from workers import fastpath
+from workers import fastpath, plan_timing
 from workers.engine import Engine, Job
 from workers.kernels import install
 from workers.models import load
@@ -135,7 +135,7 @@ def main() -> None:
     model = loaded.model
     fastpath.set_active(fastpath.CUDA if fastpath.detect() is fastpath.CUDA else fastpath.GENERIC)
     check: dict[int, dict[str, Any]] = {}
-    plans = fastpath.plans_summary(fastpath.calibrate(model, report=check))
+    plans = fastpath.plans_summary(plan_timing.calibrate(model, report=check))
     report: dict[str, Any] = {"plans": plans, "forward_check": check, "by_batch": {}}
     policies: dict[str, Callable[[], None]] = {
         "off": lambda: fastpath.set_active(fastpath.OFF),

@@ -8,11 +8,14 @@ section 16). Building does not depend on the backend's kernels, so this measures
 replaced by a stand-in (MLX's own quantized matmul: named as such, since the kernel cannot run on a
 CPU). Prints the median build milliseconds of a classic step, a wide 5-token block and a mirrored
 one, and the Python function calls of building five mirrored blocks (deterministic, unlike this
-machine's timings).
+machine's timings). ``--attention per-query`` builds attention as on the H200 before ``sdpa_rows``
+(one MLX call per query: MLX CUDA sends grouped queries to cuDNN), ``kernel`` through the project's
+block kernel (its launch replaced by a stand-in of one MLX call, since it cannot run on a CPU).
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import statistics
@@ -24,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import fastpath, kernels, qmv_rows, rowkernel
+from workers import attention, fastpath, kernels, qmv_rows, rowkernel, sdpa_rows
 from workers.kernels import Level, scoped, wrap_caches
 from workers.models import load
 from workers.synthetic import llama_config, write_model
@@ -34,7 +37,21 @@ def _stand_in(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int)
     return [mx.quantized_matmul(x, w, s, b, True, gs, bits) for w, s, b in mats]
 
 
+def _attend_stand_in(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Stand-in for the block kernel's launch: one MLX call in its place, its output laid out as the
+    kernel lays it out."""
+    s = mx.array([scale], dtype=mx.float32)  # as attend makes it
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+    return (out * s.astype(out.dtype)).transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attention", choices=("per-query", "kernel"), default="per-query")
+    a = ap.parse_args()
+    width = (1, False) if a.attention == "per-query" else (attention.MAX_GROUP, True)
+    attention.group_width = lambda *_: width  # type: ignore[assignment]
+    sdpa_rows.attend = _attend_stand_in  # type: ignore[assignment]
     rowkernel.implementation = lambda: "cuda"  # type: ignore[assignment]
     qmv_rows._launch = _stand_in  # type: ignore[assignment]
     fastpath.set_active(fastpath.CUDA)

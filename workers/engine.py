@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from workers import fastpath, faults, mlxlm
+from workers import fastpath, faults, mlxlm, plan_timing
 from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
@@ -102,7 +102,7 @@ class Engine:
         #: timed once per machine and kept (``workers.plan_store``), so every process serving the
         #: model runs the same kernels; stats carry them.
         self.kernel_plans = (
-            {} if lockstep else fastpath.plans_summary(fastpath.calibrate(model, cache_dir() / "kernel-plans"))
+            {} if lockstep else fastpath.plans_summary(plan_timing.calibrate(model, cache_dir() / "kernel-plans"))
         )
 
     def reset_counters(self) -> None:

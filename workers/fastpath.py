@@ -5,7 +5,7 @@ projection runs as B matrix-vector products, while the same rows as one ``(B, D)
 batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
 backend's fused attention is run-to-run reproducible for a single sequence only on contiguous K/V
 (over the cache's strided views it is not), which exactness needs. Small row counts are planned per
-projection shape by timing (``calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
+projection shape by timing (``plan_timing.calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
 flattened, or padded.
 
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from workers import plan_store, qmv_rows
 
 log = logging.getLogger("mlx_batchd")
 
@@ -170,39 +165,6 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
         if isinstance(m, nn.Linear | nn.QuantizedLinear):
             out.append((m, f"{type(m).__name__}{tuple(m.weight.shape)}/{getattr(m, 'bits', None)}"))
     return out
-
-
-def calibrate(
-    model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
-) -> dict[str, dict[int, int]]:
-    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
-    where the project's kernel takes the shape), check each row count's plans on the model's decode
-    forward (``workers.plan_timing``), and install them; returns them by shape. A no-op unless the
-    active policy calibrates. With ``store`` (``workers.plan_store``) the plans are timed once per
-    machine and kept there, so every process serving the model runs the same kernels; timing costs
-    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds."""
-    from workers import plan_timing
-
-    n = active().calibrate_rows
-    if not n:
-        return {}
-    projections = _projections(model)
-    first = {shape: m for m, shape in reversed(projections)}
-    shapes = sorted(first)
-
-    def timed() -> dict[str, dict[int, int]]:
-        plans = {shape: plan_timing.time_plan(first[shape], n) for shape in shapes}
-        if not plan_timing.decodes(model):
-            return plans
-        kernel_shapes = {shape for shape in shapes if 1 in plans[shape]}  # one row is timed where the kernel takes it
-        return plan_timing.forward_checked(model, plans, kernel_shapes, n, report)
-
-    tic = time.perf_counter()
-    by_shape, stored = plan_store.load_or_time(store, shapes, n, PADS, timed, qmv_rows.MAX_ROWS)
-    how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
-    log.info("kernel plans for %d projection shapes %s", len(shapes), how)
-    install(model, by_shape)
-    return by_shape
 
 
 def install(model: nn.Module, by_shape: dict[str, dict[int, int]]) -> None:

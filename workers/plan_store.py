@@ -1,6 +1,6 @@
 """Row-count plans kept on disk, so every process on a machine runs a model's projections one way.
 
-``fastpath.calibrate`` times each projection shape at load. Timed in each process, the plans came
+``plan_timing.calibrate`` times each projection shape at load. Timed in each process, the plans came
 out differently from one start to the next (on an H200 the bench's engine and its daemon chose
 different plans for the same model in the same minute), and two processes serving one model then
 ran different kernels: a benchmark compared the plans' luck as much as the processes. Plans are

@@ -18,13 +18,14 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers import fastpath, qmv_rows
+from workers import fastpath, plan_store, qmv_rows
 
 log = logging.getLogger("mlx_batchd")
 
@@ -224,3 +225,34 @@ def forward_checked(
         if report is not None:
             report[rows] = {"ms": dict(zip((n for n, _ in options), costs, strict=True)), "kept": options[kept][0]}
     return plans
+
+
+def calibrate(
+    model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
+) -> dict[str, dict[int, int]]:
+    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
+    where the project's kernel takes the shape), check each row count's plans on the model's decode
+    forward (``forward_checked``), and install them (``fastpath.install``); returns them by shape. A no-op unless the
+    active policy calibrates. With ``store`` (``workers.plan_store``) the plans are timed once per
+    machine and kept there, so every process serving the model runs the same kernels; timing costs
+    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds."""
+    n = fastpath.active().calibrate_rows
+    if not n:
+        return {}
+    projections = fastpath._projections(model)
+    first = {shape: m for m, shape in reversed(projections)}
+    shapes = sorted(first)
+
+    def timed() -> dict[str, dict[int, int]]:
+        plans = {shape: time_plan(first[shape], n) for shape in shapes}
+        if not decodes(model):
+            return plans
+        kernel_shapes = {shape for shape in shapes if 1 in plans[shape]}  # one row is timed where the kernel takes it
+        return forward_checked(model, plans, kernel_shapes, n, report)
+
+    tic = time.perf_counter()
+    by_shape, stored = plan_store.load_or_time(store, shapes, n, fastpath.PADS, timed, qmv_rows.MAX_ROWS)
+    how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
+    log.info("kernel plans for %d projection shapes %s", len(shapes), how)
+    fastpath.install(model, by_shape)
+    return by_shape

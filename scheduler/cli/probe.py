@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     row-exact widths measured at load."""
     from tqdm import tqdm
 
-    from workers import fastpath
+    from workers import plan_timing
     from workers.demo import cache_dir
     from workers.models import load
     from workers.probe import drive
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
     # so they are part of the verdict's fingerprint and of what the probe measures.
-    fastpath.calibrate(loaded.model, cache_dir() / "kernel-plans")
+    plan_timing.calibrate(loaded.model, cache_dir() / "kernel-plans")
     ks = [int(k) for k in args.k.split(",")]  # checked by the parser (int_list)
     setup = probe_setup(loaded, args.draft, store=not args.no_store)
     pairing = setup.pairing

@@ -61,7 +61,7 @@ def test_a_plan_pads_rows_or_leaves_the_call_and_returns_only_the_real_rows(
 def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) -> None:
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
     model = nn.Sequential(nn.Linear(16, 32), nn.QuantizedLinear(32, 64, bits=4, group_size=32))
-    plans = fastpath.calibrate(model)
+    plans = plan_timing.calibrate(model)
     assert len(plans) == 2
     for plan in plans.values():
         assert set(plan) == {2, 3, 4}

@@ -71,7 +71,7 @@ def test_calibration_plans_the_kernel_where_it_is_cheapest_and_only_on_layers_it
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
     model = nn.Sequential(nn.Linear(256, 256), q)
-    plans = fastpath.calibrate(model)
+    plans = plan_timing.calibrate(model)
     kernel_plan = plans["QuantizedLinear(64, 32)/4"]
     # One row and up to the kernel's rows: the kernel; beyond them the cheapest of MLX's ways.
     assert {r: t for r, t in kernel_plan.items() if r <= qmv_rows.MAX_ROWS} == dict.fromkeys(range(1, 9), -1)
@@ -94,7 +94,7 @@ def test_a_kernel_that_differs_from_mlx_is_never_planned(
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
-    plans = fastpath.calibrate(nn.Sequential(q))
+    plans = plan_timing.calibrate(nn.Sequential(q))
     assert plans == {"QuantizedLinear(64, 32)/4": {2: 16, 3: 16, 4: 16}} and not fastpath.one_row
 
 
@@ -109,7 +109,7 @@ def test_batched_and_one_row_decode_through_the_kernel_keep_every_token(
     fastpath.set_active(fastpath.OFF)
     reference = _greedy(model, prompts)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
-    fastpath.calibrate(model)
+    plan_timing.calibrate(model)
     stand_in.clear()
     assert _greedy(model, prompts) == reference
     assert 1 in stand_in and any(1 < rows <= 8 for rows in stand_in)
@@ -139,7 +139,7 @@ def test_a_verdicts_pairing_names_the_kernel_plans_its_wide_forwards_ran_by(
     before = probe_setup(loaded, "none", store=False).pairing
     assert before["kernel_plans"] == {}
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    fastpath.calibrate(loaded.model)
+    plan_timing.calibrate(loaded.model)
     after = probe_setup(loaded, "none", store=False).pairing
     assert after["kernel_plans"] == fastpath.installed(loaded.model)
     assert after["kernel_plans"] and all(line.startswith("1:k 2:k") for line in after["kernel_plans"].values())

@@ -26,7 +26,7 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     tmp_path: Path, policy: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    first = fastpath.calibrate(_model(), tmp_path)
+    first = plan_timing.calibrate(_model(), tmp_path)
     assert sorted(first) == SHAPES and len(list(tmp_path.glob("*.json"))) == 1
 
     def no_timing(m: nn.Module, n: int) -> dict[int, int]:
@@ -34,11 +34,11 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
 
     monkeypatch.setattr(plan_timing, "time_plan", no_timing)
     again = _model()
-    assert fastpath.calibrate(again, tmp_path) == first
+    assert plan_timing.calibrate(again, tmp_path) == first
     assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=5))
     with pytest.raises(AssertionError, match="timed again"):  # another row range is another key
-        fastpath.calibrate(_model(), tmp_path)
+        plan_timing.calibrate(_model(), tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,7 @@ def test_calibration_times_real_decode_forwards_under_each_candidate(tmp_path: P
     model = _tiny(tmp_path)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=3))
     report: dict[int, dict[str, Any]] = {}
-    plans = fastpath.calibrate(model, report=report)
+    plans = plan_timing.calibrate(model, report=report)
     assert sorted(report) == [2, 3]
     for row in report.values():
         assert row["kept"] in row["ms"] and all(ms > 0 for ms in row["ms"].values())
