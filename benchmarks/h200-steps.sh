@@ -16,3 +16,8 @@ step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; pri
   echo "== $name rc=$? at $((SECONDS - START)) s"; tail -"${TAIL:-6}" "$R/$name.log"
 }
 [ -f /tmp/m8b/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit --out /tmp/m8b >/dev/null || exit 4
+finish() { # what every call brings back besides its steps' output: the kernel plans and MLX's compiled kernels
+  rm -f "$R"/*/*.png
+  find /tmp/mbc -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
+  tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null
+}

@@ -321,6 +321,9 @@ _PASS_2 = """
   }
 """
 
+# The three bodies above are MLX's three kernels, each kept in MLX's own words and order (with their
+# shared key loop written out in each, as MLX writes it) so that they can be read against MLX's source
+# line by line: a difference in how a sum is written is a difference in its bytes.
 _kernels: dict[str, Any] = {}
 
 
