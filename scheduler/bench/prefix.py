@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.bench.arms import random_prompts, run_daemon, wait_idle
+from scheduler.bench.arms import STEP_COUNTERS, random_prompts, run_daemon, step_counters, wait_idle
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.prefix_report import (
     PREFIX_TARGETS,
@@ -335,14 +335,18 @@ def _prefix_throughput(
         prompts = random_prompts(plan.batch, plan.prompt_tokens, vocab, seed=17_000 + rep)
         for position, arm in enumerate(rotated(list(PREFIX_ARMS), rep)):
             wait_idle(clients)
+            before_steps = step_counters(clients[arm].stats()["engine"])
             n, wall = run_daemon(clients[arm], prompts, plan.tokens)
+            after_steps = step_counters(clients[arm].stats()["engine"])
             samples.setdefault(arm, []).append(n / wall)
-            runs.append({"repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall})
+            # The engine's own steps during the run: wall time beyond them is the daemon's, not the engine's.
+            steps = {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS}
+            runs.append({"repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall, "steps": steps})
             step(f"B = {plan.batch}, repeat {rep + 1}/{plan.repeats}, {arm}: {n / wall:.1f} tok/s")
     moved = _delta(prefix_counters(clients["cache"]), before)
     result["throughput_runs"] = runs
     result["throughput"] = prefix_throughput_row(
-        samples, plan.batch, {k: moved[k] for k in ("hits", "hit_tokens", "lookup_tokens")}
+        samples, plan.batch, {k: moved[k] for k in ("hits", "hit_tokens", "lookup_tokens")}, runs
     )
 
 

@@ -69,10 +69,19 @@ def prefix_chat_rows(chats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def prefix_throughput_row(samples: dict[str, list[float]], batch: int, hits: dict[str, int]) -> dict[str, Any]:
-    """Cache on (no hit) over no cache at ``batch``: medians, spreads, the ratio and its range."""
+def prefix_throughput_row(
+    samples: dict[str, list[float]], batch: int, hits: dict[str, int], runs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Cache on (no hit) over no cache at ``batch``: medians, spreads, the ratio and its range, and per
+    arm the median seconds of a run spent outside the engine's steps (where ``runs`` carry them)."""
     on, off = samples["cache"], samples["no_cache"]
+    outside = {
+        arm: statistics.median(r["seconds"] - r["steps"]["step_seconds"] for r in runs or [] if r["arm"] == arm)
+        for arm in samples
+        if any(r["arm"] == arm and "steps" in r for r in runs or [])
+    }
     return {
+        "outside_steps_s": outside,
         "batch": batch,
         "no_cache_tok_s": statistics.median(off),
         "no_cache_spread": spread(off),
@@ -82,6 +91,15 @@ def prefix_throughput_row(samples: dict[str, list[float]], batch: int, hits: dic
         "ratio_spread": ratio_spread(on, off),
         **hits,
     }
+
+
+def _outside_line(outside: dict[str, float]) -> list[str]:
+    if set(outside) != {"cache", "no_cache"}:
+        return []
+    return [
+        f"A run's wall time outside the engine's steps (median): no cache {outside['no_cache']:.3f} s, "
+        f"cache on {outside['cache']:.3f} s."
+    ]
 
 
 def _target(met: bool) -> str:
@@ -174,6 +192,7 @@ def prefix_markdown(result: dict[str, Any]) -> str:
                     "",
                     f"cache on / no cache: target >= {target:g}: median {_target(row['ratio'] >= target)}; the range "
                     f"{lo:.3f}-{hi:.3f} {'lies above' if lo >= target else 'lies below' if hi < target else 'includes'} it.",
+                    *_outside_line(row.get("outside_steps_s") or {}),
                 ]
             )
         )

@@ -303,3 +303,9 @@ def test_bench_prefix_scenario_runs_and_lands_in_the_tables(
     assert {r["arm"] for r in runs if r["position"] == 0} == set(PREFIX_ARMS)  # rotated
     assert tp["ratio"] == pytest.approx(tp["cache_tok_s"] / tp["no_cache_tok_s"])
     assert f"| 3 | {tp['no_cache_tok_s']:.1f} (" in md and f"| {tp['ratio']:.3f} (" in md
+    for arm in PREFIX_ARMS:  # each run's engine steps, read from that daemon's stats around the run
+        mine = [r for r in runs if r["arm"] == arm]
+        assert all(r["steps"]["decode_steps"] >= 4 and 0 < r["steps"]["step_seconds"] < r["seconds"] for r in mine)
+        outside = statistics.median(r["seconds"] - r["steps"]["step_seconds"] for r in mine)
+        assert tp["outside_steps_s"][arm] == pytest.approx(outside)
+    assert f"cache on {tp['outside_steps_s']['cache']:.3f} s." in md
