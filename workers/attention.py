@@ -181,10 +181,10 @@ def _grouped(
     for first, last in spans(views.lengths, width, sdpa_rows.ALONE_EVERY if kernel else None):
         q = queries[:, :, first : last + 1]
         n = last - first + 1
-        k, v = fastpath.attention_inputs(*views.at(last))
-        if n > 1 and kernel:
-            out = sdpa_rows.attend(q, k, v, scale)
+        if n > 1 and kernel:  # reads the view where it lies (no contiguous copy)
+            out = sdpa_rows.attend(q, *views.at(last), scale)
         else:
+            k, v = fastpath.attention_inputs(*views.at(last))
             out = original(q, k, v, cache, scale=scale, mask="causal" if n > 1 else None, **kwargs)
         outs.append(seam.apply("attention", out, n, None, q))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)

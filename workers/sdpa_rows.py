@@ -10,10 +10,12 @@ cuDNN, whose reduction differs), so the exact verify called MLX once per query a
 calls and their views per 5-token block of a 32-layer model, half of a block's graph-building time on
 the H200 8B synth.
 
-This module's kernels are MLX's vector kernels (MLX 0.32) with one change: the grid's second axis runs
+This module's kernels are MLX's vector kernels (MLX 0.32) with two changes: the grid's second axis runs
 over the block's queries and each query's thread block sets its key count to the keys before it and
-its own (the first ``keys - queries + 1 + q``). Inside a thread block every operation, its operands and
-its order are those of MLX's kernel for one query of that key count. Whether the device reproduces
+its own (the first ``keys - queries + 1 + q``); and queries, keys and values are read through their
+strides, where they lie (the cache's view of its buffer: no contiguous copies). Inside a thread block
+every arithmetic operation, its operands and its order are those of MLX's kernel for one query of
+that key count. Whether the device reproduces
 MLX's own call byte for byte is measured (``attention._measure``, at first use per shape); where it
 does not, the per-query calls stay. Decode steps whose key count is a multiple of 256 may run cuDNN on
 MLX CUDA (its rule for a cache's contiguous keys), so those queries attend alone (``ALONE_EVERY``).
@@ -51,8 +53,8 @@ _ONE_PASS = """
   const int qL = queries_shape[2];
   const int kH = keys_shape[1];
   const int kTotal = keys_shape[2];
-  const int inner_k_stride = BN * D;
-  const int inner_v_stride = BN * D;
+  const int inner_k_stride = BN * int(keys_strides[2]);
+  const int inner_v_stride = BN * int(values_strides[2]);
 
   U q[v_per_thread];
   U k[v_per_thread];
@@ -75,14 +77,17 @@ _ONE_PASS = """
   const int kL = kTotal - qL + 1 + q_seq_idx;
   const int kv_seq_idx = warp_idx;
 
-  const T* Q = queries + (size_t)(head_idx * qL + q_seq_idx) * D;
-  const T* K = keys + (size_t)kv_head_idx * kTotal * D + (size_t)kv_seq_idx * D;
-  const T* V = values + (size_t)kv_head_idx * kTotal * D + (size_t)kv_seq_idx * D;
+  const T* Q = queries + head_idx * queries_strides[1] + q_seq_idx * queries_strides[2];
+  const T* K = keys + kv_head_idx * keys_strides[1] + kv_seq_idx * keys_strides[2];
+  const T* V = values + kv_head_idx * values_strides[1] + kv_seq_idx * values_strides[2];
+  const int64_t qd = queries_strides[3];
+  const int64_t kd = keys_strides[3];
+  const int64_t vd = values_strides[3];
   T* O = out + (size_t)(q_seq_idx * H + head_idx) * D;
 
   #pragma unroll
   for (int i = 0; i < v_per_thread; i++) {
-    q[i] = scale_log2 * static_cast<U>(Q[v_per_thread * lane_idx + i]);
+    q[i] = scale_log2 * static_cast<U>(Q[(v_per_thread * lane_idx + i) * qd]);
   }
   #pragma unroll
   for (int i = 0; i < v_per_thread; i++) {
@@ -95,7 +100,7 @@ _ONE_PASS = """
   for (int i = kv_seq_idx; i < kL; i += BN) {
     #pragma unroll
     for (int j = 0; j < v_per_thread; j++) {
-      k[j] = K[v_per_thread * lane_idx + j];
+      k[j] = K[(v_per_thread * lane_idx + j) * kd];
     }
     U score = 0.f;
     #pragma unroll
@@ -110,7 +115,7 @@ _ONE_PASS = """
     sum_exp_score = sum_exp_score * factor + exp_score;
     #pragma unroll
     for (int j = 0; j < v_per_thread; j++) {
-      o[j] = o[j] * factor + exp_score * static_cast<U>(V[v_per_thread * lane_idx + j]);
+      o[j] = o[j] * factor + exp_score * static_cast<U>(V[(v_per_thread * lane_idx + j) * vd]);
     }
     K += inner_k_stride;
     V += inner_v_stride;
@@ -156,8 +161,8 @@ _PASS_1 = """
   const int qL = queries_shape[2];
   const int kH = keys_shape[1];
   const int kTotal = keys_shape[2];
-  const int inner_k_stride = blocks * BN * D;
-  const int inner_v_stride = blocks * BN * D;
+  const int inner_k_stride = blocks * BN * int(keys_strides[2]);
+  const int inner_v_stride = blocks * BN * int(values_strides[2]);
 
   U q[v_per_thread];
   U k[v_per_thread];
@@ -181,9 +186,12 @@ _PASS_1 = """
   const int kL = kTotal - qL + 1 + q_seq_idx;
   const int kv_seq_idx = block_idx * BN + warp_idx;
 
-  const T* Q = queries + (size_t)(head_idx * qL + q_seq_idx) * D;
-  const T* K = keys + (size_t)kv_head_idx * kTotal * D + (size_t)kv_seq_idx * D;
-  const T* V = values + (size_t)kv_head_idx * kTotal * D + (size_t)kv_seq_idx * D;
+  const T* Q = queries + head_idx * queries_strides[1] + q_seq_idx * queries_strides[2];
+  const T* K = keys + kv_head_idx * keys_strides[1] + kv_seq_idx * keys_strides[2];
+  const T* V = values + kv_head_idx * values_strides[1] + kv_seq_idx * values_strides[2];
+  const int64_t qd = queries_strides[3];
+  const int64_t kd = keys_strides[3];
+  const int64_t vd = values_strides[3];
 
   const int p_offset = (head_idx * qL + q_seq_idx) * blocks + block_idx;
   float* P = partials + (size_t)p_offset * D;
@@ -192,7 +200,7 @@ _PASS_1 = """
 
   #pragma unroll
   for (int i = 0; i < v_per_thread; i++) {
-    q[i] = scale_log2 * static_cast<U>(Q[v_per_thread * lane_idx + i]);
+    q[i] = scale_log2 * static_cast<U>(Q[(v_per_thread * lane_idx + i) * qd]);
   }
   #pragma unroll
   for (int i = 0; i < v_per_thread; i++) {
@@ -205,7 +213,7 @@ _PASS_1 = """
   for (int i = kv_seq_idx; i < kL; i += blocks * BN) {
     #pragma unroll
     for (int j = 0; j < v_per_thread; j++) {
-      k[j] = K[v_per_thread * lane_idx + j];
+      k[j] = K[(v_per_thread * lane_idx + j) * kd];
     }
     U score = 0.f;
     #pragma unroll
@@ -220,7 +228,7 @@ _PASS_1 = """
     sum_exp_score = sum_exp_score * factor + exp_score;
     #pragma unroll
     for (int j = 0; j < v_per_thread; j++) {
-      o[j] = o[j] * factor + exp_score * static_cast<U>(V[v_per_thread * lane_idx + j]);
+      o[j] = o[j] * factor + exp_score * static_cast<U>(V[(v_per_thread * lane_idx + j) * vd]);
     }
     K += inner_k_stride;
     V += inner_v_stride;
@@ -341,6 +349,7 @@ def _kernel(name: str) -> Any:
             output_names=outputs,
             source=source,
             header=_HEADER,
+            ensure_row_contiguous=False,  # reads the cache's views where they are (strides): no copies
         )
     return kernel
 
