@@ -102,6 +102,7 @@ _BURSTS: tuple[tuple[str, str, Callable[[BurstSummary], int]], ...] = (
     ("accepted_tokens", "Drafted tokens the target accepted", lambda b: b["accepted_tokens"]),
     ("audits", "Burst rounds re-checked against a single-token forward", lambda b: b["audits"]),
     ("audit_failures", "Audits that found the verify diverging from classic decode", lambda b: b["audit_failures"]),
+    ("ahead_rounds", "Burst rounds whose verify was built while the previous round ran", lambda b: b["ahead_rounds"]),
 )
 
 

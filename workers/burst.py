@@ -47,6 +47,8 @@ class BurstCounters:
     interrupted: int = 0
     audits: int = 0
     audit_failures: int = 0
+    #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
+    ahead: int = 0
     declined: dict[str, int] = field(default_factory=dict)
 
 

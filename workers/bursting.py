@@ -21,6 +21,7 @@ from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSetti
 from workers.drafters import Drafter
 from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
+from workers.lookahead import Ahead, guess, plain, restore, save
 from workers.pins import CountedModel, unpinned
 from workers.speculative import accept_greedy, accept_sampled
 from workers.verdicts import Verdicts
@@ -75,6 +76,8 @@ class BurstRunner:
         self._last_decline: tuple[int, str] | None = None
         #: The last round found bursting does not pay: the burst ends at the next step's decision.
         self._stop_asked = False
+        #: The next round's verify, guessed and built on the burst's caches (``workers.lookahead``).
+        self._ahead: Ahead | None = None
 
     def configure(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
         """Enable B = 1 bursts with ``drafter``; they run once ``pairing`` has a usable verdict."""
@@ -200,6 +203,7 @@ class BurstRunner:
 
     def end(self) -> None:
         """Drop the burst in progress (its sequence is the caller's to finish or park)."""
+        self._drop_ahead()
         if self.current is not None and self.drafter is not None:
             self.drafter.stop()
         self.current = None
@@ -207,6 +211,7 @@ class BurstRunner:
 
     def close(self, keep: bool) -> None:
         """End the burst of a sequence that ends, offering its KV to the prefix cache when ``keep``."""
+        self._drop_ahead()  # the caches as the last round left them, before they are kept
         if keep:
             self._keep(self.current)
         self.end()
@@ -232,20 +237,43 @@ class BurstRunner:
 
     # ------------------------------------------------------------------ the round
 
-    def _verify(self, b: BurstSeq, block: list[int], level: Level) -> tuple[mx.array, mx.array | None]:
-        """The verify forward: one block, pinned to ``level`` (a lone token is a plain step).
-        Returns the logits rows and, for drafters that need them, the hidden states."""
+    def _drop_ahead(self) -> None:
+        """Put the burst's caches back as the last round left them, if a guess was built on them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.current is not None:
+            restore(self.current.cache, ahead.saved)
+
+    def _verify(
+        self, b: BurstSeq, block: list[int], level: Level, ahead: Ahead | None, lookahead: bool
+    ) -> tuple[mx.array, mx.array | None, Ahead | None]:
+        """The verify forward: one block, pinned to ``level`` (a lone token is a plain step), its graph
+        taken from ``ahead`` when the last round built it. With ``lookahead`` the next round's verify
+        is guessed and built while this one runs on the device (``workers.lookahead``). Returns the
+        logits rows, for drafters that need them the hidden states, and the guess."""
         scope = self._classic(level, "verify") if len(block) == 1 else self.host.pinned(level, "verify")
-        hidden = None
+        hidden, nxt = None, None
         with scope:
-            inputs = mx.array([block])
-            if self.drafter is not None and self.drafter.needs_hidden:
-                logits, hidden = self.host.counted.with_hidden(inputs, b.cache)
+            if ahead is not None:
+                logits = ahead.logits
+            elif self.drafter is not None and self.drafter.needs_hidden:
+                logits, hidden = self.host.counted.with_hidden(mx.array([block]), b.cache)
                 mx.eval(logits, hidden)
+                return logits[0], hidden, None
             else:
-                logits = self.host.counted(inputs, cache=b.cache)
-                mx.eval(logits)
-        return logits[0], hidden
+                logits = self.host.counted(mx.array([block]), cache=b.cache)
+            if lookahead:
+                mx.async_eval(logits)
+                nxt = self._build_ahead(b, block, level)
+            mx.eval(logits)
+        return logits[0], hidden, nxt
+
+    def _build_ahead(self, b: BurstSeq, block: list[int], level: Level) -> Ahead | None:
+        assert self.drafter is not None
+        nxt = guess(self.drafter, b.history, block[1:], self.settings.k)
+        if nxt is None:
+            return None
+        saved = save(b.cache)
+        return Ahead(nxt, level, self.host.counted(mx.array([nxt]), cache=b.cache), saved)
 
     def round(self) -> list[Event]:
         """One speculative round: draft, (maybe audit,) verify, accept, emit; then whether to go on."""
@@ -265,13 +293,19 @@ class BurstRunner:
             return self._rejoin()
         block = [b.pending, *draft.tokens]
         audit = self._auditor.pick() and len(block) > 1
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (audit or ahead.block != block or ahead.level is not level):
+            restore(b.cache, ahead.saved)  # a wrong guess: nothing of it was computed
+            ahead = None
+        self.counters.ahead += ahead is not None
         single = None
         if audit:
             with self._classic(level, "audit"):
                 single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
                 mx.eval(single)
             trim_prompt_cache(b.cache, 1)
-        logits, hidden = self._verify(b, block, level)
+        lookahead = not audit and len(block) > 1 and b.sampler is None and plain(b.cache)
+        logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
         self.counters.rounds += 1
         self.counters.drafted += len(draft.tokens)
         if single is not None:
@@ -285,6 +319,11 @@ class BurstRunner:
             outcome = accept_sampled(draft.tokens, draft.q, logprobs, b.sampler)
         a = outcome.accepted
         self.counters.accepted += a
+        if nxt is not None:  # kept only while the guess still holds: every draft and the bonus token
+            if a == len(draft.tokens) and outcome.next_token == nxt.block[0]:
+                self._ahead = nxt
+            else:
+                restore(b.cache, nxt.saved)
         trim_prompt_cache(b.cache, len(draft.tokens) - a)
         candidates = [b.pending, *draft.tokens[:a]]
         lps = [b.pending_logprob or 0.0]
@@ -344,6 +383,7 @@ class BurstRunner:
             "declined": dict(self.counters.declined),
             "audits": self.counters.audits,
             "audit_failures": self.counters.audit_failures,
+            "ahead_rounds": self.counters.ahead,
             "revoked": dict(self.revoked),
             "speedup_estimate": self.adaptive.speedup,
             "classic_step_s": self.adaptive.classic_step_s,

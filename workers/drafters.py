@@ -120,15 +120,20 @@ class PromptLookup:
         self._history = list(history)
 
     def propose(self, k: int, sampler: SeededSampler | None) -> Draft:
-        h = self._history
+        return Draft(self.propose_after(self._history, k))
+
+    def propose_after(self, history: list[int], k: int) -> list[int]:
+        """What ``propose`` would give after ``history`` (a function of the history alone, so the
+        burst runner can guess the next round's block before this round's result)."""
+        h = history
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
             for start in range(len(h) - n - 1, -1, -1):
                 if h[start : start + n] == tail:
                     follow = h[start + n : start + n + k]
                     if follow:
-                        return Draft(follow)
-        return Draft([])
+                        return follow
+        return []
 
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None:
         self._history = list(history)

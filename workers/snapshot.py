@@ -100,6 +100,8 @@ class BurstSummary(TypedDict):
     declined: dict[str, int]
     audits: int
     audit_failures: int
+    #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
+    ahead_rounds: int
     revoked: dict[str, str]
     speedup_estimate: float | None
     classic_step_s: float | None

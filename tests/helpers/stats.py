@@ -99,6 +99,7 @@ def stats_snapshot(
                 "declined": {"batch": 4},
                 "audits": 2,
                 "audit_failures": 0,
+                "ahead_rounds": 0,
                 "revoked": {},
                 "speedup_estimate": None,
                 "classic_step_s": None,
