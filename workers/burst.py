@@ -35,6 +35,9 @@ class BurstSettings:
     reprofile_after_s: float = 30.0
     ema: float = 0.2
     seed: int = 0
+    #: Build the next round's verify while this one runs, where the drafter can guess it
+    #: (``workers.lookahead``); off only to measure what it saves.
+    lookahead: bool = True
 
 
 @dataclass

@@ -304,7 +304,7 @@ class BurstRunner:
                 single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
                 mx.eval(single)
             trim_prompt_cache(b.cache, 1)
-        lookahead = not audit and len(block) > 1 and b.sampler is None and plain(b.cache)
+        lookahead = self.settings.lookahead and not audit and len(block) > 1 and b.sampler is None and plain(b.cache)
         logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
         self.counters.rounds += 1
         self.counters.drafted += len(draft.tokens)
