@@ -322,6 +322,10 @@ class BurstRunner:
         if nxt is not None:  # kept only while the guess still holds: every draft and the bonus token
             if a == len(draft.tokens) and outcome.next_token == nxt.block[0]:
                 self._ahead = nxt
+                # Launched now, so the device runs it while this round's tokens go out: the next round
+                # almost always finds the same block (a drafter guessed from the history alone), and
+                # if not, its caches are put back and the result is dropped.
+                mx.async_eval(nxt.logits)
             else:
                 restore(b.cache, nxt.saved)
         trim_prompt_cache(b.cache, len(draft.tokens) - a)

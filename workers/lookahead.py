@@ -6,8 +6,9 @@ mlx-lm already overlaps with the previous step's run. With greedy decoding and a
 proposal is a function of the history alone (prompt lookup), the next round's block can be guessed
 before this round's result: every draft kept, and the bonus token the drafter predicts after them.
 Its graph is built on the caches this round leaves, while the device computes this round, and is
-launched only when the next round finds exactly that block; otherwise the caches are put back as this
-round left them and nothing of the guess is computed. A launched guess is the very forward the next
+launched once this round kept every draft and the guessed bonus token; it serves the next round only
+when that round finds exactly that block, and otherwise the caches are put back as this round left
+them and the guess's result is dropped. A launched guess is the very forward the next
 round would have built (the same block on the same caches at the same level), so its outputs are the
 same bytes.
 """
