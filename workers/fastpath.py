@@ -24,7 +24,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,15 +67,23 @@ _active: FastPath | None = None
 
 
 def detect() -> FastPath:
-    """The policy for this process: ``MLX_BATCHD_FASTPATH`` if set, else by the default device."""
+    """The policy for this process: ``MLX_BATCHD_FASTPATH`` if set, else by the default device;
+    ``MLX_BATCHD_CONTIGUOUS_KV=0|1`` overrides its ``contiguous_kv`` (to measure what the copies
+    cost and buy: with cuDNN attention off, MLX CUDA's single-query kernel walks a strided view's
+    keys in a fixed order)."""
     forced = os.environ.get("MLX_BATCHD_FASTPATH")
     if forced:
         if forced not in _POLICIES:
             raise ValueError(f"MLX_BATCHD_FASTPATH={forced!r}: expected one of {', '.join(_POLICIES)}")
-        return _POLICIES[forced]
-    if mx.default_device() == mx.gpu and mx.cuda.is_available():
-        return CUDA
-    return GENERIC
+        policy = _POLICIES[forced]
+    else:
+        policy = CUDA if mx.default_device() == mx.gpu and mx.cuda.is_available() else GENERIC
+    copies = os.environ.get("MLX_BATCHD_CONTIGUOUS_KV")
+    if copies:
+        if copies not in ("0", "1"):
+            raise ValueError(f"MLX_BATCHD_CONTIGUOUS_KV={copies!r}: expected 0 or 1")
+        policy = replace(policy, contiguous_kv=copies == "1")
+    return policy
 
 
 def active() -> FastPath:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from workers.backend import backend_fingerprint
+from workers import fastpath
+from workers.backend import CUDNN_ATTENTION_ENV, backend_fingerprint
 from workers.probe_results import Verdict
 
 log = logging.getLogger("mlx_batchd.probe")
@@ -116,9 +118,14 @@ def serving_pairing(
     kernel_plans: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Everything that can change a verdict: weights and config, dtype and quantization (both in
-    the config and the weights), drafter, the cache types serving builds, backend and versions, and
-    the batched path's kernel plans installed for the model (``fastpath.installed``)."""
+    the config and the weights), drafter, the cache types serving builds, backend and versions, how
+    attention runs (MLX's cuDNN attention on or off, contiguous K/V copies), and the batched path's
+    kernel plans installed for the model (``fastpath.installed``)."""
     return {
+        "attention": {
+            "cudnn": os.environ.get(CUDNN_ATTENTION_ENV, ""),
+            "contiguous_kv": fastpath.active().contiguous_kv,
+        },
         "model": model_fingerprint(model_dir, cache_root),
         "model_type": config.get("model_type"),
         "quantization": config.get("quantization"),

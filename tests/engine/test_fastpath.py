@@ -3,6 +3,7 @@ plans, and greedy tokens through the engine unchanged under every policy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,26 @@ def test_calibration_times_a_padded_way_with_its_padding(policy: None, monkeypat
     monkeypatch.setattr(fastpath, "_pad", lambda flat, to: pads.append(to) or real_pad(flat, to))
     plan_timing.time_plan(nn.Linear(8, 8), 2)
     assert set(pads) == {8, 16}
+
+
+def test_a_verdicts_pairing_names_how_attention_runs(
+    tiny_model: Path, tmp_path: Path, policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLX's cuDNN attention and the contiguous K/V copies decide which attention kernel classic
+    decode and the verify run, so a verdict measured with one is not the verdict for another."""
+    from workers.backend import CUDNN_ATTENTION_ENV
+    from workers.models import load
+    from workers.probe_setup import probe_setup
+    from workers.verdict_store import pairing_fingerprint
+
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    loaded = load(str(tiny_model))
+    fastpath.set_active(fastpath.CUDA)
+    monkeypatch.setenv(CUDNN_ATTENTION_ENV, "0")
+    base = pairing_fingerprint(probe_setup(loaded, "none", store=False).pairing)
+    monkeypatch.setenv(CUDNN_ATTENTION_ENV, "1")
+    cudnn = pairing_fingerprint(probe_setup(loaded, "none", store=False).pairing)
+    monkeypatch.setenv(CUDNN_ATTENTION_ENV, "0")
+    fastpath.set_active(replace(fastpath.CUDA, contiguous_kv=False))
+    copies = pairing_fingerprint(probe_setup(loaded, "none", store=False).pairing)
+    assert len({base, cudnn, copies}) == 3

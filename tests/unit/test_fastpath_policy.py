@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
 from tests.helpers.fastpath import policy as policy
 from workers import fastpath, kernels
@@ -30,3 +31,23 @@ def test_stock_lifts_the_patches_and_puts_them_back() -> None:
         assert not hasattr(nn.Linear.__call__, "__wrapped__")
     assert nn.Linear.__call__ is not patched or hasattr(nn.Linear.__call__, "__wrapped__")
     assert hasattr(nn.Linear.__call__, "__wrapped__")
+
+
+def test_the_contiguous_kv_copies_can_be_switched_for_a_measurement(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MLX_BATCHD_CONTIGUOUS_KV`` overrides the policy's copies either way; anything but 0 or 1 is
+    refused by name."""
+    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "cuda")
+    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "0")
+    p = fastpath.detect()
+    assert p.name == "cuda" and p.flatten and not p.contiguous_kv
+    fastpath.set_active(p)
+    one = mx.random.normal((1, 2, 16, 4))[:, :, :5]
+    assert fastpath.attention_inputs(one, one)[0] is one  # the cache's own view
+    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "generic")
+    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "1")
+    assert fastpath.detect().contiguous_kv
+    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "yes")
+    with pytest.raises(ValueError, match="MLX_BATCHD_CONTIGUOUS_KV"):
+        fastpath.detect()
