@@ -10,6 +10,10 @@
 # chained timings and the whole-forward check chose (step_anatomy: its forward_check has each row
 # count's forward milliseconds per candidate).
 # PART=p: the probe (8B synth, prompt lookup, K = 2, 4, 8) and B = 1 prompt lookup over 512 tokens.
+# PART=c: classic B = 1 without and with the contiguous K/V copies (MLX_BATCHD_CONTIGUOUS_KV=0|1): the
+# probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
+# is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
+# section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=d: the demo pair with its MTP head, and `mlx-batchd demo`.
@@ -26,6 +30,13 @@ elif [ "$PART" = p ]; then
   done
   step bench1 280 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
     --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
+elif [ "$PART" = c ]; then
+  for copies in 0 1; do
+    MLX_BATCHD_CONTIGUOUS_KV=$copies step "probe-copies$copies" 90 python3 -m scheduler probe --model /tmp/m8b \
+      --draft prompt-lookup -k 4 --no-store
+    MLX_BATCHD_CONTIGUOUS_KV=$copies step "b1-copies$copies" 150 python3 -m scheduler bench --model /tmp/m8b \
+      --batch-sizes 1 --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/b1-copies$copies"
+  done
 elif [ "$PART" = m ]; then
   step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1,4,8,16,32,64,128 --tokens 64 \
     --repeats 3 --raw-max-batch "${RAW:-64}" --out "$R/matrix"
