@@ -21,7 +21,7 @@ from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSetti
 from workers.drafters import Drafter
 from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
-from workers.lookahead import Ahead, guess, plain, restore, save
+from workers.lookahead import Ahead, guess, plain, room, save
 from workers.pins import CountedModel, unpinned
 from workers.speculative import accept_greedy, accept_sampled
 from workers.verdicts import Verdicts
@@ -241,7 +241,7 @@ class BurstRunner:
         """Put the burst's caches back as the last round left them, if a guess was built on them."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and self.current is not None:
-            restore(self.current.cache, ahead.saved)
+            ahead.undo(self.current.cache)
 
     def _verify(
         self, b: BurstSeq, block: list[int], level: Level, ahead: Ahead | None, lookahead: bool
@@ -270,7 +270,7 @@ class BurstRunner:
     def _build_ahead(self, b: BurstSeq, block: list[int], level: Level) -> Ahead | None:
         assert self.drafter is not None
         nxt = guess(self.drafter, b.history, block[1:], self.settings.k)
-        if nxt is None:
+        if nxt is None or not room(b.cache, len(nxt)):
             return None
         saved = save(b.cache)
         return Ahead(nxt, level, self.host.counted(mx.array([nxt]), cache=b.cache), saved)
@@ -295,7 +295,7 @@ class BurstRunner:
         audit = self._auditor.pick() and len(block) > 1
         ahead, self._ahead = self._ahead, None
         if ahead is not None and (audit or ahead.block != block or ahead.level is not level):
-            restore(b.cache, ahead.saved)  # a wrong guess: nothing of it was computed
+            ahead.undo(b.cache)  # a wrong guess
             ahead = None
         self.counters.ahead += ahead is not None
         single = None
@@ -324,10 +324,10 @@ class BurstRunner:
                 self._ahead = nxt
                 # Launched now, so the device runs it while this round's tokens go out: the next round
                 # almost always finds the same block (a drafter guessed from the history alone), and
-                # if not, its caches are put back and the result is dropped.
-                mx.async_eval(nxt.logits)
+                # if not, its tokens are trimmed and the result is dropped.
+                nxt.launch()
             else:
-                restore(b.cache, nxt.saved)
+                nxt.undo(b.cache)  # never launched: nothing of it is computed
         trim_prompt_cache(b.cache, len(draft.tokens) - a)
         candidates = [b.pending, *draft.tokens[:a]]
         lps = [b.pending_logprob or 0.0]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
 
 from workers.drafters import Drafter
 from workers.kernels import Level
@@ -26,13 +27,29 @@ from workers.kernels import Level
 
 @dataclass
 class Ahead:
-    """A guessed next round: its block, its level, its forward's logits (built, not evaluated) and
-    each cache's (keys, values, offset) from before the guess was built on it."""
+    """A guessed next round: its block, its level and its forward's logits (built, not yet used), and
+    how to put the caches back: each cache's (keys, values, offset) from before the guess was built
+    on them, held until the guess is launched; after that the guess's tokens are trimmed instead,
+    so the held arrays do not keep MLX from updating the caches' buffers in place."""
 
     block: list[int]
     level: Level
     logits: mx.array
-    saved: list[tuple[Any, Any, int]]
+    saved: list[tuple[Any, Any, int]] | None
+
+    def launch(self) -> None:
+        """Start the guess on the device; from now on a wrong guess is undone by trimming its tokens
+        (the same buffers, holding this round's keys and values below the trimmed offset)."""
+        self.saved = None
+        mx.async_eval(self.logits)
+
+    def undo(self, cache: list[Any]) -> None:
+        """Put the caches back as the round before the guess left them."""
+        if self.saved is not None:
+            for c, (keys, values, offset) in zip(cache, self.saved, strict=True):
+                c.keys, c.values, c.offset = keys, values, offset
+        else:
+            trim_prompt_cache(cache, len(self.block))
 
 
 def plain(cache: list[Any]) -> bool:
@@ -43,13 +60,14 @@ def plain(cache: list[Any]) -> bool:
     return all(type(c) is KVCache for c in cache)
 
 
+def room(cache: list[Any], tokens: int) -> bool:
+    """Whether every cache holds ``tokens`` more without growing its buffer: a guess is built only
+    then, so undoing it by trimming leaves each buffer as it was laid out."""
+    return all(c.keys is not None and c.offset + tokens <= c.keys.shape[2] for c in cache)
+
+
 def save(cache: list[Any]) -> list[tuple[Any, Any, int]]:
     return [(c.keys, c.values, c.offset) for c in cache]
-
-
-def restore(cache: list[Any], saved: list[tuple[Any, Any, int]]) -> None:
-    for c, (keys, values, offset) in zip(cache, saved, strict=True):
-        c.keys, c.values, c.offset = keys, values, offset
 
 
 def guess(drafter: Drafter, history: list[int], drafts: list[int], k: int) -> list[int] | None:
