@@ -16,7 +16,7 @@
 # section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
-# PART=d: the demo pair with its MTP head, and `mlx-batchd demo`.
+# PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
 source benchmarks/h200-steps.sh
 if [ "${PART:-k}" = k ]; then
@@ -44,6 +44,8 @@ elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
     --model /tmp/m8b --repeats 7 --out "$R/prefix"
 elif [ "$PART" = d ]; then
+  step lookahead-mtp 120 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
+    --repeats 5 --out "$R/lookahead-mtp.json"
   step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
     --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
   step demo 120 python3 -m scheduler demo

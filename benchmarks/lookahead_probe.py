@@ -3,10 +3,12 @@
     python benchmarks/lookahead_probe.py --model demo --tokens 128 --out lookahead.json
 
 B = 1 greedy decode of one prompt, three arms in rotated order per repeat: classic decode, bursts
-with the next round built ahead off, and on. The drafter is a stand-in (named as such): it proposes
-the target's own greedy continuation (decoded classically first), so every draft is kept and every
-guess of the next round is right; the figures are the mechanics' best case (what a workload whose
-drafts are all accepted gets), not a drafter's. Bursts run at the level a probe of the pairing gives,
+with the next round built ahead off, and on. ``--drafter oracle`` (the default) is a stand-in (named
+as such): it proposes the target's own greedy continuation (decoded classically first), so every
+draft is kept and every guess of the next round is right; its figures are the mechanics' best case
+(what a workload whose drafts are all accepted gets), not a drafter's. ``--drafter mtp:PATH`` drafts
+with an MTP head (``mtp:demo``: the shipped pair's), whose next proposal is built on the verify's
+outputs. Bursts run at the level a probe of the pairing gives,
 as the daemon runs them. Prints and writes tokens/s per arm (median of ``--repeats``, with min-max),
 burst rounds and rounds built ahead.
 """
@@ -22,7 +24,7 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from workers.burst import BurstCounters, BurstSettings
-from workers.drafters import Draft
+from workers.drafters import Draft, Drafter, load_mtp_drafter
 from workers.engine import Engine, Job, Tokens
 from workers.models import LoadedModel, load
 from workers.probe import ProbePolicy, make_draws, probe_steps, sliding_window
@@ -54,7 +56,7 @@ class Oracle:
         self._n = 0
 
 
-def _engine(loaded: LoadedModel, drafter: Oracle | None, k: int, lookahead: bool) -> Engine:
+def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: bool) -> Engine:
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=4)
     if drafter is not None:
         name = f"lookahead-probe+{drafter.name}"
@@ -87,16 +89,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drafter", default="oracle", help="oracle (a stand-in that knows the continuation) or mtp:PATH")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     loaded = load(a.model)
     prompt = [(7 * i) % 200 + 5 for i in range(32)]
     reference, _ = _run(_engine(loaded, None, a.k, False), prompt, a.tokens + 2 * a.k + 2)
     path = prompt + reference
+
+    def drafter() -> Drafter:
+        if a.drafter == "oracle":
+            return Oracle(path)
+        if a.drafter.startswith("mtp:"):
+            return load_mtp_drafter(a.drafter.removeprefix("mtp:"), loaded.model)
+        raise SystemExit(f"--drafter {a.drafter!r}: expected oracle or mtp:PATH")
+
     arms = {
         "classic": lambda: _engine(loaded, None, a.k, False),
-        "bursts": lambda: _engine(loaded, Oracle(path), a.k, False),
-        "bursts+lookahead": lambda: _engine(loaded, Oracle(path), a.k, True),
+        "bursts": lambda: _engine(loaded, drafter(), a.k, False),
+        "bursts+lookahead": lambda: _engine(loaded, drafter(), a.k, True),
     }
     engines = {name: make() for name, make in arms.items()}
     for engine in engines.values():  # first use of each shape, untimed; counters from the timed runs on
@@ -112,11 +123,12 @@ def main() -> None:
                 raise SystemExit(f"{name}: tokens differ from classic decode's")
             samples[name].append(len(got) / seconds)
             print(f"repeat {rep + 1}/{a.repeats} {name}: {len(got) / seconds:.1f} tok/s", flush=True)
-    report: dict[str, Any] = {"model": a.model, "tokens": a.tokens, "k": a.k, "arms": {}}
+    report: dict[str, Any] = {"model": a.model, "drafter": a.drafter, "tokens": a.tokens, "k": a.k, "arms": {}}
     step_s = 1 / statistics.median(samples["classic"])  # a classic step: one token
     for name, xs in samples.items():
         c = engines[name].runner.counters
         row: dict[str, Any] = {"tok_s": statistics.median(xs), "spread": [min(xs), max(xs)], "rounds": c.rounds}
+        row["acceptance"] = c.accepted / c.drafted if c.drafted else None
         row["ahead_rounds"] = c.ahead
         if c.rounds:  # a round's wall time in classic steps, from the medians (every token came from a round)
             row["round_in_steps"] = (c.emitted / c.rounds) / row["tok_s"] / step_s

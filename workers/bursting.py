@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from workers.arrays import as_float
+from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings, Gate
-from workers.drafters import Drafter
+from workers.drafters import Draft, Drafter
 from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
 from workers.lookahead import Ahead, guess, plain, room, save
@@ -244,36 +244,55 @@ class BurstRunner:
             ahead.undo(self.current.cache)
 
     def _verify(
-        self, b: BurstSeq, block: list[int], level: Level, ahead: Ahead | None, lookahead: bool
+        self, b: BurstSeq, block: list[int] | None, level: Level, ahead: Ahead | None, lookahead: bool
     ) -> tuple[mx.array, mx.array | None, Ahead | None]:
         """The verify forward: one block, pinned to ``level`` (a lone token is a plain step), its graph
-        taken from ``ahead`` when the last round built it. With ``lookahead`` the next round's verify
-        is guessed and built while this one runs on the device (``workers.lookahead``). Returns the
-        logits rows, for drafters that need them the hidden states, and the guess."""
-        scope = self._classic(level, "verify") if len(block) == 1 else self.host.pinned(level, "verify")
+        taken from ``ahead`` when the last round built it (``block`` ``None``: the drafter's proposal
+        in it is computed with it). With ``lookahead`` the next round's verify is built while this
+        one runs on the device (``workers.lookahead``). Returns the logits rows, for drafters that
+        need them the hidden states, and the next round's verify if built."""
+        solo = block is not None and len(block) == 1
+        scope = self._classic(level, "verify") if solo else self.host.pinned(level, "verify")
         hidden, nxt = None, None
         with scope:
             if ahead is not None:
-                logits = ahead.logits
+                logits, hidden = ahead.logits, ahead.hidden
             elif self.drafter is not None and self.drafter.needs_hidden:
                 logits, hidden = self.host.counted.with_hidden(mx.array([block]), b.cache)
-                mx.eval(logits, hidden)
-                return logits[0], hidden, None
             else:
                 logits = self.host.counted(mx.array([block]), cache=b.cache)
+            outs = [a for a in (logits, hidden, None if ahead is None else ahead.drafts) if a is not None]
             if lookahead:
-                mx.async_eval(logits)
-                nxt = self._build_ahead(b, block, level)
-            mx.eval(logits)
+                mx.async_eval(*outs)
+                drafts = ahead.drafts if block is None and ahead is not None else block
+                nxt = self._build_ahead(b, drafts, level, logits, hidden)
+            mx.eval(*outs)
         return logits[0], hidden, nxt
 
-    def _build_ahead(self, b: BurstSeq, block: list[int], level: Level) -> Ahead | None:
-        assert self.drafter is not None
-        nxt = guess(self.drafter, b.history, block[1:], self.settings.k)
+    def _build_ahead(
+        self, b: BurstSeq, block: Any, level: Level, logits: mx.array, hidden: mx.array | None
+    ) -> Ahead | None:
+        """The next round's verify if this round keeps every draft: on a guessed block (a drafter
+        that proposes from the history alone), or on the drafter's proposal built on this round's
+        outputs (``prepare``: the MTP head). ``block`` is this round's (a list), or for a round whose
+        block is not known yet its drafts (``[1, K]``)."""
+        drafter, k = self.drafter, self.settings.k
+        assert drafter is not None
+        prepare = getattr(drafter, "prepare", None)
+        if drafter.needs_hidden:
+            if prepare is None or hidden is None or not room(b.cache, k + 1):
+                return None
+            bonus = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
+            proposal = prepare(hidden, block if isinstance(block, mx.array) else block[1:], bonus, k)
+            inputs = mx.concatenate([bonus, proposal], axis=1)
+            saved = save(b.cache)
+            nxt_logits, nxt_hidden = self.host.counted.with_hidden(inputs, b.cache)
+            return Ahead(None, level, nxt_logits, saved, nxt_hidden, k + 1, proposal)
+        nxt = guess(drafter, b.history, block[1:], k)
         if nxt is None or not room(b.cache, len(nxt)):
             return None
         saved = save(b.cache)
-        return Ahead(nxt, level, self.host.counted(mx.array([nxt]), cache=b.cache), saved)
+        return Ahead(nxt, level, self.host.counted(mx.array([nxt]), cache=b.cache), saved, None, len(nxt))
 
     def round(self) -> list[Event]:
         """One speculative round: draft, (maybe audit,) verify, accept, emit; then whether to go on."""
@@ -285,16 +304,29 @@ class BurstRunner:
             return self._rejoin()
         s = b.seq
         tic = time.perf_counter()
+        audit = self._auditor.pick()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.block is None and (audit or ahead.level is not level):
+            ahead.undo(b.cache)  # the drafter's proposal built ahead stays: it is this round's
+            ahead = None
+        block: list[int] | None = None  # for a round built on the drafter's outputs: known after its verify
+        draft = Draft([])
+        proposal = None
         try:
-            draft = self.drafter.propose(self.settings.k, b.sampler)
+            if ahead is None or ahead.block is not None:
+                draft = self.drafter.propose(self.settings.k, b.sampler)
+                block = [b.pending, *draft.tokens]
+            else:
+                proposal = self.drafter.take_prepared()  # type: ignore[attr-defined]
+                assert proposal is ahead.drafts
         except Exception:
             log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
             s.no_burst = "drafter_error"
+            if ahead is not None:
+                ahead.undo(b.cache)
             return self._rejoin()
-        block = [b.pending, *draft.tokens]
-        audit = self._auditor.pick() and len(block) > 1
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and (audit or ahead.block != block or ahead.level is not level):
+        audit = audit and (block is None or len(block) > 1)
+        if ahead is not None and block is not None and (audit or ahead.block != block or ahead.level is not level):
             ahead.undo(b.cache)  # a wrong guess
             ahead = None
         self.counters.ahead += ahead is not None
@@ -304,8 +336,18 @@ class BurstRunner:
                 single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
                 mx.eval(single)
             trim_prompt_cache(b.cache, 1)
-        lookahead = self.settings.lookahead and not audit and len(block) > 1 and b.sampler is None and plain(b.cache)
+        lookahead = (
+            self.settings.lookahead
+            and not audit
+            and (block is None or len(block) > 1)
+            and b.sampler is None
+            and plain(b.cache)
+        )
         logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
+        if proposal is not None:  # the drafter's proposal built ahead, computed with this verify
+            draft = Draft([as_int(t) for t in proposal[0]])
+            block = [b.pending, *draft.tokens]
+        assert block is not None
         self.counters.rounds += 1
         self.counters.drafted += len(draft.tokens)
         if single is not None:
@@ -320,14 +362,18 @@ class BurstRunner:
         a = outcome.accepted
         self.counters.accepted += a
         if nxt is not None:  # kept only while the guess still holds: every draft and the bonus token
-            if a == len(draft.tokens) and outcome.next_token == nxt.block[0]:
+            if a == len(draft.tokens) and (nxt.block is None or outcome.next_token == nxt.block[0]):
                 self._ahead = nxt
+                if nxt.block is None:
+                    self.drafter.confirm()  # type: ignore[attr-defined]
                 # Launched now, so the device runs it while this round's tokens go out: the next round
                 # almost always finds the same block (a drafter guessed from the history alone), and
                 # if not, its tokens are trimmed and the result is dropped.
                 nxt.launch()
             else:
                 nxt.undo(b.cache)  # never launched: nothing of it is computed
+                if nxt.block is None:
+                    self.drafter.unprepare()  # type: ignore[attr-defined]
         trim_prompt_cache(b.cache, len(draft.tokens) - a)
         candidates = [b.pending, *draft.tokens[:a]]
         lps = [b.pending_logprob or 0.0]

@@ -189,6 +189,11 @@ class MTPDrafter:
         self._hidden: mx.array | None = None
         self._next: list[int] = []
         self._drafted = 0
+        #: A next proposal computed ahead (``prepare``): its tokens (built, maybe not yet evaluated),
+        #: the cache as it was before, and whether this round confirmed it (every draft kept).
+        self._prepared: mx.array | None = None
+        self._before: tuple[list[tuple[Any, Any, int]], int] | None = None
+        self._confirmed = False
 
     def start(self, history: list[int]) -> None:
         ctx = history[-(self.warmup_tokens + 1) :]
@@ -198,12 +203,49 @@ class MTPDrafter:
         self._next = ctx[1:]
 
     def propose(self, k: int, sampler: SeededSampler | None) -> Draft:
+        if self._prepared is not None and self._prepared.shape[1] == k:
+            ready: Any = self._prepared[0].tolist()
+            self._prepared = None
+            return Draft([int(t) for t in ready])
         assert self._hidden is not None
         drafted = self.head.draft(self._hidden, mx.array([self._next]), self._cache, k)
         self._drafted = k
         return Draft([int(t) for t in drafted[0].tolist()])
 
+    def prepare(self, hidden: mx.array, drafts: list[int] | mx.array, bonus: mx.array, k: int) -> mx.array:
+        """The next proposal if this round keeps every draft, built (not evaluated) on the verify's
+        hidden states and its bonus token (``[1, 1]`` int32, not yet known; the drafts may not be
+        known yet either, ``[1, K]``): what ``commit`` of all the drafts and then ``propose(k)``
+        would compute, on the same arrays. ``confirm`` keeps it
+        (``commit`` then does nothing, ``propose`` returns it); ``unprepare`` puts the cache back."""
+        self._before = [(c.keys, c.values, c.offset) for c in self._cache], self._drafted
+        trim_prompt_cache(self._cache, self._drafted - 1)
+        kept = drafts if isinstance(drafts, mx.array) else mx.array([drafts], dtype=mx.int32)
+        tokens = mx.concatenate([kept, bonus], axis=1)
+        self._prepared = self.head.draft(hidden[:, : kept.shape[1] + 1], tokens, self._cache, k)
+        self._drafted = k
+        return self._prepared
+
+    def confirm(self) -> None:
+        self._before, self._confirmed = None, True
+
+    def take_prepared(self) -> mx.array | None:
+        """The confirmed proposal, not evaluated, handed to the round that verifies it (``propose``
+        then drafts afresh)."""
+        out, self._prepared = self._prepared, None
+        return out
+
+    def unprepare(self) -> None:
+        if self._before is not None:
+            saved, self._drafted = self._before
+            for c, (keys, values, offset) in zip(self._cache, saved, strict=True):
+                c.keys, c.values, c.offset = keys, values, offset
+        self._prepared, self._before = None, None
+
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None:
+        if self._confirmed:  # ``prepare`` already did this commit and the next proposal
+            self._confirmed = False
+            return
         assert hidden is not None, "the MTP head needs the verify's hidden states"
         trim_prompt_cache(self._cache, self._drafted - 1)
         self._hidden = hidden[:, : accepted + 1]
@@ -212,6 +254,7 @@ class MTPDrafter:
     def stop(self) -> None:
         self._cache = []
         self._hidden = None
+        self._prepared, self._before, self._confirmed = None, None, False
 
 
 def load_mtp_drafter(spec: str, target: Any) -> Drafter:

@@ -11,6 +11,11 @@ when that round finds exactly that block, and otherwise the caches are put back 
 them and the guess's result is dropped. A launched guess is the very forward the next
 round would have built (the same block on the same caches at the same level), so its outputs are the
 same bytes.
+
+A drafter that drafts from the verify's own outputs (the MTP head, from its hidden states) needs no
+guess of tokens: its next proposal, if this round keeps every draft, is built on this round's
+not-yet-computed hidden states and bonus token (``MTPDrafter.prepare``), and the next verify on that
+proposal; both are kept when every draft is, which greedy decoding knows when this round ends.
 """
 
 from __future__ import annotations
@@ -32,16 +37,25 @@ class Ahead:
     on them, held until the guess is launched; after that the guess's tokens are trimmed instead,
     so the held arrays do not keep MLX from updating the caches' buffers in place."""
 
-    block: list[int]
+    #: ``None`` for a block of tokens not yet known (a drafter's proposal built on this round's
+    #: outputs, ``Drafter.prepare``): it is the next round's block by construction once this round
+    #: keeps every draft.
+    block: list[int] | None
     level: Level
     logits: mx.array
     saved: list[tuple[Any, Any, int]] | None
+    #: The forward's hidden states, for drafters that need them.
+    hidden: mx.array | None = None
+    #: The block's length (known before its tokens are).
+    tokens: int = 0
+    #: For a block not yet known: the drafter's proposal in it (``[1, k]``, computed with the forward).
+    drafts: mx.array | None = None
 
     def launch(self) -> None:
         """Start the guess on the device; from now on a wrong guess is undone by trimming its tokens
         (the same buffers, holding this round's keys and values below the trimmed offset)."""
         self.saved = None
-        mx.async_eval(self.logits)
+        mx.async_eval(self.logits, *([] if self.hidden is None else [self.hidden]))
 
     def undo(self, cache: list[Any]) -> None:
         """Put the caches back as the round before the guess left them."""
@@ -49,7 +63,7 @@ class Ahead:
             for c, (keys, values, offset) in zip(cache, self.saved, strict=True):
                 c.keys, c.values, c.offset = keys, values, offset
         else:
-            trim_prompt_cache(cache, len(self.block))
+            trim_prompt_cache(cache, self.tokens)
 
 
 def plain(cache: list[Any]) -> bool:

@@ -8,16 +8,18 @@ except where a test makes them wrong. Exactness is checked token for token again
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tests.engine.test_bursts import EXACT_FOREVER, job, make_engine
 from tests.engine.test_bursts import clean_kernel_state as clean_kernel_state
+from tests.engine.test_bursts import demo as demo
 from tests.engine.test_bursts import paths as paths
 from tests.engine.test_bursts import target as target
 from workers.drafters import Draft
-from workers.engine import Job, Tokens
+from workers.engine import Engine, Job, Tokens
 from workers.sampling import SeededSampler
 
 PROMPT = [5, 6, 7]
@@ -89,6 +91,20 @@ def _classic(target: Any, j: Job) -> Any:
     return _emitted(make_engine(target, None), [j])[j.seq]
 
 
+def _watched(engine: Engine) -> list[bool]:
+    """Whether a round built ahead sat on the burst's caches each time a burst was interrupted."""
+    seen: list[bool] = []
+    real = engine.runner.interrupt
+
+    def interrupt(live: Any) -> Any:
+        if engine.runner.current is not None:
+            seen.append(engine.runner._ahead is not None)
+        return real(live)
+
+    engine.runner.interrupt = interrupt  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.parametrize("kind", ["right", "wrong-drafts", "wrong-guesses"])
 def test_rounds_built_ahead_emit_classic_decodes_tokens(target: Any, kind: str) -> None:
     """Every guess right, rounds that keep only some drafts, or guesses that the next round's real
@@ -115,15 +131,7 @@ def test_a_burst_ended_with_a_round_built_ahead_leaves_the_cache_as_its_last_rou
     first, other = job(0, PROMPT, TOKENS, logprobs=True), job(1, [40, 41, 42], 12, logprobs=True)
     want = _classic(target, first)
     engine = make_engine(target, Oracle(PROMPT + want[0]), EXACT_FOREVER)
-    ahead_at_arrival: list[bool] = []
-    real_interrupt = engine.runner.interrupt
-
-    def interrupt(live: Any) -> Any:
-        if engine.runner.current is not None:
-            ahead_at_arrival.append(engine.runner._ahead is not None)
-        return real_interrupt(live)
-
-    engine.runner.interrupt = interrupt  # type: ignore[method-assign]
+    ahead_at_arrival = _watched(engine)
     got = _emitted(engine, [first], arrivals={4: [other]})
     assert ahead_at_arrival == [True]
     assert got[0] == want
@@ -154,3 +162,54 @@ def test_a_burst_that_ends_with_a_round_built_ahead_keeps_its_last_rounds_kv(tar
     assert entries
     for salt, tokens in entries:
         assert all(c.offset == len(tokens) for c in lru._trie.get(salt, tokens).prompt_cache)
+
+
+# --------------------------------------------------------------------------- the MTP head
+
+
+def _demo_engine(demo: Any, lookahead: bool | None) -> Engine:
+    """The shipped pair's target; with ``lookahead`` not ``None``, the shipped MTP head drafting,
+    its verdict given as the CPU's (exact at ``wide``, as tests/engine/test_probe.py measures)."""
+    from workers.drafters import load_mtp_drafter
+    from workers.probe import Verdict
+
+    engine = Engine(demo.model, eos_token_ids=demo.info.eos_token_ids, vocab_size=demo.info.vocab_size)
+    if lookahead is not None:
+        settings = replace(EXACT_FOREVER, lookahead=lookahead)
+        engine.configure_bursts(load_mtp_drafter("demo", demo.model), settings, "demo+mtp")
+        engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact", [], 0.0)
+    return engine
+
+
+@pytest.mark.parametrize("prompt", ["def fibonacci(n):", "x = [", "for i in range(10):"])
+def test_mtp_rounds_built_on_the_verifys_outputs_emit_classic_decodes_tokens(demo: Any, prompt: str) -> None:
+    """The MTP head's next proposal and the next verify are built on this round's hidden states and
+    bonus token before they are computed, and kept when the round keeps every draft: tokens and
+    logprob bytes equal classic decode's, the rounds and kept drafts those of bursts without building
+    ahead, and rounds were built ahead (on the last two prompts not all: the head's drafts are not
+    always all kept there, so some rounds' proposals built ahead are put back)."""
+    j = job(0, demo.tokenizer.encode(prompt), 48, logprobs=True)
+    want = _emitted(_demo_engine(demo, None), [j])[0]
+    plain_bursts = _demo_engine(demo, lookahead=False)
+    assert _emitted(plain_bursts, [j])[0] == want
+    engine = _demo_engine(demo, lookahead=True)
+    assert _emitted(engine, [j])[0] == want
+    c, p = engine.runner.counters, plain_bursts.runner.counters
+    assert (c.rounds, c.accepted) == (p.rounds, p.accepted) and p.ahead == 0
+    if prompt == "def fibonacci(n):":
+        assert c.accepted == c.drafted and c.ahead == c.rounds - 1
+    else:
+        assert c.accepted < c.drafted and 0 < c.ahead < c.rounds - 1
+
+
+def test_an_mtp_burst_interrupted_with_a_round_built_ahead_stays_exact(demo: Any) -> None:
+    first = job(0, demo.tokenizer.encode("def fibonacci(n):"), 48, logprobs=True)
+    other = job(1, demo.tokenizer.encode("class Stack:"), 12, logprobs=True)
+    want = {0: _emitted(_demo_engine(demo, None), [first])[0], 1: _emitted(_demo_engine(demo, None), [other])[1]}
+    for arrival in range(3, 16):  # until an arrival finds a round built ahead on the caches
+        engine = _demo_engine(demo, lookahead=True)
+        seen = _watched(engine)
+        assert _emitted(engine, [first], arrivals={arrival: [other]}) == want
+        if seen == [True]:
+            return
+    raise AssertionError("no arrival found a round built ahead on the caches")
