@@ -110,3 +110,22 @@ def test_forward_timing_installs_each_candidate_before_its_forwards(tmp_path: Pa
 
 def test_only_a_model_that_decodes_gets_the_forward_check() -> None:
     assert not plan_timing.decodes(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_forward_check_that_fails_keeps_the_per_shape_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Calibration runs at engine start: a model whose forward the check cannot run (here a stand-in
+    failure) is served with the per-shape plans, never refused."""
+    model = _tiny(tmp_path)
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=3))
+    monkeypatch.setattr(plan_timing, "_ms", lambda calls, x: [1.0] * len(calls))  # per shape: flattened
+
+    def fails(*_: Any) -> list[float]:
+        raise RuntimeError("stand-in: this forward cannot run here")
+
+    monkeypatch.setattr(plan_timing, "forward_ms", fails)
+    plans = plan_timing.calibrate(model)
+    assert all(plan == {2: 2, 3: 3} for plan in plans.values())
+    assert fastpath.installed(model) == fastpath.plans_summary(plans)
+    assert "whole-forward check failed" in caplog.text
