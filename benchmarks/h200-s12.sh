@@ -4,11 +4,12 @@
 # /root/mlx-stage/`), call 2 carries .mlx-cuda/part2 and runs `PART=k BUDGET=560 bash benchmarks/h200-s12.sh;
 # cd $OUT && tar czf r.tgz r && rm -rf r` (.mlx-cuda/ from ../shared/device/prepare-mlx-cuda.sh).
 # PART=k: the verify block's attention in one launch (benchmarks/sdpa_rows_probe.py: bytes against MLX's
-# one-query calls, per key count, and the group width attention measures), B = 1 bursts with the next
-# round built ahead and without (lookahead_probe.py, a drafter that knows the continuation), the verify's cost in wide
-# steps (rowkernel_probe --quick --whole-only), and where a batched step goes with the plans that the
-# chained timings and the whole-forward check chose (step_anatomy: its forward_check has each row
-# count's forward milliseconds per candidate).
+# one-query calls, per key count, and the group width attention measures), the verify's cost in wide
+# steps (rowkernel_probe --quick --whole-only), B = 1 bursts with the next round built ahead and
+# without (lookahead_probe.py, a drafter that knows the continuation).
+# PART=a: where a batched step goes with the plans that the chained timings and the whole-forward check
+# chose (step_anatomy: its forward_check has each row count's forward milliseconds per candidate).
+# Suggested order with 30 device minutes: k, m, a, c (then p, x, d).
 # PART=p: the probe (8B synth, prompt lookup, K = 2, 4, 8) and B = 1 prompt lookup over 512 tokens.
 # PART=c: classic B = 1 without and with the contiguous K/V copies (MLX_BATCHD_CONTIGUOUS_KV=0|1): the
 # probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
@@ -21,9 +22,10 @@ set -uo pipefail
 source benchmarks/h200-steps.sh
 if [ "${PART:-k}" = k ]; then
   step sdpa 90 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
-  step lookahead 120 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
   step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --out "$R/rowkernel.json"
-  step anatomy 200 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
+  step lookahead 200 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+elif [ "$PART" = a ]; then
+  step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then
   for k in 2 4 8; do
     step "probe-k$k" 90 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
