@@ -21,7 +21,7 @@ from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSetti
 from workers.drafters import Draft, Drafter
 from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
-from workers.lookahead import Ahead, guess, plain, room, save
+from workers.lookahead import Ahead, build_next, plain
 from workers.pins import CountedModel, unpinned
 from workers.speculative import accept_greedy, accept_sampled
 from workers.verdicts import Verdicts
@@ -265,34 +265,10 @@ class BurstRunner:
             if lookahead:
                 mx.async_eval(*outs)
                 drafts = ahead.drafts if block is None and ahead is not None else block
-                nxt = self._build_ahead(b, drafts, level, logits, hidden)
+                assert self.drafter is not None
+                nxt = build_next(self.host.counted, self.drafter, self.settings.k, b, drafts, level, logits, hidden)
             mx.eval(*outs)
         return logits[0], hidden, nxt
-
-    def _build_ahead(
-        self, b: BurstSeq, block: Any, level: Level, logits: mx.array, hidden: mx.array | None
-    ) -> Ahead | None:
-        """The next round's verify if this round keeps every draft: on a guessed block (a drafter
-        that proposes from the history alone), or on the drafter's proposal built on this round's
-        outputs (``prepare``: the MTP head). ``block`` is this round's (a list), or for a round whose
-        block is not known yet its drafts (``[1, K]``)."""
-        drafter, k = self.drafter, self.settings.k
-        assert drafter is not None
-        prepare = getattr(drafter, "prepare", None)
-        if drafter.needs_hidden:
-            if prepare is None or hidden is None or not room(b.cache, k + 1):
-                return None
-            bonus = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
-            proposal = prepare(hidden, block if isinstance(block, mx.array) else block[1:], bonus, k)
-            inputs = mx.concatenate([bonus, proposal], axis=1)
-            saved = save(b.cache)
-            nxt_logits, nxt_hidden = self.host.counted.with_hidden(inputs, b.cache)
-            return Ahead(None, level, nxt_logits, saved, nxt_hidden, k + 1, proposal)
-        nxt = guess(drafter, b.history, block[1:], k)
-        if nxt is None or not room(b.cache, len(nxt)):
-            return None
-        saved = save(b.cache)
-        return Ahead(nxt, level, self.host.counted(mx.array([nxt]), cache=b.cache), saved, None, len(nxt))
 
     def round(self) -> list[Event]:
         """One speculative round: draft, (maybe audit,) verify, accept, emit; then whether to go on."""

@@ -96,3 +96,28 @@ def guess(drafter: Drafter, history: list[int], drafts: list[int], k: int) -> li
         return None
     after = propose_after([*seen, bonus[0]], k)
     return [bonus[0], *after] if after else None
+
+
+def build_next(
+    counted: Any, drafter: Drafter, k: int, b: Any, block: Any, level: Level, logits: mx.array, hidden: mx.array | None
+) -> Ahead | None:
+    """The next round's verify if this round (of burst ``b``) keeps every draft, built on ``b``'s
+    caches with the target ``counted``: on a guessed block (a drafter that proposes from the history
+    alone), or on the drafter's proposal built on this round's outputs (``prepare``: the MTP head).
+    ``block`` is this round's (a list), or for a round whose block is not known yet its drafts
+    (``[1, K]``)."""
+    prepare = getattr(drafter, "prepare", None)
+    if drafter.needs_hidden:
+        if prepare is None or hidden is None or not room(b.cache, k + 1):
+            return None
+        bonus = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
+        proposal = prepare(hidden, block if isinstance(block, mx.array) else block[1:], bonus, k)
+        inputs = mx.concatenate([bonus, proposal], axis=1)
+        saved = save(b.cache)
+        nxt_logits, nxt_hidden = counted.with_hidden(inputs, b.cache)
+        return Ahead(None, level, nxt_logits, saved, nxt_hidden, k + 1, proposal)
+    nxt = guess(drafter, b.history, block[1:], k)
+    if nxt is None or not room(b.cache, len(nxt)):
+        return None
+    saved = save(b.cache)
+    return Ahead(nxt, level, counted(mx.array([nxt]), cache=b.cache), saved, None, len(nxt))
