@@ -81,18 +81,27 @@ class DraftModel:
         self._fed = len(body)
 
     def propose(self, k: int, sampler: SeededSampler | None) -> Draft:
-        inputs = self._history[self._fed :]
+        inputs = mx.array([self._history[self._fed :]])
+        self._drafted = k
+        self._fed = len(self._history) + k - 1  # the last draft is proposed, not fed
+        if sampler is None:
+            # Greedy: each draft feeds the next as an array, so the k steps are one evaluation (one
+            # wait for the device instead of k).
+            chosen = []
+            for _ in range(k):
+                inputs = mx.argmax(self.model(inputs, cache=self._cache)[:, -1:], axis=-1).astype(mx.int32)
+                chosen.append(inputs)
+            drafted: Any = mx.concatenate(chosen, axis=1)[0].tolist()
+            return Draft([int(t) for t in drafted])
         tokens: list[int] = []
         qs: list[mx.array] = []
         for _ in range(k):
-            logits = self.model(mx.array([inputs]), cache=self._cache)[0, -1]
+            logits = self.model(inputs, cache=self._cache)[0, -1]
             token, q = _choose(logits, sampler)
             tokens.append(token)
             if q is not None:
                 qs.append(q)
-            inputs = [token]
-        self._drafted = k
-        self._fed = len(self._history) + k - 1  # the last draft is proposed, not fed
+            inputs = mx.array([[token]])
         return Draft(tokens, mx.stack(qs) if qs else None)
 
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None:
