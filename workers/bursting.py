@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from workers.arrays import as_float, as_int
+from workers.arrays import as_float
 from workers.burst import Adaptive, Auditor, BurstCounters, BurstSeq, BurstSettings, Gate
-from workers.drafters import Draft, Drafter
+from workers.drafters import Draft, Drafter, token_list
 from workers.jobs import Event, Parked, Sequence, StepInfo, StepKind, Tokens, TopLogprobs, top_logprobs
 from workers.kernels import Level, bytes_equal
 from workers.lookahead import Ahead, build_next, plain
@@ -321,7 +321,7 @@ class BurstRunner:
         )
         logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
         if proposal is not None:  # the drafter's proposal built ahead, computed with this verify
-            draft = Draft([as_int(t) for t in proposal[0]])
+            draft = Draft(token_list(proposal))
             block = [b.pending, *draft.tokens]
         assert block is not None
         self.counters.rounds += 1

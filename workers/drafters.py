@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from workers.arrays import as_int
+from workers.lookahead import restore, save
 from workers.sampling import SeededSampler
 
 
@@ -45,6 +46,12 @@ class Drafter(Protocol):
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None: ...
 
     def stop(self) -> None: ...
+
+
+def token_list(row: mx.array) -> list[int]:
+    """The token ids of a ``[1, k]`` array (evaluates it)."""
+    ids: Any = row[0].tolist()
+    return [int(t) for t in ids]
 
 
 def _choose(logits: mx.array, sampler: SeededSampler | None) -> tuple[int, mx.array | None]:
@@ -91,8 +98,7 @@ class DraftModel:
             for _ in range(k):
                 inputs = mx.argmax(self.model(inputs, cache=self._cache)[:, -1:], axis=-1).astype(mx.int32)
                 chosen.append(inputs)
-            drafted: Any = mx.concatenate(chosen, axis=1)[0].tolist()
-            return Draft([int(t) for t in drafted])
+            return Draft(token_list(mx.concatenate(chosen, axis=1)))
         tokens: list[int] = []
         qs: list[mx.array] = []
         for _ in range(k):
@@ -213,13 +219,12 @@ class MTPDrafter:
 
     def propose(self, k: int, sampler: SeededSampler | None) -> Draft:
         if self._prepared is not None and self._prepared.shape[1] == k:
-            ready: Any = self._prepared[0].tolist()
-            self._prepared = None
-            return Draft([int(t) for t in ready])
+            ready, self._prepared = self._prepared, None
+            return Draft(token_list(ready))
         assert self._hidden is not None
         drafted = self.head.draft(self._hidden, mx.array([self._next]), self._cache, k)
         self._drafted = k
-        return Draft([int(t) for t in drafted[0].tolist()])
+        return Draft(token_list(drafted))
 
     def prepare(self, hidden: mx.array, drafts: list[int] | mx.array, bonus: mx.array, k: int) -> mx.array:
         """The next proposal if this round keeps every draft, built (not evaluated) on the verify's
@@ -227,7 +232,7 @@ class MTPDrafter:
         known yet either, ``[1, K]``): what ``commit`` of all the drafts and then ``propose(k)``
         would compute, on the same arrays. ``confirm`` keeps it
         (``commit`` then does nothing, ``propose`` returns it); ``unprepare`` puts the cache back."""
-        self._before = [(c.keys, c.values, c.offset) for c in self._cache], self._drafted
+        self._before = save(self._cache), self._drafted
         trim_prompt_cache(self._cache, self._drafted - 1)
         kept = drafts if isinstance(drafts, mx.array) else mx.array([drafts], dtype=mx.int32)
         tokens = mx.concatenate([kept, bonus], axis=1)
@@ -247,8 +252,7 @@ class MTPDrafter:
     def unprepare(self) -> None:
         if self._before is not None:
             saved, self._drafted = self._before
-            for c, (keys, values, offset) in zip(self._cache, saved, strict=True):
-                c.keys, c.values, c.offset = keys, values, offset
+            restore(self._cache, saved)
         self._prepared, self._before = None, None
 
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None:

@@ -21,13 +21,15 @@ proposal; both are kept when every draft is, which greedy decoding knows when th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from workers.drafters import Drafter
 from workers.kernels import Level
+
+if TYPE_CHECKING:  # the drafters put their own caches back with ``save`` / ``restore``
+    from workers.drafters import Drafter
 
 
 @dataclass
@@ -60,8 +62,7 @@ class Ahead:
     def undo(self, cache: list[Any]) -> None:
         """Put the caches back as the round before the guess left them."""
         if self.saved is not None:
-            for c, (keys, values, offset) in zip(cache, self.saved, strict=True):
-                c.keys, c.values, c.offset = keys, values, offset
+            restore(cache, self.saved)
         else:
             trim_prompt_cache(cache, self.tokens)
 
@@ -81,7 +82,13 @@ def room(cache: list[Any], tokens: int) -> bool:
 
 
 def save(cache: list[Any]) -> list[tuple[Any, Any, int]]:
+    """Each plain ``KVCache``'s whole state, (keys, values, offset), for ``restore``."""
     return [(c.keys, c.values, c.offset) for c in cache]
+
+
+def restore(cache: list[Any], saved: list[tuple[Any, Any, int]]) -> None:
+    for c, (keys, values, offset) in zip(cache, saved, strict=True):
+        c.keys, c.values, c.offset = keys, values, offset
 
 
 def guess(drafter: Drafter, history: list[int], drafts: list[int], k: int) -> list[int] | None:

@@ -223,7 +223,10 @@ def forward_checked(
         timings = ", ".join(f"{name} {ms:.3f}" for (name, _), ms in zip(options, costs, strict=True))
         log.info("kernel plans, %d rows: decode forward ms %s; kept %s", rows, timings, options[kept][0])
         if report is not None:
-            report[rows] = {"ms": dict(zip((n for n, _ in options), costs, strict=True)), "kept": options[kept][0]}
+            report[rows] = {
+                "ms": dict(zip((name for name, _ in options), costs, strict=True)),
+                "kept": options[kept][0],
+            }
     return plans
 
 
