@@ -47,11 +47,13 @@ def check_models(settings: DaemonSettings) -> None:
 def serve(settings: DaemonSettings) -> int:
     """Run the daemon in this (main) thread until SIGINT/SIGTERM; return the exit code.
 
-    A configuration that must not start raises (``ModelError``, ``ConfigError``, ``TenantsError``)
-    before anything is bound; the command line turns those into one line."""
+    A configuration that must not start raises (``ModelError``, ``SettingError``, ``ConfigError``,
+    ``TenantsError``) before anything is bound; the command line turns those into one line."""
     from workers.models import load
+    from workers.startup import check_environment
 
     check_models(settings)
+    check_environment()
 
     def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread | EngineProcess:
         if settings.engine_process:

@@ -11,6 +11,12 @@ import re
 
 import mlx.core as mx
 
+
+class SettingError(ValueError):
+    """A process setting read from the environment (``MLX_BATCHD_*``) that is not one of its values:
+    written for the operator, reported in one line before anything starts."""
+
+
 #: MLX CUDA's switch for its cuDNN attention. MLX reads it once per process, at the first attention
 #: call, so it is set before the engine's first forward.
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"

@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import mlx.nn as nn
 
+from workers.backend import SettingError
+
 log = logging.getLogger("mlx_batchd")
 
 
@@ -74,14 +76,14 @@ def detect() -> FastPath:
     forced = os.environ.get("MLX_BATCHD_FASTPATH")
     if forced:
         if forced not in _POLICIES:
-            raise ValueError(f"MLX_BATCHD_FASTPATH={forced!r}: expected one of {', '.join(_POLICIES)}")
+            raise SettingError(f"MLX_BATCHD_FASTPATH={forced!r}: expected one of {', '.join(_POLICIES)}")
         policy = _POLICIES[forced]
     else:
         policy = CUDA if mx.default_device() == mx.gpu and mx.cuda.is_available() else GENERIC
     copies = os.environ.get("MLX_BATCHD_CONTIGUOUS_KV")
     if copies:
         if copies not in ("0", "1"):
-            raise ValueError(f"MLX_BATCHD_CONTIGUOUS_KV={copies!r}: expected 0 or 1")
+            raise SettingError(f"MLX_BATCHD_CONTIGUOUS_KV={copies!r}: expected 0 or 1")
         policy = replace(policy, contiguous_kv=copies == "1")
     return policy
 

@@ -37,7 +37,7 @@ import msgpack
 
 from workers import faults
 from workers.admission import AdmissionWaves
-from workers.backend import configure_attention
+from workers.backend import SettingError, configure_attention
 from workers.burst import Gate
 from workers.commands import (
     Cancel,
@@ -63,7 +63,14 @@ from workers.models import LoadedModel, ModelError
 from workers.profiling import profiled
 from workers.snapshot import AdmissionSnapshot, DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
 from workers.startup import EngineSettings as EngineSettings
-from workers.startup import buffer_cache_limit, check_same_settings, configure_prefix_cache, start_probe, warm_up
+from workers.startup import (
+    buffer_cache_limit,
+    check_environment,
+    check_same_settings,
+    configure_prefix_cache,
+    start_probe,
+    warm_up,
+)
 from workers.startup import configure_bursts as configure_bursts
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -179,6 +186,7 @@ class EngineThread:
                 self._lockstep = Lockstep(self.world)
             if self.world.distributed:
                 check_same_settings(self.world, s)
+            check_environment()
             mx.set_cache_limit(buffer_cache_limit(s))
             configure_attention(s.cudnn_attention)
             loaded = self._load()
@@ -202,7 +210,7 @@ class EngineThread:
             elif s.probe_k is not None:
                 start_probe(engine, loaded, s, s.drafter, s.probe_k, self.world)
             engine.reset_counters()
-        except (ModelError, DistributedError) as exc:  # a model or set-up that cannot serve: one line
+        except (ModelError, DistributedError, SettingError) as exc:  # a model or set-up that cannot serve: one line
             return Dead(str(exc))
         except Exception as exc:
             return Dead(self._failure(exc))

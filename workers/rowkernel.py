@@ -29,6 +29,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from workers.backend import SettingError
+
 log = logging.getLogger("mlx_batchd.rowkernel")
 
 #: Rows per kernel call; a longer block runs in calls of this many (each row is unaffected).
@@ -187,7 +189,7 @@ def implementation() -> str | None:
     if forced in ("off", "reference", "cuda"):
         return None if forced == "off" else forced
     if forced:
-        raise ValueError(f"MLX_BATCHD_ROWKERNEL={forced!r}: expected off, reference or cuda")
+        raise SettingError(f"MLX_BATCHD_ROWKERNEL={forced!r}: expected off, reference or cuda")
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
         return "cuda"
     return None

@@ -87,6 +87,15 @@ def buffer_cache_limit(settings: EngineSettings) -> int:
     return int(CACHE_SHARE * mx.get_memory_limit())
 
 
+def check_environment() -> None:
+    """Read every ``MLX_BATCHD_*`` setting that picks kernels now, so that a value that is not one of
+    its own fails here, in one line (``SettingError``), and not at the first forward that reads it."""
+    from workers import fastpath, rowkernel
+
+    fastpath.detect()
+    rowkernel.implementation()
+
+
 def warm_up(engine: Engine) -> None:
     """Run one tiny job through the engine so the first client does not pay for lazy setup."""
     engine.submit(Job(seq=-1, prompt=[0, 0], max_tokens=2))

@@ -33,8 +33,10 @@ class Run:
     seconds: float
 
 
-def mlx_batchd(*args: str, cwd: Path | None = None, timeout: float = 120) -> Run:
-    env = {k: v for k, v in os.environ.items() if k != "MLX_BATCHD_ADDR"}
+def mlx_batchd(
+    *args: str, cwd: Path | None = None, timeout: float = 120, env_extra: dict[str, str] | None = None
+) -> Run:
+    env = {k: v for k, v in os.environ.items() if k != "MLX_BATCHD_ADDR"} | (env_extra or {})
     tic = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "scheduler", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
@@ -105,6 +107,26 @@ def test_a_draft_model_that_cannot_load_is_one_line(
         "serve", "--model", str(tiny_model), "--draft", str(bad_models["plain"]), "--listen", f"ipc://{tmp_path / 's'}"
     )
     assert_one_line(run, 1, "--draft", "is not a model directory")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("MLX_BATCHD_CONTIGUOUS_KV", "yes", "expected 0 or 1"),
+        ("MLX_BATCHD_FASTPATH", "fast", "expected one of off, generic, cuda"),
+        ("MLX_BATCHD_ROWKERNEL", "gpu", "expected off, reference or cuda"),
+    ],
+)
+def test_a_kernel_setting_that_is_not_one_of_its_values_is_one_line(
+    tiny_model: Path, tmp_path: Path, name: str, value: str, expected: str
+) -> None:
+    """An operator's typo in an ``MLX_BATCHD_*`` kernel setting is refused before the socket is bound,
+    in one line naming the variable and its values (the engine would read it only at its first forward)."""
+    run = mlx_batchd(
+        "serve", "--model", str(tiny_model), "--listen", f"ipc://{tmp_path / 'd.sock'}", env_extra={name: value}
+    )
+    assert_one_line(run, 2, f"mlx-batchd serve: {name}={value!r}", expected)
+    assert not (tmp_path / "d.sock").exists()
 
 
 def test_unknown_synth_preset_lists_the_known_ones(tmp_path: Path) -> None:
