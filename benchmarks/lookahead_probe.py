@@ -60,7 +60,7 @@ def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: boo
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=4)
     if drafter is not None:
         name = f"lookahead-probe+{drafter.name}"
-        draws = make_draws(k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))[:3]
+        draws = make_draws(k, loaded.info.vocab_size, loaded.info.context_length, sliding_window(loaded.config))
         steps = probe_steps(
             engine.counted, lambda: make_prompt_cache(loaded.model), {"b": name}, draws, k, None, ProbePolicy()
         )
@@ -81,6 +81,22 @@ def _run(engine: Engine, prompt: list[int], tokens: int) -> tuple[list[int], flo
             if isinstance(e, Tokens):
                 out += e.tokens
     return out, time.perf_counter() - tic
+
+
+def _report_divergence(name: str, engine: Engine, got: list[int], want: list[int], out: str) -> None:
+    """Fail closed, saying where the arm left classic decode and with which verdict (what a device run
+    needs to tell a wrong level from a wrong burst)."""
+    at = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
+    found = {
+        "arm": name,
+        "first_difference": at,
+        "lengths": [len(got), len(want)],
+        "verdicts": {n: v.to_json() for n, v in engine.verdicts.items()},
+        "bursts": engine.burst_summary(),
+    }
+    with open(out, "w") as f:
+        json.dump({"diverged": found}, f, indent=1, default=str)
+    raise SystemExit(f"{name}: tokens differ from classic decode's at position {at}: {json.dumps(found, default=str)}")
 
 
 def main() -> None:
@@ -120,7 +136,7 @@ def main() -> None:
             engine = engines[name]
             got, seconds = _run(engine, prompt, a.tokens)
             if got != reference[: a.tokens]:
-                raise SystemExit(f"{name}: tokens differ from classic decode's")
+                _report_divergence(name, engine, got, reference[: a.tokens], a.out)
             samples[name].append(len(got) / seconds)
             print(f"repeat {rep + 1}/{a.repeats} {name}: {len(got) / seconds:.1f} tok/s", flush=True)
     report: dict[str, Any] = {"model": a.model, "drafter": a.drafter, "tokens": a.tokens, "k": a.k, "arms": {}}

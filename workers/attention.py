@@ -270,7 +270,7 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
         if views is None:
             keys, values = fastpath.attention_inputs(keys, values)
             out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
-            return seam.apply("attention", out, queries.shape[2], None, queries)
+            return seam.apply("attention", out, queries.shape[2], None, queries, mask)
         real = cache._cache
         width, kernel = 1, False
         # ``per-query-1``, the last rung before "declined", stays exact by construction: one call per query.

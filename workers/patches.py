@@ -3,7 +3,8 @@
 ``install`` wraps each projection method mlx-lm models use (``projections.pinnable``) and every
 loaded model module's ``scaled_dot_product_attention`` (``attention.per_query_sdpa``), once; at
 ``wide`` the wrappers call straight through. It also replaces the batches' ``filter`` with one that
-costs one host round trip per finishing step instead of one per layer (``batch_filter``). ``stock``
+costs one host round trip per finishing step instead of one per layer (``batch_filter``), and has a
+one-row batch decode without a mask, as the sequence's own cache does (``lone_mask``). ``stock``
 takes them all off for a block (the raw peer in benchmarks).
 """
 
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from workers import mlxlm
 from workers.attention import per_query_sdpa
 from workers.batch_filter import filtered
+from workers.lone_mask import lone_make_mask
 from workers.projections import pinnable
 
 _installed = False
@@ -38,6 +40,8 @@ def install() -> None:
                 setattr(cls, method, pinnable(getattr(cls, method)))
             for cls in mlxlm.batch_classes():
                 cls.filter = filtered(cls.filter)  # type: ignore[attr-defined]
+            batch_cache = _batch_cache_class()
+            batch_cache.make_mask = lone_make_mask(batch_cache.make_mask)  # type: ignore[method-assign]
             _installed = True
         for name, module in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or module is None:
@@ -58,6 +62,8 @@ def stock() -> Iterator[None]:
                 setattr(cls, method, getattr(cls, method).__wrapped__)
             for cls in mlxlm.batch_classes():
                 cls.filter = cls.filter.__wrapped__  # type: ignore[attr-defined]
+            batch_cache = _batch_cache_class()
+            batch_cache.make_mask = batch_cache.make_mask.__wrapped__  # type: ignore[attr-defined]
             _installed = False
         patched = {}
         for name, module in list(sys.modules.items()):
@@ -73,6 +79,12 @@ def stock() -> Iterator[None]:
                 sys.modules[name].scaled_dot_product_attention = fn  # type: ignore[attr-defined]
         if was:
             install()
+
+
+def _batch_cache_class() -> type:
+    from mlx_lm.models.cache import BatchKVCache
+
+    return BatchKVCache
 
 
 def _projection_classes() -> list[tuple[type, str]]:

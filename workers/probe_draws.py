@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from workers import mlxlm
 from workers.arrays import as_int
 from workers.attention import wrap_caches
 from workers.calibration import calibrate
@@ -84,9 +85,14 @@ def chain_level(level: Level) -> Level:
 def run_chain(
     model: Any, make_cache: MakeCache, draw: Draw, width: int, level: Level = Level.WIDE
 ) -> tuple[mx.array, list[int]]:
-    """Classic decode: ``width`` single-token forwards at ``level``, feeding its own argmax."""
-    cache = make_cache()
-    prefill(model, cache, draw.prompt[:-1])
+    """Classic decode as the engine runs a lone sequence's: ``width`` single-token forwards at
+    ``level``, feeding its own argmax, on the prefilled cache merged into a one-row batch (mlx-lm's
+    ``BatchGenerator`` decodes on such a cache, whose attention MLX may compute with other bytes
+    than the single-sequence cache's: ``workers.lone_mask``). A verdict is then about the tokens
+    the engine serves, not about a decode that it never runs."""
+    single = make_cache()
+    prefill(model, single, draw.prompt[:-1])
+    cache = mlxlm.merge_caches([single])
     token = draw.prompt[-1]
     fed, rows = [], []
     with scoped(level):

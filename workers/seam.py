@@ -30,24 +30,29 @@ divergence_seam: SeamFn | None = None
 
 @dataclass(frozen=True)
 class SeamCall:
-    """The call ``divergence_seam`` is looking at: the projection module (``None`` for attention)
-    and the call's input as the kernel got it (projection rows, or attention queries)."""
+    """The call ``divergence_seam`` is looking at: the projection module (``None`` for attention),
+    the call's input as the kernel got it (projection rows, or attention queries), and an attention
+    call's mask (MLX CUDA computes a one-token attention with an array mask in other bytes than
+    without one: ``workers.lone_mask``)."""
 
     module: Any
     inputs: mx.array
+    mask: Any = None
 
 
 #: Set only while ``divergence_seam`` runs.
 seam_call: SeamCall | None = None
 
 
-def apply(kind: str, out: mx.array, rows: int, module: Any = None, inputs: mx.array | None = None) -> mx.array:
+def apply(
+    kind: str, out: mx.array, rows: int, module: Any = None, inputs: mx.array | None = None, mask: Any = None
+) -> mx.array:
     """``out``, or what ``divergence_seam`` makes of it when one is set."""
     global seam_call
     seam = divergence_seam
     if seam is None:
         return out
-    seam_call = SeamCall(module, out if inputs is None else inputs)
+    seam_call = SeamCall(module, out if inputs is None else inputs, mask)
     try:
         return seam(kind, out, rows)
     finally:

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Device calls for the work of 2026-12-02's fifth session (not yet run), from the repository root after
-# MLX CUDA is staged: call 1 carries .mlx-cuda/part1 (`mkdir -p /root/mlx-stage && cp .mlx-cuda/part1/*
-# /root/mlx-stage/`), call 2 carries .mlx-cuda/part2 and runs `PART=k BUDGET=560 bash benchmarks/h200-s12.sh;
-# cd $OUT && tar czf r.tgz r && rm -rf r` (.mlx-cuda/ from ../shared/device/prepare-mlx-cuda.sh).
+# Device calls, from the repository root after MLX CUDA is staged (benchmarks/stage-mlx-cuda.sh: calls 1
+# and 2 carry .mlx-cuda/part1 and .mlx-cuda/part1b), call 3 carries .mlx-cuda/part2 and runs
+# `PART=k BUDGET=560 bash benchmarks/h200-session.sh; cd $OUT && tar czf r.tgz r && rm -rf r`; later calls
+# on the warm machine run the same with another PART (carrying .mlx-cuda/ptx, MLX's compiled kernels
+# from the first, where saved there: spares minutes of JIT).
+# PART=g: why a burst left classic decode (the lookahead probe's divergence report: position, verdict),
+# the probe's verdict at K = 4, and the one-launch attention with cuDNN off as the engine runs it.
+# PART=l: whether the engine's classic B = 1 decode (BatchKVCache) gives the bytes of the burst's chain
+# (benchmarks/lone_path_probe.py, 8B synth and demo).
+# PART=v: the same on the 8B synth, then B = 1 bursts against classic decode's tokens (lookahead_probe).
 # PART=k: the verify block's attention in one launch (benchmarks/sdpa_rows_probe.py: bytes against MLX's
 # one-query calls, per key count, and the group width attention measures), the verify's cost in wide
 # steps (rowkernel_probe --quick --whole-only), B = 1 bursts with the next round built ahead and
@@ -20,7 +26,17 @@
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
 source benchmarks/h200-steps.sh
-if [ "${PART:-k}" = k ]; then
+if [ "${PART:-k}" = g ]; then
+  step sdpa 80 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
+  step probe-k4 100 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k 4 --no-store
+  step lookahead 240 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+elif [ "$PART" = l ]; then
+  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model /tmp/m8b --tokens 256 --out "$R/lone-8b.json"
+  step lone-demo 90 python3 benchmarks/lone_path_probe.py --model demo --tokens 256 --out "$R/lone-demo.json"
+elif [ "$PART" = v ]; then
+  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model /tmp/m8b --tokens 256 --out "$R/lone-8b.json"
+  step lookahead 240 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+elif [ "$PART" = k ]; then
   step sdpa 90 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
   step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --out "$R/rowkernel.json"
   step lookahead 200 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
