@@ -41,7 +41,7 @@ def install() -> None:
             for cls in mlxlm.batch_classes():
                 cls.filter = filtered(cls.filter)  # type: ignore[attr-defined]
             batch_cache = _batch_cache_class()
-            batch_cache.make_mask = lone_make_mask(batch_cache.make_mask)  # type: ignore[method-assign]
+            batch_cache.make_mask = lone_make_mask(batch_cache.make_mask)  # type: ignore[attr-defined]
             _installed = True
         for name, module in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or module is None:
