@@ -79,3 +79,10 @@ def probed_bursts(
         engine.probe_step()
     engine.configure_bursts(drafter, settings, name)
     return engine.verdicts[name]
+
+
+def perturb(out: mx.array) -> mx.array:
+    """Flip the lowest mantissa bit of every element: a divergence of one ulp (what the tests inject
+    at ``workers.seam.divergence_seam``)."""
+    bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
+    return (out.view(bits) ^ 1).view(out.dtype)

@@ -19,13 +19,8 @@ from scheduler.bench.arms import HTTP_ARMS, http_generate, run_engine
 from scheduler.bench.prefix import PREFIX_ARMS
 from scheduler.bench.spreads import ratio_spread, spread
 from scheduler.cli import build_parser
+from tests.reference import perturb
 from workers import kernels
-
-
-def _perturb(out: mx.array) -> mx.array:
-    """Flip the lowest mantissa bit of every element: a divergence of one ulp."""
-    bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
-    return (out.view(bits) ^ 1).view(out.dtype)
 
 
 def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
@@ -44,7 +39,7 @@ def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
 
     def no_level_is_exact(kind: str, out: mx.array, rows: int) -> mx.array:
         head = kind == "projection" and out.shape[-1] == vocab
-        return _perturb(out) if head and (rows > 1 or kernels.current_level() is not kernels.Level.WIDE) else out
+        return perturb(out) if head and (rows > 1 or kernels.current_level() is not kernels.Level.WIDE) else out
 
     workers.seam.divergence_seam = no_level_is_exact
     try:

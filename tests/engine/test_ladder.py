@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import workers.seam
-from tests.reference import load_measured, probed_bursts
+from tests.reference import load_measured, perturb, probed_bursts
 from workers import kernels
 from workers.burst import BurstSettings
 from workers.drafters import DraftModel
@@ -56,12 +56,6 @@ def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, **kw: Any)
     )
 
 
-def _perturb(out: mx.array) -> mx.array:
-    """Flip the lowest mantissa bit of every element: a divergence of one ulp."""
-    bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
-    return (out.view(bits) ^ 1).view(out.dtype)
-
-
 def _real_like() -> bool:
     """Whether the call the seam is looking at got rows like a real block's (see ``REAL_RMS``)."""
     call = workers.seam.seam_call
@@ -92,7 +86,7 @@ def test_injected_divergence_on_real_rows_only_is_caught_by_calibration_and_memo
     model = load_measured(llama)
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
-        return _perturb(out) if kind == "projection" and rows > 2 and _real_like() else out
+        return perturb(out) if kind == "projection" and rows > 2 and _real_like() else out
 
     workers.seam.divergence_seam = seam
     measure_widths(model)  # measured with the divergent kernel in place: random rows pass
@@ -132,7 +126,7 @@ def test_injected_divergence_in_layer_2_mlp_narrows_that_layer_only(llama: Path)
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         call = workers.seam.seam_call
         hit = kind == "projection" and rows > 1 and call is not None and id(call.module) in targets
-        return _perturb(out) if hit and _real_like() else out
+        return perturb(out) if hit and _real_like() else out
 
     workers.seam.divergence_seam = seam
     verdict = _probe(model, policy=ProbePolicy(localize=True))
@@ -154,7 +148,7 @@ def test_injected_divergence_found_on_a_later_draw_reruns_the_rungs_earlier_draw
     armed = False
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
-        return _perturb(out) if armed and kind == "projection" and 2 < rows <= 4 and _real_like() else out
+        return perturb(out) if armed and kind == "projection" and 2 < rows <= 4 and _real_like() else out
 
     labels: list[str] = []
 
@@ -196,7 +190,7 @@ def test_calibration_captures_the_blocks_projection_calls_not_the_prefills(llama
 def _every_multi_row_call(kind: str, out: mx.array, rows: int) -> mx.array:
     """Injected: every projection on more than one row and every attention over more than one
     query differs from decode's one-row, one-query calls."""
-    return _perturb(out) if rows > 1 else out
+    return perturb(out) if rows > 1 else out
 
 
 def test_injected_divergence_in_every_multi_row_call_wins_the_per_query_1_rung(llama: Path) -> None:
@@ -234,7 +228,7 @@ def test_injected_divergence_calibration_cannot_see_falls_through_to_per_query_1
     model = load_measured(llama)
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
-        return _perturb(out) if rows > 1 and kernels.in_scoped_pin() else out
+        return perturb(out) if rows > 1 and kernels.in_scoped_pin() else out
 
     workers.seam.divergence_seam = seam
     verdict = _probe(model)

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import workers.seam
-from tests.reference import load_measured
+from tests.reference import load_measured, perturb
 from workers import kernels
 from workers.engine import Engine, Job
 from workers.kernels import Level
@@ -70,15 +70,9 @@ def test_sliding_window_f32_fails_wide_and_per_query_buys_it_back(models: dict[s
     assert any("past-window" in d.draw for d in by_level["per-query"].draws)
 
 
-def _perturb(out: mx.array) -> mx.array:
-    """Flip the lowest mantissa bit of every element: a divergence of one ulp."""
-    bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
-    return (out.view(bits) ^ 1).view(out.dtype)
-
-
 def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: projections on more than 2 rows at once differ from single rows."""
-    workers.seam.divergence_seam = lambda kind, out, rows: _perturb(out) if kind == "projection" and rows > 2 else out
+    workers.seam.divergence_seam = lambda kind, out, rows: perturb(out) if kind == "projection" and rows > 2 else out
     model = load_measured(models["qwen3-tiny"])  # widths measured with the divergent kernel: W = 2
     verdict = _probe(model, k=4)
     assert [lr.level for lr in verdict.ladder] == ["wide", "narrow"]
@@ -88,7 +82,7 @@ def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[
 
 def test_injected_multi_query_attention_divergence_gets_a_per_query_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: attention over more than one query at once differs from decode's."""
-    workers.seam.divergence_seam = lambda kind, out, rows: _perturb(out) if kind == "attention" and rows > 1 else out
+    workers.seam.divergence_seam = lambda kind, out, rows: perturb(out) if kind == "attention" and rows > 1 else out
     verdict = _probe(load_measured(models["qwen3-tiny"]), k=2)
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("narrow", False), ("per-query", True)]
     assert (verdict.level, verdict.exact) == ("per-query", True)
@@ -98,7 +92,7 @@ def _block_only_divergence(kind: str, out: mx.array, rows: int) -> mx.array:
     """Injected: the output head differs whenever it runs pinned or on several rows, which no level
     can avoid (decode runs it on one row, wide)."""
     head = kind == "projection" and out.shape[-1] == VOCAB
-    return _perturb(out) if head and (rows > 1 or kernels.current_level() is not Level.WIDE) else out
+    return perturb(out) if head and (rows > 1 or kernels.current_level() is not Level.WIDE) else out
 
 
 def test_injected_divergence_no_level_fixes_is_declined(models: dict[str, Path]) -> None:
@@ -121,7 +115,7 @@ def _flaky_second_chain(k: int) -> Callable[[str, mx.array, int], mx.array]:
         if kind == "projection" and out.shape[-1] == VOCAB and rows == 1:
             calls["n"] += 1
             if k + 1 < calls["n"] <= 2 * (k + 1):
-                return _perturb(out)
+                return perturb(out)
         return out
 
     return seam
