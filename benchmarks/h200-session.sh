@@ -23,10 +23,14 @@
 # section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
+# PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
+# greedy output that repeats itself), B = 1 through the daemon, 512 tokens.
+# PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
 source benchmarks/h200-steps.sh
-if [ "${PART:-k}" = g ]; then
+for PART in ${PART:-k}; do
+if [ "$PART" = g ]; then
   step sdpa 80 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
   step probe-k4 100 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k 4 --no-store
   step lookahead 240 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
@@ -67,5 +71,10 @@ elif [ "$PART" = d ]; then
   step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
     --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
   step demo 120 python3 -m scheduler demo
+elif [ "$PART" = e ]; then
+  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
+  step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \
+    --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/echo-b1"
 fi
+done
 finish

@@ -88,11 +88,36 @@ def build_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
     model = model_class(args_class.from_dict(config))
     dtype = getattr(mx, config.get("torch_dtype", "bfloat16"))
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    if "synth_branch_scale" in config:
+        scale_branch_outputs(model, float(config["synth_branch_scale"]))
     if "quantization" in config:
         q = config["quantization"]
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
     mx.eval(model.parameters())
     return model
+
+
+#: Projections that write a layer's output back into the residual stream (llama, qwen3, gemma3).
+BRANCH_OUTPUTS = ("o_proj", "down_proj")
+
+
+def scale_branch_outputs(model: nn.Module, scale: float) -> None:
+    """Multiply every residual branch's output projection by ``scale``.
+
+    Why: a random-weight model's greedy output rarely repeats, so prompt lookup has nothing to
+    draft on it. With the branches scaled down and the embeddings tied, the final hidden state is
+    close to the last token's own embedding, whose dot product with itself beats every other row:
+    greedy decoding repeats the prompt's last token. The shapes, dtypes and quantization are the
+    preset's, so a step costs what it costs on the unscaled model; only the tokens change.
+    """
+    updates = [
+        (f"{name}.weight", module.weight * scale)
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in BRANCH_OUTPUTS and "weight" in module
+    ]
+    if not updates:
+        raise ValueError("synth_branch_scale: the model has no o_proj/down_proj to scale")
+    model.load_weights(updates, strict=False)
 
 
 def write_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
@@ -108,6 +133,11 @@ def write_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
     return path
 
 
+#: How far ``echo`` configs scale the residual branches: with mlx's default initialisations a
+#: layer's branch is several times the embedding's norm (6.6x at width 1,024, 4-bit), scaled 0.7 %.
+ECHO_BRANCH_SCALE = 1e-3
+
+
 def llama_config(
     hidden: int = 256,
     layers: int = 4,
@@ -118,9 +148,12 @@ def llama_config(
     context: int = 4096,
     dtype: str = "bfloat16",
     quant_bits: int | None = None,
+    echo: bool = False,
 ) -> dict[str, Any]:
     """A llama config; the defaults are the tiny placeholder demo, ``llama_config(4096, 32,
-    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape the H200 benchmarks use (docs/benchmarks.md)."""
+    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape the H200 benchmarks use (docs/benchmarks.md).
+    ``echo`` ties the embeddings and scales the residual branches down (``scale_branch_outputs``):
+    the same shapes, a greedy output that repeats the prompt's last token."""
     config: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": hidden,
@@ -132,11 +165,13 @@ def llama_config(
         "vocab_size": vocab,
         "max_position_embeddings": context,
         "rope_theta": 500000.0,
-        "tie_word_embeddings": vocab == BYTE_VOCAB,
+        "tie_word_embeddings": echo or vocab == BYTE_VOCAB,
         "torch_dtype": dtype,
     }
     if quant_bits is not None:
         config["quantization"] = {"group_size": 64, "bits": quant_bits}
+    if echo:
+        config["synth_branch_scale"] = ECHO_BRANCH_SCALE
     return config
 
 
@@ -202,6 +237,8 @@ def qwen3_config(
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": llama_config(),
     "llama-8b-4bit": llama_config(4096, 32, 14336, 32, 8, 128256, context=8192, quant_bits=4),
+    # The same shapes with a greedy output that repeats itself: prompt lookup's workload.
+    "llama-8b-4bit-echo": llama_config(4096, 32, 14336, 32, 8, 128256, context=8192, quant_bits=4, echo=True),
     # A drafter for it: the same vocabulary, about a tenth of the compute.
     "llama-1b-4bit": llama_config(2048, 8, 8192, 16, 8, 128256, context=8192, quant_bits=4),
     "gemma3-sliding-f32": gemma3_config(),

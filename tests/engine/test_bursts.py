@@ -313,3 +313,18 @@ def test_mtp_head_bursts_on_the_demo_pair_are_byte_identical(demo: Any) -> None:
     engine = engine_for(load_mtp_drafter("demo", demo.model))
     assert run(engine, [jobs[0]], arrivals={4: [jobs[1]], 12: [jobs[2]]}) == want
     assert engine.bursts.interrupted >= 1
+
+
+def test_echo_synth_gives_prompt_lookup_a_repetitive_workload(tmp_path: Path) -> None:
+    """The ``-echo`` presets exist so that prompt lookup can be measured where it drafts: their greedy
+    output repeats the prompt's last token, so after the first round every draft is kept, and the
+    tokens are still classic decode's."""
+    echo = write_model(tmp_path / "echo", llama_config(hidden=256, layers=4, ffn=512, echo=True), seed=11)
+    model, _ = load(str(echo))
+    measure_widths(model)
+    prompt = [40, 41, 42, 43, 44, 45]
+    want = classic(model, [job(0, prompt, n=48)])[0]
+    assert want[0] == [45] * 48
+    engine = make_engine(model, PromptLookup())
+    assert run(engine, [job(0, prompt, n=48)]) == {0: want}
+    assert engine.bursts.rounds >= 8 and engine.bursts.accepted >= engine.bursts.drafted - 3
