@@ -121,7 +121,8 @@ class DraftModel:
 
 
 class PromptLookup:
-    """Propose the tokens that followed the most recent earlier occurrence of the last n-gram."""
+    """Propose the tokens that followed an earlier occurrence of the last n-gram: the most recent
+    occurrence that is followed by ``k`` tokens, else the one followed by the most."""
 
     needs_hidden = False
 
@@ -139,15 +140,25 @@ class PromptLookup:
 
     def propose_after(self, history: list[int], k: int) -> list[int]:
         """What ``propose`` would give after ``history`` (a function of the history alone, so the
-        burst runner can guess the next round's block before this round's result)."""
+        burst runner can guess the next round's block before this round's result).
+
+        Why not simply the most recent occurrence: in output that repeats with a period shorter
+        than ``k`` (a repeated token, a short loop) it is followed by fewer than ``k`` tokens, one
+        for a repeated token, so a round would draft one token where the repetition gives ``k``.
+        Scanning back from the most recent occurrence, each earlier one is followed by at least as
+        many tokens; the first followed by ``k`` ends the scan.
+        """
         h = history
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
+            best: list[int] = []
             for start in range(len(h) - n - 1, -1, -1):
                 if h[start : start + n] == tail:
-                    follow = h[start + n : start + n + k]
-                    if follow:
-                        return follow
+                    best = h[start + n : start + n + k]
+                    if len(best) >= k:
+                        break
+            if best:
+                return best
         return []
 
     def commit(self, accepted: int, history: list[int], hidden: mx.array | None = None) -> None:

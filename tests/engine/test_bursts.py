@@ -327,4 +327,6 @@ def test_echo_synth_gives_prompt_lookup_a_repetitive_workload(tmp_path: Path) ->
     assert want[0] == [45] * 48
     engine = make_engine(model, PromptLookup())
     assert run(engine, [job(0, prompt, n=48)]) == {0: want}
-    assert engine.bursts.rounds >= 8 and engine.bursts.accepted >= engine.bursts.drafted - 3
+    b = engine.bursts
+    assert b.rounds >= 5 and b.accepted >= b.drafted - 3
+    assert b.drafted >= 3 * (b.rounds - 2), "past the first rounds, a round drafts k = 3 tokens of the repetition"
