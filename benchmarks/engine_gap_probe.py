@@ -10,6 +10,9 @@ counters give milliseconds per decode step:
 - ``main``: ``Engine.step`` in a loop on the main thread (the bench's engine arm);
 - ``main~G``: the same, with G prompts submitted per step (arrivals spread over steps, as a daemon's
   clients arrive, against all at once);
+- ``main-warm``: ``main`` after a 2-token run of the same prompts (untimed): every arm starts after
+  ``mx.clear_cache()``, as a daemon's engine does after each idle tick (``EngineThread._release_cache``),
+  so ``main`` against ``main-warm`` is what re-allocating the step's buffers costs a request;
 - ``thread``: the same loop on a second thread;
 - ``loop``: ``EngineThread`` (the daemon's engine loop) in this process, events dropped;
 - ``process``: ``EngineProcess`` (the daemon's default: the engine loop in a child process, events
@@ -226,6 +229,10 @@ def main() -> None:
                     steps, secs, prefills = drive_engine(engine, ps, a.tokens)
                     if main_profile is not None:
                         main_profile.disable()
+                elif arm == "main-warm":
+                    drive_engine(engine, ps, 2)
+                    t0 = time.perf_counter()
+                    steps, secs, prefills = drive_engine(engine, ps, a.tokens)
                 elif arm.startswith("main~"):
                     steps, secs, prefills = drive_engine(engine, ps, a.tokens, group=int(arm.partition("~")[2]))
                 elif arm == "thread":

@@ -25,6 +25,8 @@
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
 # greedy output that repeats itself), B = 1 through the daemon, 512 tokens.
+# PART=r: what a request pays for the engine's idle release of MLX's buffers (engine_gap_probe: main
+# after clear_cache against main-warm, and the daemon), B = 1 and 4, 64 tokens.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -71,6 +73,9 @@ elif [ "$PART" = d ]; then
   step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
     --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
   step demo 120 python3 -m scheduler demo
+elif [ "$PART" = r ]; then
+  step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches 1,4 --tokens 64 --repeats 5 \
+    --arms main,main-warm,daemon --out "$R/gap.json"
 elif [ "$PART" = e ]; then
   [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
   step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \
