@@ -134,7 +134,7 @@ def write_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
 
 
 #: How far ``echo`` configs scale the residual branches: with mlx's default initialisations a
-#: layer's branch is several times the embedding's norm (6.6x at width 1,024, 4-bit), scaled 0.7 %.
+#: layer's branch is several times the embedding's norm (6.6x at width 1,024, 4-bit); scaled, 0.7 % of it.
 ECHO_BRANCH_SCALE = 1e-3
 
 
