@@ -21,12 +21,14 @@
 # probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
 # is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
 # section 16) get closer to raw's.
-# PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run).
+# PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); TOKENS (64) per request,
+# BATCHES (1,4,8,16,32,64,128) and RAW (64) override.
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
 # greedy output that repeats itself), B = 1 through the daemon, 512 tokens.
-# PART=r: what a request pays for the engine's idle release of MLX's buffers (engine_gap_probe: main
-# after clear_cache against main-warm, and the daemon), B = 1 and 4, 64 tokens.
+# PART=r: where the daemon's decode steps lose time against the engine alone (engine_gap_probe: the
+# engine on the main thread, on a thread, in EngineThread, in EngineProcess, in a daemon), B = 1 and 4,
+# 128 tokens; ARMS and BATCHES override.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -62,8 +64,8 @@ elif [ "$PART" = c ]; then
       --batch-sizes 1 --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/b1-copies$copies"
   done
 elif [ "$PART" = m ]; then
-  step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1,4,8,16,32,64,128 --tokens 64 \
-    --repeats 3 --raw-max-batch "${RAW:-64}" --out "$R/matrix"
+  step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
+    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --out "$R/matrix"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
     --model /tmp/m8b --repeats 7 --out "$R/prefix"
@@ -74,8 +76,8 @@ elif [ "$PART" = d ]; then
     --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
   step demo 120 python3 -m scheduler demo
 elif [ "$PART" = r ]; then
-  step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches 1,4 --tokens 64 --repeats 5 \
-    --arms main,main-warm,daemon --out "$R/gap.json"
+  step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
+    --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
 elif [ "$PART" = e ]; then
   [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
   step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \

@@ -162,3 +162,23 @@ def test_the_kernels_shortcut_for_a_checked_layer_follows_new_weights(stand_in: 
     expected = mx.concatenate([original(q, x[i : i + 1]) for i in range(3)])
     assert again is not None and bool(mx.array_equal(again.view(mx.uint16), expected.view(mx.uint16)).item())
     assert not bool(mx.array_equal(first.view(mx.uint16), expected.view(mx.uint16)).item())
+
+
+def test_plans_read_from_the_store_run_the_kernel_at_every_planned_row_count_at_load(
+    tmp_path: Path, stand_in: list[int], kernel_cheapest: None
+) -> None:
+    """A process that reads its plans from the store times nothing, so the kernel's first-use check
+    and compilation (seconds on a GPU) would otherwise fall inside the first request whose batch
+    reaches a row count planned to the kernel. Loading runs the kernel at every such row count."""
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
+    store = tmp_path / "plans"
+    plans = plan_timing.calibrate(_model(tmp_path), store)
+    planned = {r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL}
+    assert planned == set(range(1, 9))
+    qmv_rows._matches_mlx.clear()  # another process: nothing checked yet
+    qmv_rows._ready.clear()
+    stand_in.clear()
+    again = load_measured(write_model(tmp_path / "again", llama_config(quant_bits=4), seed=3))
+    assert plan_timing.calibrate(again, store) == plans
+    assert qmv_rows._matches_mlx and all(qmv_rows._matches_mlx.values())
+    assert planned <= set(stand_in)
