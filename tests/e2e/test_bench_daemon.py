@@ -70,6 +70,9 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     measured = [x for x in printed if x.startswith("bench [")]
     assert len(measured) == 7 * (5 + 4) and measured[-1].startswith(f"bench [{7 * 9}/{7 * 9}] B = 2, repeat 7/7")
     assert printed[-1] == f"results in {out.resolve()}"
+    # B = 2's shapes ran once, untimed, in every arm before its first timed repeat
+    warm = printed.index("bench: B = 2, warming every arm up (untimed)")
+    assert warm < printed.index(next(x for x in measured if " B = 2," in x))
     names = {p.name for p in out.iterdir()}
     for stem in ("daemon_vs_raw", "b1_bursts", "poisson"):
         assert {f"{stem}.json", f"{stem}.md", f"{stem}.png"} <= names
