@@ -96,13 +96,14 @@ _ENGINE: tuple[tuple[_Family, str, str, Callable[[EngineSnapshot], float]], ...]
 )
 
 #: Burst counters, labelled by drafter: (name, help, read).
-_BURSTS: tuple[tuple[str, str, Callable[[BurstSummary], int]], ...] = (
+_BURSTS: tuple[tuple[str, str, Callable[[BurstSummary], float]], ...] = (
     ("rounds", "Speculative burst rounds", lambda b: b["rounds"]),
     ("drafted_tokens", "Tokens proposed by the drafter", lambda b: b["drafted_tokens"]),
     ("accepted_tokens", "Drafted tokens the target accepted", lambda b: b["accepted_tokens"]),
     ("audits", "Burst rounds re-checked against a single-token forward", lambda b: b["audits"]),
     ("audit_failures", "Audits that found the verify diverging from classic decode", lambda b: b["audit_failures"]),
     ("ahead_rounds", "Burst rounds whose verify was built while the previous round ran", lambda b: b["ahead_rounds"]),
+    ("round_seconds", "Seconds spent in burst rounds, drafting to emitting", lambda b: b["round_seconds"]),
 )
 
 

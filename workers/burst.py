@@ -52,6 +52,9 @@ class BurstCounters:
     audit_failures: int = 0
     #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
     ahead: int = 0
+    #: Wall seconds of every round, from drafting to emitting (the adaptive gate keeps only a moving
+    #: average, and forgets it when it pauses bursts: this total says what rounds cost over any span).
+    round_seconds: float = 0.0
     declined: dict[str, int] = field(default_factory=dict)
 
 

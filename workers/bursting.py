@@ -375,8 +375,10 @@ class BurstRunner:
             log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
             s.no_burst = "drafter_error"
             return events + self._rejoin()
-        self.adaptive.observe_round(time.perf_counter() - tic, len(candidates))
-        events.append(StepInfo(StepKind.BURST_ROUND, time.perf_counter() - tic, 1))
+        elapsed = time.perf_counter() - tic
+        self.counters.round_seconds += elapsed
+        self.adaptive.observe_round(elapsed, len(candidates))
+        events.append(StepInfo(StepKind.BURST_ROUND, elapsed, 1))
         # The policy reads the clock, so its "stop" is carried out at the next step's decision
         # (``Gate.stop``), which across ranks is rank 0's: the same step on every rank.
         self._stop_asked = not self.adaptive.after_round(time.perf_counter())
@@ -410,6 +412,7 @@ class BurstRunner:
             "audits": self.counters.audits,
             "audit_failures": self.counters.audit_failures,
             "ahead_rounds": self.counters.ahead,
+            "round_seconds": self.counters.round_seconds,
             "revoked": dict(self.revoked),
             "speedup_estimate": self.adaptive.speedup,
             "classic_step_s": self.adaptive.classic_step_s,

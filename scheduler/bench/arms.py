@@ -153,11 +153,12 @@ def drafter_args(spec: str) -> list[str]:
 BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")
 
 
-def burst_counts(client: Any) -> dict[str, int]:
-    """The daemon's burst counters (``BURST_COUNTS``) and its declined bursts by reason, as
-    ``declined:<reason>`` (so an arm where no round ran can say why)."""
+def burst_counts(client: Any) -> dict[str, float]:
+    """The daemon's burst counters (``BURST_COUNTS``), the seconds its rounds took (``round_seconds``)
+    and its declined bursts by reason, as ``declined:<reason>`` (so an arm where no round ran can say why)."""
     b = client.stats()["engine"].get("bursts", {})
-    counts = {k: int(b.get(k, 0)) for k in BURST_COUNTS}
+    counts: dict[str, float] = {k: int(b.get(k, 0)) for k in BURST_COUNTS}
+    counts["round_seconds"] = float(b.get("round_seconds", 0.0))
     counts.update({f"declined:{reason}": int(n) for reason, n in (b.get("declined") or {}).items()})
     return counts
 

@@ -26,7 +26,7 @@ def b1_status(verdict: dict[str, Any], rounds: int, declined: dict[str, int] | N
 
 def b1_rows(
     samples: dict[tuple[str, int], list[float]],
-    counts: dict[str, dict[str, int]],
+    counts: dict[str, dict[str, float]],
     verdicts: dict[str, dict[str, Any]],
     reference: float | None = None,
 ) -> list[dict[str, Any]]:
@@ -35,7 +35,9 @@ def b1_rows(
     ``vs_classic`` is the ratio of medians and ``vs_classic_spread`` its range (``ratio_spread``).
     ``speedup`` is that ratio only for an arm whose bursts ran; a declined arm (declined verdict,
     or no round ran) has ``speedup`` None, and ``alike`` says whether 1.0 is within its spread
-    (an arm that decoded classically must read 1.00, else the arms were not measured alike)."""
+    (an arm that decoded classically must read 1.00, else the arms were not measured alike).
+    ``round_ms`` is the rounds' mean wall time and ``round_steps`` that in classic B = 1 steps (at
+    classic's median rate): what a round costs, whatever the adaptive gate then decided."""
     base = samples[("daemon", 1)]
     classic = statistics.median(base)
 
@@ -55,6 +57,8 @@ def b1_rows(
             "rounds": None,
             "acceptance": None,
             "tokens_per_round": None,
+            "round_ms": None,
+            "round_steps": None,
             "verdict": "-",
             "of_limit": of_limit(classic),
         }
@@ -63,8 +67,10 @@ def b1_rows(
         xs = samples[(arm, 1)]
         rate = statistics.median(xs)
         v = verdicts.get(arm, {})
-        declined = {k.removeprefix("declined:"): n for k, n in c.items() if k.startswith("declined:")}
-        status = b1_status(v, c["rounds"], declined)
+        declined = {k.removeprefix("declined:"): int(n) for k, n in c.items() if k.startswith("declined:")}
+        rounds = int(c["rounds"])
+        status = b1_status(v, rounds, declined)
+        round_s = c.get("round_seconds", 0.0) / rounds if rounds else None
         lo, hi = ratio_spread(xs, base)
         rows.append(
             {
@@ -76,9 +82,11 @@ def b1_rows(
                 "speedup": rate / classic if status == "bursts" else None,
                 "status": status,
                 "alike": None if status == "bursts" else lo <= 1.0 <= hi,
-                "rounds": c["rounds"],
+                "rounds": rounds,
                 "acceptance": c["accepted_tokens"] / c["drafted_tokens"] if c["drafted_tokens"] else None,
-                "tokens_per_round": c["emitted_tokens"] / c["rounds"] if c["rounds"] else None,
+                "tokens_per_round": c["emitted_tokens"] / rounds if rounds else None,
+                "round_ms": None if round_s is None else 1e3 * round_s,
+                "round_steps": None if round_s is None else round_s * classic,
                 "verdict": f"{v.get('level') or 'declined'}{'' if v.get('exact', False) else ' (inexact)'}",
                 "of_limit": of_limit(rate),
             }
@@ -95,6 +103,12 @@ def _vs_classic_cell(r: dict[str, Any]) -> str:
     return f"{r['status']} (ratio {r['vs_classic']:.3f})"
 
 
+def _round_cell(r: dict[str, Any]) -> str:
+    if r.get("round_ms") is None:
+        return "-"
+    return f"{r['round_ms']:.2f} ({r['round_steps']:.2f})"
+
+
 def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -> str:
     """The B = 1 table: every arm's median and spread, its ratio to classic and that ratio's spread."""
 
@@ -102,8 +116,11 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
         return "-" if v is None else format(v, fmt)
 
     roof = any(r["of_limit"] is not None for r in rows)
-    head = "| drafter | tok/s | spread (min-max) | vs classic | spread of the ratio | rounds | acceptance | tokens/round | verdict |"
-    rule = "|---|---|---|---|---|---|---|---|---|"
+    head = (
+        "| drafter | tok/s | spread (min-max) | vs classic | spread of the ratio | rounds | acceptance | tokens/round "
+        "| ms / round (classic steps) | verdict |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|---|---|"
     if roof:
         head += " tok/s / physical limit |"
         rule += "---|"
@@ -114,7 +131,7 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
         line = (
             f"| {r['drafter']} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
             f"| {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
-            f"| {r['verdict']} |"
+            f"| {_round_cell(r)} | {r['verdict']} |"
         )
         if roof:
             line += f" {cell(r['of_limit'], '.3f')} |"

@@ -76,7 +76,7 @@ def write_tables(
     setup: Setup,
     meta: dict[str, Any],
     out: Path,
-    counts: dict[str, dict[str, int]] | None = None,
+    counts: dict[str, dict[str, float]] | None = None,
     verdicts: dict[str, dict[str, Any]] | None = None,
     runs: list[dict[str, Any]] | None = None,
 ) -> str:
@@ -218,7 +218,7 @@ def _main(args: argparse.Namespace) -> int:
         "fastpath": fastpath.active().name,
     }
     out = Path(args.out)
-    counts: dict[str, dict[str, int]] | None = None
+    counts: dict[str, dict[str, float]] | None = None
     verdicts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
@@ -293,8 +293,10 @@ def _main(args: argparse.Namespace) -> int:
                 for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
                     wait_idle(clients)
                     before_steps = counters(arm)
+                    before_bursts = burst_counts(clients[arm]) if arm in b1_arms else None
                     n, wall = run(arm, prompts, args.tokens)
                     after_steps = counters(arm)
+                    after_bursts = burst_counts(clients[arm]) if arm in b1_arms else None
                     samples.setdefault((arm, b), []).append(n / wall)
                     runs.append(
                         {
@@ -312,6 +314,11 @@ def _main(args: argparse.Namespace) -> int:
                             "engine_steps": None
                             if before_steps is None or after_steps is None
                             else {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS},
+                            # A drafter arm's rounds in this run and their seconds: one slow round
+                            # (a kernel compiled mid-run, say) shows in the run it slowed.
+                            "bursts": None
+                            if before_bursts is None or after_bursts is None
+                            else {k: after_bursts[k] - before_bursts[k] for k in ("rounds", "round_seconds")},
                         }
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory

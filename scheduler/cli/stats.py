@@ -74,8 +74,9 @@ def _engine_lines(e: EngineSnapshot) -> list[str]:
     b = e["bursts"]
     if b["drafter"]:
         rate = b["accepted_tokens"] / b["drafted_tokens"] if b["drafted_tokens"] else 0.0
+        per_round = f" ({1e3 * b['round_seconds'] / b['rounds']:.2f} ms each)" if b["rounds"] else ""
         lines.append(
-            f"bursts: {b['drafter']} k={b['k']}, {b['rounds']} rounds, acceptance {rate:.2f}, "
+            f"bursts: {b['drafter']} k={b['k']}, {b['rounds']} rounds{per_round}, acceptance {rate:.2f}, "
             f"declined {b['declined']}, audits {b['audits']} ({b['audit_failures']} failed)"
         )
     for name, v in e["verdicts"].items():

@@ -59,6 +59,7 @@ def test_metrics_move_with_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
             ("mlx_batchd_tokens_total", (("kind", "generated"), ("tenant", "local"))), 0
         )
         assert after[("mlx_batchd_burst_rounds_total", (("drafter", "prompt-lookup"),))] > 0
+        assert after[("mlx_batchd_burst_round_seconds_total", (("drafter", "prompt-lookup"),))] > 0
         assert after[("mlx_batchd_pin_collateral_forwards_total", ())] == 0
         assert any(name == "mlx_batchd_verdict_exact" and v == 1.0 for (name, _), v in after.items())
         assert after[("mlx_batchd_requests_in_flight", ())] == 0

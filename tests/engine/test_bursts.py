@@ -123,7 +123,7 @@ def test_bursts_are_byte_identical_to_classic_for_every_drafter(paths: dict[str,
     for j in jobs:
         engine = make_engine(target, drafters(paths, target)[kind]())
         assert run(engine, [j]) == {j.seq: want[j.seq]}
-        assert engine.bursts.rounds > 0
+        assert engine.bursts.rounds > 0 and engine.bursts.round_seconds > 0
     if kind == "draft-model-self":
         assert engine.bursts.accepted == engine.bursts.drafted > 0
 
@@ -168,6 +168,7 @@ def test_declined_verdict_runs_no_burst(paths: dict[str, Path], target: Any) -> 
     j = job(0, [7, 7, 7, 7, 8, 8, 8, 8], n=30)
     assert run(engine, [j]) == classic(target, [j])
     assert engine.bursts.rounds == 0 and engine.bursts.declined == {"verdict_declined": 1}
+    assert engine.bursts.round_seconds == 0.0
 
 
 def test_injected_divergence_is_caught_by_the_audit_and_revokes_the_verdict(

@@ -20,7 +20,7 @@ from scheduler.bench.reference import reference_line, reference_tok_s
 from scheduler.cli import build_parser
 
 CLASSIC = [100.0, 90.0, 110.0]
-COUNTS = {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30, "emitted_tokens": 40}
+COUNTS = {"rounds": 10, "drafted_tokens": 40, "accepted_tokens": 30, "emitted_tokens": 40, "round_seconds": 0.25}
 NO_ROUNDS = dict.fromkeys(COUNTS, 0)
 
 
@@ -43,8 +43,10 @@ def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
     assert pl["status"] == "bursts" and pl["speedup"] == pl["vs_classic"] == 1.5 and pl["alike"] is None
     assert pl["vs_classic_spread"] == pytest.approx([140 / 110, 160 / 90])
     assert (pl["rounds"], pl["acceptance"], pl["tokens_per_round"], pl["verdict"]) == (10, 0.75, 4.0, "wide")
+    # 25 ms a round; classic's median, 100 tok/s, is 10 ms a step
+    assert pl["round_ms"] == pytest.approx(25.0) and pl["round_steps"] == pytest.approx(2.5)
     md = b1_markdown(rows)
-    assert "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 10 | 0.750 | 4.00 | wide |" in md
+    assert "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 10 | 0.750 | 4.00 | 25.00 (2.50) | wide |" in md
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,7 @@ def test_stats_summary_reads_the_whole_reply() -> None:
     assert lines[0] == "mlx-batchd ready: model m (llama, context 512), up 12s"
     assert lines[2].startswith("engine: 1 active, batch 1 (peak 4), 1600 tokens generated")
     assert lines[3].startswith("  tenant local: weight 1.0, 1 active, 2 waiting")
-    assert lines[4].startswith("bursts: prompt-lookup k=3, 9 rounds, acceptance 0.75")
+    assert lines[4].startswith("bursts: prompt-lookup k=3, 9 rounds (27.78 ms each), acceptance 0.75")
     assert lines[5] == "verdict m+prompt-lookup k=3: wide (exact) - ok"
     assert lines[6] == "pins (scoped): wide/verify 7 forwards 0.50s; collateral 0 forwards, 0.00s"
 
