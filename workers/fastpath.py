@@ -112,6 +112,8 @@ _plans: dict[int, dict[int, int]] = {}
 KERNEL = -1
 #: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
 one_row: set[int] = set()
+#: Counts ``install`` calls: what was derived from the plans (``projections.together``) is stale once it moves.
+generation = 0
 
 RowKernel = Callable[[mx.array], "mx.array | None"]
 
@@ -179,6 +181,8 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def install(model: nn.Module, by_shape: dict[str, dict[int, int]]) -> None:
     """Route ``model``'s projections by ``by_shape`` (each module shares its shape's plan)."""
+    global generation
+    generation += 1
     for m, shape in _projections(model):
         one_row.discard(id(m))
         if by_shape[shape].get(1) == KERNEL:
@@ -197,7 +201,18 @@ def installed(model: nn.Module) -> dict[str, str]:
     return plans_summary(by_shape)
 
 
+def planned(key: int, rows: int) -> int | None:
+    """The rows of module ``key``'s call on ``rows`` rows (``KERNEL``: the project's kernel; ``None``
+    where no plan is installed)."""
+    if rows == 1:
+        return KERNEL if key in one_row else None
+    plan = _plans.get(key)
+    return None if plan is None else plan.get(rows, rows)
+
+
 def _forget(key: int) -> None:
+    global generation
+    generation += 1
     _plans.pop(key, None)
     one_row.discard(key)
 

@@ -242,6 +242,7 @@ def calibrate(
     n = fastpath.active().calibrate_rows
     if not n:
         return {}
+    qmv_rows.register_siblings(model)  # siblings all planned to the kernel share its calls
     projections = fastpath._projections(model)
     first = {shape: m for m, shape in reversed(projections)}
     shapes = sorted(first)

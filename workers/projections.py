@@ -137,6 +137,32 @@ def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
 
+#: (module id, rows) -> ``together``'s answer, for the plans of ``fastpath.generation`` ``_together_at``.
+_together: dict[tuple[int, int], bool] = {}
+_together_at = -1
+
+
+def together(module: Any, rows: int) -> bool:
+    """Whether a batched (wide) call of ``module`` on ``rows`` rows runs with its siblings
+    (``qmv_rows.register_siblings``) in one kernel call: every sibling is planned to the kernel at
+    that row count. Each output is the one its own kernel call gives, so the plans decide only
+    how many launches a layer makes (q/k/v and gate/up: 4 a layer instead of 7); MLX CUDA pays a
+    launch and a graph node per call, which at B <= 8 costs a decode step about as much as the
+    weights do. Where a sibling is planned otherwise, each module makes its own call."""
+    global _together_at
+    if _together_at != fastpath.generation:
+        _together.clear()
+        _together_at = fastpath.generation
+    key = (id(module), rows)
+    hit = _together.get(key)
+    if hit is None:
+        group = qmv_rows.siblings(module)
+        hit = _together[key] = group is not None and all(
+            fastpath.planned(id(m), rows) == fastpath.KERNEL for m in group
+        )
+    return hit
+
+
 def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """Wrap a projection method: above wide, several rows run in chunks of the module's width
     (one row at ``per-query-1``); one row is decode's call, as mlx-lm makes it, except at
@@ -151,10 +177,15 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if extra or kwargs or (rows == 1 and id(self) not in fastpath.one_row):
                 out = original(self, x, *extra, **kwargs)
                 return out if seam.divergence_seam is None else seam.apply("projection", out, rows, self, x)
-            # A plan's ``fastpath.KERNEL`` rows: one kernel call per projection (siblings are not
-            # grouped here: their plans may differ).
+            # A plan's ``fastpath.KERNEL`` rows: one kernel call per projection, or per sibling group
+            # (q/k/v, gate/up) where every sibling is planned to the kernel at these rows.
+            source = x if together(self, rows) else None
             out, kernel_rows = fastpath.project(
-                lambda xs: original(self, xs), x, rows, id(self), lambda xs: qmv_rows.project(self, original, xs)
+                lambda xs: original(self, xs),
+                x,
+                rows,
+                id(self),
+                lambda xs: qmv_rows.project(self, original, xs, source),
             )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):

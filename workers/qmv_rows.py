@@ -24,7 +24,9 @@ arithmetic it has in that matrix's own call, so the outputs are unchanged, and a
 shapes are checked against MLX's one-row call like a single layer's.
 
 Because each row is MLX's one-row call, batched forwards may use the kernel too where it is cheaper
-(``fastpath.KERNEL``: 1-8 rows, classic decode's one row included), without changing a byte.
+(``fastpath.KERNEL``: 1-8 rows, classic decode's one row included), without changing a byte; where
+every sibling of a group is planned to it at a row count, they share one call there as well
+(``projections.together``).
 
 Switch: ``rowkernel.implementation()`` (``MLX_BATCHD_ROWKERNEL``). With ``reference`` (CPU tests)
 every row takes the fallback, so tests exercise the level's plumbing; the kernel itself can only
@@ -428,7 +430,8 @@ def register_siblings(model: Any) -> int:
     return count
 
 
-def _group(module: Any) -> tuple[Any, ...] | None:
+def siblings(module: Any) -> tuple[Any, ...] | None:
+    """``module``'s sibling group (itself included), or ``None`` when it has none."""
     refs = _siblings.get(id(module))
     if refs is None:
         return None
@@ -491,7 +494,7 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array, source:
     kept = _kept.pop(id(module), None)
     if kept is not None and kept[0] is source:
         return kept[1]
-    group = _group(module)
+    group = siblings(module)
     if group is not None:
         outs = _through(group, original, x)
         if outs is not None:

@@ -182,3 +182,30 @@ def test_plans_read_from_the_store_run_the_kernel_at_every_planned_row_count_at_
     assert plan_timing.calibrate(again, store) == plans
     assert qmv_rows._matches_mlx and all(qmv_rows._matches_mlx.values())
     assert planned <= set(stand_in)
+
+
+def test_siblings_all_planned_to_the_kernel_share_one_call_in_batched_decode(
+    tmp_path: Path, stand_in: list[int], kernel_cheapest: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With q/k/v and gate/up all planned to the kernel at a row count, a batched decode step makes one
+    kernel call per sibling group (4 calls a layer instead of 7) and keeps every token; a group with
+    one member planned otherwise makes one call per member."""
+    model = _model(tmp_path)
+    prompts = [[(7 * i + j) % 200 + 4 for j in range(5 + 3 * i)] for i in range(5)]
+    fastpath.set_active(fastpath.OFF)
+    reference = _greedy(model, prompts)
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
+    plans = plan_timing.calibrate(model)
+    widths: list[tuple[int, int]] = []  # (rows, matrices) of each launch
+    monkeypatch.setattr(qmv_rows, "_launch", one_row_launch(lambda x, mats: widths.append((x.shape[0], len(mats)))))
+    assert _greedy(model, prompts) == reference
+    # at 5 rows, every layer: one call for q/k/v, one for gate/up, one each for o and down
+    qkv, gate_up, alone = (widths.count((5, n)) for n in (3, 2, 1))
+    assert qkv == gate_up > 0 and qkv % len(model.layers) == 0 and alone == 2 * qkv
+
+    engine = Engine(model, eos_token_ids=(), vocab_size=256, max_batch=8)  # calibrates at load: plans after it
+    up_shape = next(s for m, s in fastpath._projections(model) if m is model.layers[0].mlp.up_proj)
+    fastpath.install(model, {**plans, up_shape: {**plans[up_shape], 5: 0}})  # up (and gate): MLX's call at 5 rows
+    widths.clear()
+    assert greedy_tokens(engine, prompts, 10) == reference
+    assert (5, 2) not in widths and widths.count((5, 1)) == 2 * widths.count((5, 3)) > 0  # gate, up: MLX
