@@ -22,10 +22,12 @@
 # is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
 # section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); TOKENS (64) per request,
-# BATCHES (1,4,8,16,32,64,128) and RAW (64) override.
+# BATCHES (1,4,8,16,32,64,128) and RAW (64) override. Every target of issue 15 in one run within one
+# call: TOKENS=192 BATCHES=1,4,8,16,32,64 (about 480 s warm; 256 tokens needs about 600 s).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
-# greedy output that repeats itself), B = 1 through the daemon, 512 tokens.
+# greedy output that repeats itself), B = 1 through the daemon, 512 tokens; the B = 1 table gives the
+# rounds' milliseconds, and each run's rounds and round seconds are in b1_bursts.json.
 # PART=r: where the daemon's decode steps lose time against the engine alone (engine_gap_probe: the
 # engine on the main thread, on a thread, in EngineThread, in EngineProcess, in a daemon), B = 1 and 4,
 # 128 tokens; ARMS and BATCHES override.
