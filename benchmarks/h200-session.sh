@@ -31,6 +31,8 @@
 # PART=r: where the daemon's decode steps lose time against the engine alone (engine_gap_probe: the
 # engine on the main thread, on a thread, in EngineThread, in EngineProcess, in a daemon), B = 1 and 4,
 # 128 tokens; ARMS and BATCHES override.
+# PART=o: the engine's decode step at B = 1, 4, 8, 32 under MLX CUDA's graph limits (ops and megabytes a
+# graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -80,6 +82,8 @@ elif [ "$PART" = d ]; then
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
+elif [ "$PART" = o ]; then
+  step graph 420 python3 benchmarks/graph_limits_probe.py --model /tmp/m8b --out "$R/graph.json"
 elif [ "$PART" = e ]; then
   [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
   step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \
