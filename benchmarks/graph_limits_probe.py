@@ -5,9 +5,9 @@
 MLX CUDA records the kernels of an evaluation as CUDA graphs and commits one each time it holds
 ``MLX_MAX_OPS_PER_BUFFER`` nodes or ``MLX_MAX_MB_PER_BUFFER`` megabytes (MLX's defaults on an H100 /
 H200: 100 and 1,000); instantiated graphs are kept for reuse (``MLX_CUDA_GRAPH_CACHE_SIZE``, 400).
-On the H200 8B synth a decode step at B <= 8 costs about what its op count says rather than what
-its weight bytes say (7-10 ms for ~700 ops at B = 1, where the weights alone read in ~1 ms), so how
-many graphs a step makes, and how often one must be instantiated anew, may be a large part of it.
+On the H200 8B synth a decode step at B <= 8 costs far more than its weight bytes say (7-10 ms at
+B = 1, where the 4.2 GB of weights read in ~1 ms), so how many graphs a step makes, and how often one
+must be instantiated anew, may be a large part of it.
 
 Each setting runs in a fresh process (MLX reads these once per process): the engine alone, greedy,
 ``--tokens`` a sequence at each ``--batches`` B, ``--repeats`` times after one untimed run; reported
