@@ -31,6 +31,9 @@
 # PART=r: where the daemon's decode steps lose time against the engine alone (engine_gap_probe: the
 # engine on the main thread, on a thread, in EngineThread, in EngineProcess, in a daemon), B = 1 and 4,
 # 128 tokens; ARMS and BATCHES override.
+# PART=ep: part e, one repeat of 256 tokens, with every daemon's engine thread under cProfile
+# (MLX_BATCHD_PROFILE_DIR): where a burst round's time goes (on the H200, session 15, rounds of a
+# 5-token verify took ~1.46 s each on the echo synth; 2-token rounds in session 14 did not).
 # PART=o: the engine's decode step at B = 1, 4, 8, 32 under MLX CUDA's graph limits (ops and megabytes a
 # graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
@@ -82,6 +85,10 @@ elif [ "$PART" = d ]; then
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
+elif [ "$PART" = ep ]; then
+  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
+  MLX_BATCHD_PROFILE_DIR="$R/echo-prof" step echo-prof 300 python3 -m scheduler bench --model /tmp/m8e \
+    --batch-sizes 1 --drafters prompt-lookup --tokens 256 --repeats 1 --raw-max-batch 1 --out "$R/echo-prof"
 elif [ "$PART" = o ]; then
   step graph 420 python3 benchmarks/graph_limits_probe.py --model /tmp/m8b --out "$R/graph.json"
 elif [ "$PART" = e ]; then
