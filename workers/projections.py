@@ -137,7 +137,8 @@ def _rows(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
 
 
-#: (module id, rows) -> ``together``'s answer, for the plans of ``fastpath.generation`` ``_together_at``.
+#: (module id, rows) -> ``together``'s answer, for the plans of ``fastpath.generation`` ``_together_at``
+#: (asked only up to ``qmv_rows.MAX_ROWS`` rows, the kernel's, so it stays a few entries a module).
 _together: dict[tuple[int, int], bool] = {}
 _together_at = -1
 
@@ -179,7 +180,7 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 return out if seam.divergence_seam is None else seam.apply("projection", out, rows, self, x)
             # A plan's ``fastpath.KERNEL`` rows: one kernel call per projection, or per sibling group
             # (q/k/v, gate/up) where every sibling is planned to the kernel at these rows.
-            source = x if together(self, rows) else None
+            source = x if rows <= qmv_rows.MAX_ROWS and together(self, rows) else None
             out, kernel_rows = fastpath.project(
                 lambda xs: original(self, xs),
                 x,

@@ -17,7 +17,7 @@ from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from tests.helpers.mirrored import one_row_launch
 from tests.reference import load_measured
-from workers import fastpath, plan_store, plan_timing, qmv_rows
+from workers import fastpath, plan_store, plan_timing, projections, qmv_rows
 from workers.engine import Engine
 from workers.synthetic import llama_config, write_model
 
@@ -202,6 +202,8 @@ def test_siblings_all_planned_to_the_kernel_share_one_call_in_batched_decode(
     # at 5 rows, every layer: one call for q/k/v, one for gate/up, one each for o and down
     qkv, gate_up, alone = (widths.count((5, n)) for n in (3, 2, 1))
     assert qkv == gate_up > 0 and qkv % len(model.layers) == 0 and alone == 2 * qkv
+    # the answers kept per (module, rows) stop at the kernel's rows: prefill's row counts are not kept
+    assert projections._together and max(rows for _, rows in projections._together) <= qmv_rows.MAX_ROWS
 
     engine = Engine(model, eos_token_ids=(), vocab_size=256, max_batch=8)  # calibrates at load: plans after it
     up_shape = next(s for m, s in fastpath._projections(model) if m is model.layers[0].mlp.up_proj)
