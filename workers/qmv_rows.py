@@ -486,14 +486,15 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array, source:
 
     ``source`` is the array the model called the module with: when the module has siblings
     (``register_siblings``) the first of them called on it computes them all in one call and keeps the
-    others' outputs for their own calls on that same array."""
+    others' outputs for their own calls on that same array (taken first: only the kernel made them)."""
+    if source is not None:
+        kept = _kept.pop(id(module), None)
+        if kept is not None and kept[0] is source:
+            return kept[1]
     if rowkernel.implementation() != "cuda" or _compiled is False:
         return None
     if source is None:
         return _one(module, original, x)
-    kept = _kept.pop(id(module), None)
-    if kept is not None and kept[0] is source:
-        return kept[1]
     group = siblings(module)
     if group is not None:
         outs = _through(group, original, x)
