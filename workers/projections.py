@@ -147,9 +147,10 @@ def together(module: Any, rows: int) -> bool:
     """Whether a batched (wide) call of ``module`` on ``rows`` rows runs with its siblings
     (``qmv_rows.register_siblings``) in one kernel call: every sibling is planned to the kernel at
     that row count. Each output is the one its own kernel call gives, so the plans decide only
-    how many launches a layer makes (q/k/v and gate/up: 4 a layer instead of 7); MLX CUDA pays a
-    launch and a graph node per call, which at B <= 8 costs a decode step about as much as the
-    weights do. Where a sibling is planned otherwise, each module makes its own call."""
+    how many launches a layer makes (q/k/v and gate/up: 4 a layer instead of 7). Each call is a
+    launch and a graph node on MLX CUDA, and at B <= 8 a step costs far more than its weights' bytes
+    (H200 8B synth: 7-10 ms at B = 1 against ~1 ms to read them). Where a sibling is planned
+    otherwise, each module makes its own call."""
     global _together_at
     if _together_at != fastpath.generation:
         _together.clear()
