@@ -98,6 +98,20 @@ def _locked(path: Path) -> Iterator[bool]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def keep_check(root: Path, shapes: list[str], max_rows: int, pads: tuple[int, ...], check: dict[int, Any]) -> None:
+    """Beside the plans, what their whole-forward check measured (``plan_timing.forward_checked``'s
+    report: each row count's forward milliseconds by candidate and the one kept), for reading only:
+    ``load_or_time`` never reads it. Plans are timed once per machine, so this is the one record
+    of why they are what they are."""
+    path = root / f"{plan_key(shapes, max_rows, pads)}.check.json"
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({str(rows): r for rows, r in sorted(check.items())}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("kernel plans: cannot keep their check in %s (%s)", root, exc)
+
+
 def load_or_time(
     root: Path | None,
     shapes: list[str],

@@ -238,7 +238,8 @@ def calibrate(
     forward (``forward_checked``), and install them (``fastpath.install``); returns them by shape. A no-op unless the
     active policy calibrates. With ``store`` (``workers.plan_store``) the plans are timed once per
     machine and kept there, so every process serving the model runs the same kernels; timing costs
-    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds."""
+    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds, which the
+    store also keeps beside the plans (``plan_store.keep_check``)."""
     n = fastpath.active().calibrate_rows
     if not n:
         return {}
@@ -246,6 +247,7 @@ def calibrate(
     projections = fastpath._projections(model)
     first = {shape: m for m, shape in reversed(projections)}
     shapes = sorted(first)
+    report = {} if report is None else report
 
     def timed() -> dict[str, dict[int, int]]:
         plans = {shape: time_plan(first[shape], n) for shape in shapes}
@@ -263,6 +265,8 @@ def calibrate(
     by_shape, stored = plan_store.load_or_time(store, shapes, n, fastpath.PADS, timed, qmv_rows.MAX_ROWS)
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(shapes), how)
+    if not stored and store is not None and report:
+        plan_store.keep_check(store, shapes, n, fastpath.PADS, report)
     fastpath.install(model, by_shape)
     tic = time.perf_counter()
     rows = warm_kernel(model, by_shape)

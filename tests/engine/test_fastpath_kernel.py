@@ -6,6 +6,7 @@ returns MLX's own one-row results, or one rounding step off them; the policy is 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,10 @@ def test_plans_read_from_the_store_run_the_kernel_at_every_planned_row_count_at_
     plans = plan_timing.calibrate(_model(tmp_path), store)
     planned = {r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL}
     assert planned == set(range(1, 9))
+    # the whole-forward check that chose them is kept beside them, each row count's candidates and choice
+    (check,) = store.glob("*.check.json")
+    kept = json.loads(check.read_text())
+    assert set(kept) == {str(r) for r in range(1, 9)} and all(r["kept"] in r["ms"] for r in kept.values())
     qmv_rows._matches_mlx.clear()  # another process: nothing checked yet
     qmv_rows._ready.clear()
     stand_in.clear()
