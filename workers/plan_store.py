@@ -104,12 +104,18 @@ def keep_check(root: Path, shapes: list[str], max_rows: int, pads: tuple[int, ..
     ``load_or_time`` never reads it. Plans are timed once per machine, so this is the one record
     of why they are what they are."""
     path = root / f"{plan_key(shapes, max_rows, pads)}.check.json"
+    _write(path, json.dumps({str(rows): r for rows, r in sorted(check.items())}, indent=1), "their check")
+
+
+def _write(path: Path, text: str, what: str) -> None:
+    """``text`` into ``path`` whole (a reader never sees half a file); a folder that cannot be
+    written is logged, not raised: the store only spares later processes the timing."""
     try:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({str(rows): r for rows, r in sorted(check.items())}, indent=1))
+        tmp.write_text(text)
         tmp.replace(path)
     except OSError as exc:
-        log.warning("kernel plans: cannot keep their check in %s (%s)", root, exc)
+        log.warning("kernel plans: cannot keep %s in %s (%s)", what, path.parent, exc)
 
 
 def load_or_time(
@@ -144,10 +150,5 @@ def load_or_time(
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
         plans = time_plans()
-        try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({sh: {str(r): t for r, t in p.items()} for sh, p in plans.items()}, indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            log.warning("kernel plans: cannot keep them in %s (%s)", root, exc)
+        _write(path, json.dumps({sh: {str(r): t for r, t in p.items()} for sh, p in plans.items()}, indent=1), "them")
         return plans, False
