@@ -43,6 +43,7 @@ from workers.probe_ladder import ProbePolicy, ladder_steps
 from workers.probe_results import Verdict
 from workers.projections import PAD_ROWS
 from workers.verdict_store import VerdictStore, pairing_fingerprint
+from workers.verify_warmup import warm_steps
 from workers.widths import apply_widths, widths_by_path
 
 #: The default policy: exact or declined, nothing pinned.
@@ -69,10 +70,29 @@ def probe_steps(
     store: VerdictStore | None = None,
     policy: ProbePolicy = _DEFAULT_POLICY,
     force: bool = False,
+    warm: bool = False,
 ) -> Generator[str, None, Verdict]:
     """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
     the drafter and the backend), from the store when its fingerprint is known, else measured a
-    draw per step. Either way the verdict's widths are what narrow and per-query serve with after it."""
+    draw per step. Either way the verdict's widths are what narrow and per-query serve with after it.
+    With ``warm`` (a verdict that bursts will serve) the verify's kernels are built at the verdict's
+    level before it is returned (``verify_warmup``)."""
+    verdict = yield from _verdict_steps(model, make_cache, pairing, draws, k, store, policy, force)
+    if warm and verdict.level is not None:
+        yield from warm_steps(model, make_cache, Level(verdict.level), k, draws[0].prompt)
+    return verdict
+
+
+def _verdict_steps(
+    model: Any,
+    make_cache: MakeCache,
+    pairing: dict[str, Any],
+    draws: list[Draw],
+    k: int,
+    store: VerdictStore | None,
+    policy: ProbePolicy,
+    force: bool,
+) -> Generator[str, None, Verdict]:
     full = {
         **pairing,
         "k": k,

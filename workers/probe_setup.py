@@ -41,10 +41,13 @@ class ProbeSetup:
         """The probe's draws for a verify block of ``k + 1`` tokens on this model."""
         return make_draws(k, self.vocab_size, self.context_length, self.window)
 
-    def steps(self, model: Any, k: int, policy: ProbePolicy, force: bool = False) -> Generator[str, None, Verdict]:
+    def steps(
+        self, model: Any, k: int, policy: ProbePolicy, force: bool = False, warm: bool = False
+    ) -> Generator[str, None, Verdict]:
         """The probe as steps (one draw each), ending in the verdict. ``model`` is what the forwards
-        run through: the loaded model, or the engine's counted wrapper of it so its pins are tallied."""
-        return probe_steps(model, self.make_cache, self.pairing, self.draws(k), k, self.store, policy, force)
+        run through: the loaded model, or the engine's counted wrapper of it so its pins are tallied.
+        ``warm``: build the verify's kernels at the verdict's level first (a serving engine's probe)."""
+        return probe_steps(model, self.make_cache, self.pairing, self.draws(k), k, self.store, policy, force, warm)
 
 
 def probe_setup(loaded: LoadedModel, drafter: str, *, store: bool = True) -> ProbeSetup:

@@ -164,7 +164,7 @@ def start_probe(
         mode = "none" if loaded.shard is None else loaded.shard.mode
         split = {"world_size": world.size, "backend": world.backend, "mode": mode}
         setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
-    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy))
+    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy, warm=True))
     return name
 
 

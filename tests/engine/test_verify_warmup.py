@@ -1,0 +1,86 @@
+"""A serving engine's probe builds the verify at every block length before its verdict lands.
+
+The kernels that need it (compiled per row count on a GPU) do not exist on this CPU, so what is
+checked is the work itself: the forwards at the verdict's level, one per block length a burst can
+verify (and a classic step where the level pins the chain), counted in the pin ledger under
+``warm``, and run whether the verdict was measured or read from the store. A probe for the
+``mlx-batchd probe`` command (``warm`` off) runs none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.reference import load_measured
+from workers.engine import Engine
+from workers.kernels import Level
+from workers.probe import ProbePolicy, make_draws, probe_steps
+from workers.synthetic import PRESETS, write_model
+from workers.verdict_store import VerdictStore
+from workers.verify_warmup import PURPOSE, block_lengths
+
+VOCAB = 260
+K = 3
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_state")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("warm") / "m", PRESETS["tiny-llama"], seed=5)
+
+
+def _probe(engine: Engine, level: Level, store: VerdictStore, warm: bool = True) -> tuple[object, list[str]]:
+    """The engine's probe for one pairing pinned to ``level``, run to its verdict; returns the
+    verdict and the steps' labels."""
+    model = engine.counted
+    draws = make_draws(K, VOCAB, 4096, None)[:2]
+    policy = ProbePolicy(pinned_level=level)
+    steps = probe_steps(model, lambda: make_prompt_cache(model), {"t": 1}, draws, K, store, policy, warm=warm)
+    engine.start_probe("pair", steps)
+    labels: list[str] = []
+    while engine.probing:
+        engine.probe_step()
+        if engine.probing:
+            labels.append(engine.verdict_summary()["pair"]["at"])
+    return engine.verdict("pair"), labels
+
+
+def _warm(engine: Engine) -> list[dict[str, object]]:
+    return [r for r in engine.ledger.snapshot()["pinned"] if r["purpose"] == PURPOSE]
+
+
+@pytest.mark.parametrize("level", [Level.MIRRORED, Level.NARROW, Level.PADDED])
+def test_every_block_length_runs_at_the_verdicts_level_before_it_lands(
+    model_path: Path, tmp_path: Path, level: Level
+) -> None:
+    engine = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
+    store = VerdictStore(tmp_path / "verdicts")
+    verdict, labels = _probe(engine, level, store)
+    assert verdict is not None and verdict.level == level.value and not verdict.from_cache
+    chain = 1 if level.pins_chain else 0
+    lengths = block_lengths(K)
+    assert lengths == [2, 3, 4]
+    assert _warm(engine) == [
+        {"level": level.value, "purpose": PURPOSE, "forwards": K + chain, "rows": sum(lengths) + chain, "seconds": 0.0}
+    ]
+    assert labels[-len(lengths) - chain :][: len(lengths)] == [
+        f"warm-up: verify of {n} rows at {level.value}" for n in lengths
+    ]
+
+    # A verdict from the store runs no draw, and still builds every length.
+    again = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
+    cached, labels = _probe(again, level, store)
+    assert cached is not None and cached.from_cache and cached.level == level.value
+    assert _warm(again)[0]["forwards"] == K + chain
+    assert len(labels) == K + chain
+
+
+def test_a_probe_without_warm_up_runs_none(model_path: Path, tmp_path: Path) -> None:
+    engine = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
+    verdict, _ = _probe(engine, Level.MIRRORED, VerdictStore(tmp_path / "v"), warm=False)
+    assert verdict is not None and verdict.level == Level.MIRRORED.value
+    assert _warm(engine) == []

@@ -1,0 +1,75 @@
+"""The verify's kernels, built before the first burst round needs them.
+
+Why: the project's own kernels (``mx.fast.cuda_kernel``: ``qmv_rows``, ``rowkernel``, ``sdpa_rows``)
+are compiled the first time each template instance runs, and the row count is a template argument,
+so a verify block of ``n`` rows at a level that runs them needs its own instances. MLX keeps custom
+kernels in memory only: its on-disk cache of compiled kernels held MLX's own (quantized matmul,
+gather, fused elementwise) and none of the project's after a whole H200 session. On the H200 the
+mirrored kernel's first call for a new group of matrices took 7-8 s (compile plus the check against
+MLX's one-row call; CUTLASS headers). A verdict read from the store runs no forward at all, and the
+probe runs blocks of ``K + 1`` rows only, so serving's first blocks of the other lengths (prompt
+lookup drafts 0..K tokens a round) compiled inside burst rounds: on the 8B echo synth rounds took
+1.46 s (16 rounds) and 3.1 s (2 rounds) against 15-25 ms, and the adaptive gate stopped the bursts.
+
+So before a verdict reaches the burst runner the engine runs one verify forward of every length
+``2..K + 1`` at the verdict's level (a lone token is verified at the classic level), plus one
+classic step when the level pins the chain too, on a scratch cache: one length per probe step, so
+serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
+On the CPU nothing is compiled and the forwards cost a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from workers.attention import wrap_caches
+from workers.layout import stabilize_layout
+from workers.levels import Level, scoped
+from workers.pins import unpinned
+from workers.probe_draws import MakeCache, prefill
+
+log = logging.getLogger("mlx_batchd.verify_warmup")
+
+#: Purpose the warm-up's forwards are counted under (``PinLedger``).
+PURPOSE = "warm"
+
+
+def block_lengths(k: int) -> list[int]:
+    """The verify block lengths a burst with ``k`` drafts a round can run at its level."""
+    return list(range(2, k + 2))
+
+
+def warm_steps(
+    model: Any, make_cache: MakeCache, level: Level, k: int, prompt: list[int]
+) -> Generator[str, None, list[int]]:
+    """One verify forward per block length at ``level`` on a cache prefilled with ``prompt``, a
+    length per step; returns the lengths run. The cache is trimmed back after each block, so every
+    block sees the same short context."""
+    tic = time.perf_counter()
+    cache = make_cache()
+    stabilize_layout(cache)  # as a burst's caches grow
+    prefill(model, cache, prompt)
+    lengths = block_lengths(k)
+    for n in lengths:
+        tokens = [prompt[i % len(prompt)] for i in range(n)]
+        with unpinned(PURPOSE), scoped(level):
+            mx.eval(model(mx.array([tokens]), cache=wrap_caches(cache) if level.per_query else cache))
+        trim_prompt_cache(cache, n)
+        yield f"warm-up: verify of {n} rows at {level.value}"
+    if level.pins_chain:
+        with unpinned(PURPOSE), scoped(level):
+            mx.eval(model(mx.array([prompt[:1]]), cache=cache))
+        yield f"warm-up: classic step at {level.value}"
+    log.info(
+        "verify at %s: blocks of %s rows built in %.2f s before the first burst",
+        level.value,
+        ", ".join(map(str, lengths)),
+        time.perf_counter() - tic,
+    )
+    return lengths
