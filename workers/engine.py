@@ -49,6 +49,7 @@ from workers.kernels import Level, process_level
 from workers.params import FinishReason
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
 from workers.pintax import PinTax
+from workers.prefill_wave import PREFILL_TOKENS, wave_size
 from workers.prefix_cache import PrefixCache
 from workers.probe import Verdict
 from workers.sampling import make_sampler
@@ -67,8 +68,9 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
         max_batch: int = 32,
-        prefill_batch: int = 8,
+        prefill_batch: int | None = None,
         prefill_step: int = 2048,
+        prefill_tokens: int = PREFILL_TOKENS,
         pin_scope: PinScope = "scoped",
         lockstep: bool = False,
     ) -> None:
@@ -83,8 +85,11 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_batch = max_batch
-        self.prefill_batch = prefill_batch
+        #: Most prompts one prefill wave takes (``None``: the decode batch's size); the wave is sized
+        #: by ``prefill_tokens`` within it (``workers.prefill_wave``).
+        self.prefill_batch = max_batch if prefill_batch is None else min(prefill_batch, max_batch)
         self.prefill_step = prefill_step
+        self.prefill_tokens = prefill_tokens
         self.counters = EngineCounters()
         self._verdicts = Verdicts(pin_scope)
         self.runner = BurstRunner(self, self._verdicts)
@@ -113,7 +118,7 @@ class Engine:
         return BatchGenerator(
             self.counted,  # type: ignore[arg-type]
             completion_batch_size=self.max_batch,
-            prefill_batch_size=min(self.prefill_batch, self.max_batch),
+            prefill_batch_size=self.prefill_batch,
             prefill_step_size=self.prefill_step,
         )
 
@@ -313,6 +318,10 @@ class Engine:
         # Batched work never sees a scoped pin; the lone sequence's classic step runs at the
         # verdict's rung when that rung pins classic decode too (``padded``).
         chain = self.runner.chain_level() if solo else None
+        if mlxlm.prefill_pending(self._gen):  # the next wave sized by tokens (``prefill_wave``)
+            prefilling, queued = mlxlm.prefill_lengths(self._gen)
+            size = wave_size(prefilling, queued, self.prefill_batch, self.prefill_tokens, self.prefill_step)
+            self._gen.prefill_batch_size = size
         with unpinned("serving") if chain is None else self.pinned(chain, "classic"):
             prompt_responses, gen_responses = self._gen.next()
         now = time.monotonic()

@@ -126,7 +126,9 @@ class EngineThread:
         self._busy_since: float | None = None
         #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
         s = self._settings
-        self._admission = AdmissionWaves(min(s.prefill_batch, s.max_batch), s.admit_window_s, s.admit_idle_window_s)
+        self._admission = AdmissionWaves(
+            min(s.prefill_batch or s.max_batch, s.max_batch), s.admit_window_s, s.admit_idle_window_s
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -199,6 +201,7 @@ class EngineThread:
                 max_batch=s.max_batch,
                 prefill_batch=s.prefill_batch,
                 prefill_step=s.prefill_step,
+                prefill_tokens=s.prefill_tokens,
                 pin_scope=s.pin_scope,
                 lockstep=self.world.distributed,
             )

@@ -10,6 +10,8 @@ What each one is for, and why the public API is not enough:
 - ``decode_batch_size``, ``decoding_uids``: which sequences are in the decode batch.
   ``BatchGenerator`` has no query for a sequence's stage (``extract_cache`` answers for every stage).
 - ``prefill_pending``: whether any sequence is queued or prefilling (a burst starts only when none is).
+- ``prefill_lengths``: the tokens each queued or prefilling prompt has left, to size the next prefill
+  wave by tokens (``workers.prefill_wave``); ``BatchGenerator`` only takes a count of prompts.
 - ``pending_token``: the token the decode batch has sampled one step ahead for a sequence, and the
   logprob row it was drawn from. ``remove(..., return_prompt_caches=True)`` gives the cache and the
   tokens in it but drops this token, which pausing and bursts must emit.
@@ -126,6 +128,18 @@ def decoding_uids(gen: Any) -> list[int]:
 def prefill_pending(gen: Any) -> bool:
     """Whether ``gen`` holds a sequence still queued for prefill or prefilling."""
     return bool(_get(gen, "_unprocessed_sequences")) or len(_get(gen, "_prompt_batch")) > 0
+
+
+def prefill_lengths(gen: Any) -> tuple[list[int], list[int]]:
+    """The next prefill chunk's source for each prompt of ``gen``: the tokens left in the current
+    segment of every prompt prefilling now, and of every prompt queued (in queue order)."""
+
+    def left(segments: list[Any]) -> int:
+        return len(segments[0]) if segments else 0
+
+    prefilling = [left(entry[0]) for entry in _get(gen, "_currently_processing")]
+    queued = [left(entry[1]) for entry in _get(gen, "_unprocessed_sequences")]
+    return prefilling, queued
 
 
 def pending_token(gen: Any, uid: int) -> tuple[mx.array, mx.array]:

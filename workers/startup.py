@@ -19,6 +19,7 @@ from workers.burst import BurstSettings
 from workers.engine import Engine, Job, PinScope
 from workers.lockstep import Broadcaster
 from workers.models import LoadedModel
+from workers.prefill_wave import PREFILL_TOKENS
 from workers.probe import ProbePolicy, sliding_window
 from workers.probe_results import Verdict
 from workers.probe_setup import ProbeSetup, probe_setup
@@ -30,8 +31,11 @@ from workers.world import DistributedError, World
 @dataclass
 class EngineSettings:
     max_batch: int = 32
-    prefill_batch: int = 8
+    #: Most prompts one prefill wave takes (``None``: ``max_batch``); ``prefill_tokens`` sizes it.
+    prefill_batch: int | None = None
     prefill_step: int = 2048
+    #: Prompt tokens one prefill step carries across its wave (``workers.prefill_wave``).
+    prefill_tokens: int = PREFILL_TOKENS
     #: While the engine has work, an arrival waits at most this long for others so that they join
     #: the batch in one prefill wave (``workers.admission``); 0 admits each on the next iteration.
     admit_window_s: float = 0.02

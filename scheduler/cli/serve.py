@@ -34,6 +34,7 @@ from scheduler.cli.options import (
     positive_int,
     probe_policy,
 )
+from workers.prefill_wave import PREFILL_TOKENS
 
 if TYPE_CHECKING:
     from workers.loop import EngineSettings
@@ -51,8 +52,19 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--model", default="demo", help="a local mlx-lm model directory, or 'demo' (default)")
     p.add_argument("--listen", default=None, help=f"ZeroMQ address to bind (default {default_address()})")
     p.add_argument("--max-batch", type=positive_int, default=32, help="most sequences decoded together")
-    p.add_argument("--prefill-batch", type=positive_int, default=8, help="most prompts prefilled together")
+    p.add_argument(
+        "--prefill-batch",
+        type=positive_int,
+        default=None,
+        help="most prompts prefilled together (default: --max-batch; --prefill-tokens sizes each wave)",
+    )
     p.add_argument("--prefill-step", type=positive_int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        default=PREFILL_TOKENS,
+        help="prompt tokens one prefill step carries across the prompts it prefills together",
+    )
     p.add_argument(
         "--admit-window-ms",
         type=float_in(0.0, 60_000.0),
@@ -194,6 +206,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         prefill_step=args.prefill_step,
+        prefill_tokens=args.prefill_tokens,
         admit_window_s=args.admit_window_ms / 1e3,
         admit_idle_window_s=args.admit_idle_window_ms / 1e3,
         cudnn_attention=args.cudnn_attention,

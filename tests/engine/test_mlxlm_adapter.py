@@ -62,6 +62,7 @@ def test_batch_generator_accessors(model: nn.Module) -> None:
     assert not mlxlm.prefill_pending(gen)
     (b,) = gen.insert([[20, 21, 22, 23, 24, 25]], max_tokens=[4])
     assert mlxlm.prefill_pending(gen) and b not in mlxlm.decoding_uids(gen)
+    assert mlxlm.prefill_lengths(gen) == ([], [5])  # queued (all but the last token), none prefilling
 
     # The pending token is the one the next step hands out, with the row it was drawn from.
     token, row = mlxlm.pending_token(gen, a)

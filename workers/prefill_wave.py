@@ -1,0 +1,35 @@
+"""How many prompts one prefill wave takes: as many as fit a token budget, not a fixed count.
+
+Why: mlx-lm's ``BatchGenerator`` prefills at most ``prefill_batch_size`` prompts together (8 in
+``mlx_lm.server``), and every further group joins the decode batch a couple of steps later. When
+many requests arrive together the batch then decodes in waves: on the H200 8B synth, 192 tokens a
+request, the engine made 194 / 198 / 206 decode steps at B = 16 / 32 / 64 (2, 4 and 8 waves of 8),
+3-7 % more steps than the 192 tokens need, and its sequences finished in as many steps, each one
+filtering every layer's cache. A count is also the wrong bound for memory and for the decoding
+batch's stall: 8 prompts of 2,048 tokens make a 16,384-token chunk, 8 of 30 tokens a 240-token one.
+
+So a wave takes the queued prompts in arrival order while (prompts x the longest chunk among them)
+stays within ``budget`` tokens (``--prefill-tokens``), at least one prompt and at most ``most``
+(``--prefill-batch``, by default the decode batch's size). A prompt's chunk is what mlx-lm feeds
+it in one prefill step: its remaining tokens, at most ``prefill_step``.
+"""
+
+from __future__ import annotations
+
+#: Prompt tokens one prefill step may carry across a wave (``--prefill-tokens``): 64 prompts of up to
+#: 64 tokens, or 2 of a full 2,048-token chunk.
+PREFILL_TOKENS = 4096
+
+
+def wave_size(prefilling: list[int], queued: list[int], most: int, budget: int, step: int) -> int:
+    """The prompt batch size for the next prefill step: the prompts already prefilling
+    (``prefilling``: their remaining tokens) and as many of ``queued`` (in order) as fit
+    ``budget``; never fewer than one, never more than ``most`` (unless more are already prefilling)."""
+    n = len(prefilling)
+    longest = max((min(t, step) for t in prefilling), default=0)
+    for tokens in queued:
+        chunk = max(longest, min(tokens, step))
+        if n >= most or (n > 0 and (n + 1) * chunk > budget):
+            break
+        n, longest = n + 1, chunk
+    return max(n, 1)
