@@ -1,9 +1,14 @@
 """An opt-in profile of the engine thread, for finding where its step time goes on a device.
 
-``MLX_BATCHD_PROFILE_DIR=DIR`` makes the engine loop run under ``cProfile`` (this thread only: the
-front end, the client threads and MLX's own threads are not in it) and, when the loop ends, write
-``DIR/engine-PID.prof`` (``pstats``) and ``DIR/engine-PID.txt`` (the top functions by own time and
-by cumulative time). Unset, it costs nothing.
+``MLX_BATCHD_PROFILE_DIR=DIR`` makes the engine loop run under ``cProfile`` and, when the loop ends,
+write ``DIR/engine-PID.prof`` (``pstats``) and ``DIR/engine-PID.txt`` (the top functions by own time
+and by cumulative time). Unset, it costs nothing.
+
+Which threads it sees depends on Python: up to 3.11 ``cProfile`` hooks the thread that enabled it
+only; from 3.12 it runs on ``sys.monitoring``, which reports every thread's calls to the one profile,
+so the engine process's main thread (its ZeroMQ polls) lands inside the engine thread's call tree (on
+the H200 host, Python 3.12: ``zmq`` ``poll`` under ``Engine.step``, docs/benchmarks.md section 21).
+There, read the engine's own functions' figures and not the callers of the polls.
 """
 
 from __future__ import annotations
