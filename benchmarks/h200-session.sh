@@ -11,7 +11,7 @@
 # PART=v: the same on the 8B synth, then B = 1 bursts against classic decode's tokens (lookahead_probe).
 # PART=k: the verify block's attention in one launch (benchmarks/sdpa_rows_probe.py: bytes against MLX's
 # one-query calls, per key count, and the group width attention measures), the verify's cost in wide
-# steps (rowkernel_probe --quick --whole-only), B = 1 bursts with the next round built ahead and
+# steps at 1, 2 and 4 outputs per warp (rowkernel_probe --quick --whole-only), B = 1 bursts with the next round built ahead and
 # without (lookahead_probe.py, a drafter that knows the continuation).
 # PART=a: where a batched step goes with the plans that the chained timings and the whole-forward check
 # chose (step_anatomy: its forward_check has each row count's forward milliseconds per candidate).

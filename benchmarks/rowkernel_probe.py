@@ -13,7 +13,7 @@
    ``--quick``: the mirrored kernel only.
 2. Whole model at B = 1 (context 300): a classic step and 5- and 9-token blocks (K = 4, 8) at wide,
    at wide with every quantized projection planned to the mirrored kernel (``fastpath.KERNEL``, one
-   row included: what a batched plan may choose), and at mirrored, for U = 1, 2, 4 tiles ahead;
+   row included: what a batched plan may choose), and at mirrored, for R = 1, 2, 4 outputs per warp;
    without ``--quick`` also per-query-1, mirrored "unfused" (one kernel call per projection, one
    attention call per query) and rowwise, in milliseconds and in wide classic steps, with the part
    of each spent building the graph before any kernel runs.
@@ -46,8 +46,10 @@ VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 MIRRORED = tuple(dict.fromkeys(((qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL), (4, 1), (4, 2), (4, 4), (8, 2))))
 #: Rows per call that part 1 times the mirrored kernel (and MLX) at.
 MIRRORED_ROWS = (1, 2, 4, 5, 8)
-#: Unroll settings of the mirrored rung in part 2's whole-model runs.
-WHOLE_UNROLL = (1, 2, 4)
+#: Outputs per warp of the mirrored kernel in part 2's whole-model runs (tiles ahead: the default).
+#: MLX's own one-row kernel runs one warp per output (R = 1's structure); at R = 4 an N = 4096
+#: projection gets 128 blocks of 8 warps, a quarter of MLX's.
+WHOLE_OUTS = (1, 2, 4)
 
 
 def use(variant: tuple[int, int]) -> None:
@@ -242,11 +244,11 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         return sorted(times[2:])[mid], sorted(builds[2:])[mid]
 
     out: dict[str, Any] = {}
-    r0 = MIRRORED[0][0]
+    r0, u0 = MIRRORED[0]
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        *((f"wide-kernel-U{u}", Level.WIDE, (-r0, u)) for u in WHOLE_UNROLL),
-        *((f"mirrored-R{r0}U{u}", Level.MIRRORED, (-r0, u)) for u in WHOLE_UNROLL),
+        *((f"wide-kernel-R{r}U{u0}", Level.WIDE, (-r, u0)) for r in WHOLE_OUTS),
+        *((f"mirrored-R{r}U{u0}", Level.MIRRORED, (-r, u0)) for r in WHOLE_OUTS),
     ]
     if not quick:
         runs.append((f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)))
