@@ -16,6 +16,7 @@ import asyncio
 import math
 import sys
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from types import TracebackType
@@ -234,8 +235,14 @@ class Client:
         return self._run(lambda: self._client.generate(prompt, **kwargs))
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Event]:
-        """See ``AsyncClient.stream``; leaving the loop early (Ctrl-C included) cancels the request."""
-        agen = self._client.stream(prompt, **kwargs)
+        """See ``AsyncClient.stream``; leaving the loop early (Ctrl-C included) cancels the request.
+
+        The stream's own cleanup sends the cancel. An interrupt that lands between handing a step to
+        the loop and waiting for it leaves that step running, and a running generator cannot be
+        closed (``RuntimeError``): then the request is cancelled by its id instead (seen in CI, where
+        a Ctrl-C'd stream's request otherwise ran out its tokens)."""
+        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
+        agen = self._client.stream(prompt, request_id=request_id, **kwargs)
         try:
             while True:
                 try:
@@ -247,5 +254,14 @@ class Client:
             if not sys.is_finalizing():  # collected at exit, the loop thread is frozen: skip
                 try:
                     self._run(agen.aclose)
-                except (ClientError, RuntimeError):
-                    pass  # closed meanwhile (its socket and the request are gone), or still being cancelled
+                except RuntimeError:
+                    self._cancel_quietly(request_id)
+                except ClientError:
+                    pass  # closed meanwhile: its socket and the request are gone
+
+    def _cancel_quietly(self, request_id: str) -> None:
+        """Best effort: a closed client or a daemon out of reach cancels nothing."""
+        try:
+            self._run(lambda: self._client.cancel(request_id, 1.0))
+        except (ClientError, RuntimeError, TimeoutError):
+            pass
