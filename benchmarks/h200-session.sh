@@ -36,6 +36,8 @@
 # 5-token verify took ~1.46 s each on the echo synth; 2-token rounds in session 14 did not).
 # PART=o: the engine's decode step at B = 1, 4, 8, 32 under MLX CUDA's graph limits (ops and megabytes a
 # graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
+# PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp;
+#   the fastest by rows is kept in /root/qmv-per-warp, which later calls on the machine use.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -55,6 +57,10 @@ elif [ "$PART" = k ]; then
   step sdpa 90 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
   step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --out "$R/rowkernel.json"
   step lookahead 200 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+elif [ "$PART" = w ]; then
+  step rowkernel 420 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
+    --out "$R/rowkernel.json" --per-warp-out /root/qmv-per-warp
+  [ -s /root/qmv-per-warp ] && export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
 elif [ "$PART" = a ]; then
   step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then

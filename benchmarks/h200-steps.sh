@@ -6,6 +6,11 @@
 [ -d /tmp/site/mlx ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=/tmp/mbc
 R=$OUT/r && mkdir -p $R
+# The project kernel's outputs per warp by rows, as an earlier call on this machine measured them (part w).
+if [ -z "${MLX_BATCHD_QMV_PER_WARP:-}" ] && [ -s /root/qmv-per-warp ]; then
+  export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
+fi
+echo "MLX_BATCHD_QMV_PER_WARP=${MLX_BATCHD_QMV_PER_WARP:-}"
 START=$SECONDS
 step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; print rc and the log's tail
   local name=$1 t=$2; shift 2

@@ -26,6 +26,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -216,7 +217,9 @@ def kernel_plans(model: nn.Module, on: bool) -> Iterator[None]:
         fastpath.one_row.update(saved_one)
 
 
-def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = False) -> dict[str, Any]:
+def whole_model(
+    model: nn.Module, vocab: int, context: int = 300, quick: bool = False, blocks: tuple[int, ...] = (1, 5, 9)
+) -> dict[str, Any]:
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
 
     def fresh() -> list[Any]:
@@ -259,7 +262,7 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
         use(variant)
         out[name] = {}
         with unfused(name.endswith("-unfused")), kernel_plans(model, name.startswith("wide-kernel")):
-            for t in (1, 5, 9):
+            for t in blocks:
                 key = f"block{t}" if t > 1 else "step"
                 out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)
         print(name, out[name], flush=True)
@@ -267,11 +270,26 @@ def whole_model(model: nn.Module, vocab: int, context: int = 300, quick: bool = 
     base = out["wide"]["step_ms"]
     for v in out.values():
         v["step_in_wide_steps"] = round(v["step_ms"] / base, 3)
-        for t in (5, 9):
+        for t in (t for t in blocks if t > 1):
             v[f"block{t}_in_wide_steps"] = round(v[f"block{t}_ms"] / base, 3)
             v[f"block{t}_in_own_steps"] = round(v[f"block{t}_ms"] / v["step_ms"], 3)
     out["attention_group_widths"] = {repr(k[:4]): v for k, v in attention._widths.items()}
     return out
+
+
+def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...]) -> str:
+    """``rows:outputs`` pairs: for each block length of at most ``qmv_rows.MAX_ROWS`` tokens, the
+    outputs per warp whose whole forwards (every projection through the kernel, and the mirrored
+    level) took the least time together."""
+    pairs = []
+    for t in (t for t in blocks if t <= qmv_rows.MAX_ROWS):
+        key = "step_ms" if t == 1 else f"block{t}_ms"
+        ms = {
+            r: whole[f"wide-kernel-R{r}U{MIRRORED[0][1]}"][key] + whole[f"mirrored-R{r}U{MIRRORED[0][1]}"][key]
+            for r in WHOLE_OUTS
+        }
+        pairs.append(f"{t}:{min(ms, key=lambda r: ms[r])}")
+    return ",".join(pairs)
 
 
 def main() -> None:
@@ -280,6 +298,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="only the mirrored kernel per shape; fewer whole-model rungs")
     ap.add_argument("--whole-only", action="store_true", help="skip part 1 (per shape)")
+    ap.add_argument("--blocks", default="1,5,9", help="tokens per whole-model forward (one sequence), comma-separated")
+    ap.add_argument("--per-warp-out", help="write the fastest outputs per warp by rows here (MLX_BATCHD_QMV_PER_WARP)")
     a = ap.parse_args()
     install()
     print("implementation", rowkernel.implementation(), "usable", rowkernel.usable(), flush=True)
@@ -287,7 +307,12 @@ def main() -> None:
     report: dict[str, Any] = {"usable": rowkernel.usable(), "mirrored_usable": qmv_rows.usable()}
     print("mirrored usable", report["mirrored_usable"], flush=True)
     report["shapes"] = {} if a.whole_only else shapes(loaded.model, a.quick)
-    report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size, quick=a.quick)
+    blocks = tuple(int(t) for t in a.blocks.split(","))
+    report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size, quick=a.quick, blocks=blocks)
+    report["per_warp"] = best_per_warp(report["whole_model"], blocks)
+    print("fastest outputs per warp by rows (MLX_BATCHD_QMV_PER_WARP):", report["per_warp"], flush=True)
+    if a.per_warp_out:
+        Path(a.per_warp_out).write_text(report["per_warp"])
     report["mirrored_shapes"] = qmv_rows.report()
     print(json.dumps(report["whole_model"], indent=1))
     with open(a.out, "w") as f:

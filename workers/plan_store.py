@@ -5,9 +5,9 @@ out differently from one start to the next (on an H200 the bench's engine and it
 different plans for the same model in the same minute), and two processes serving one model then
 ran different kernels: a benchmark compared the plans' luck as much as the processes. Plans are
 therefore timed once per machine and kept, keyed by everything they depend on (the backend and its
-versions, the projection shapes, the policy's row range, ``PLAN_VERSION``), under
-``$MLX_BATCHD_CACHE/kernel-plans/``; deleting that folder re-times them. A file lock makes one
-process time while the others wait and then read its plans.
+versions, the projection shapes, the policy's row range, the project kernel's launch settings,
+``PLAN_VERSION``), under ``$MLX_BATCHD_CACHE/kernel-plans/``; deleting that folder re-times them. A
+file lock makes one process time while the others wait and then read its plans.
 
 A stored file is used only when it reads back as valid plans for exactly the shapes asked for:
 a damaged or forged file is never trusted (it is timed again and rewritten), and no value in it can
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from workers import qmv_rows
 from workers.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
@@ -42,7 +43,13 @@ Plans = dict[str, dict[int, int]]
 
 
 def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> str:
-    body = {"backend": backend_fingerprint(), "shapes": sorted(shapes), "rows": max_rows, "pads": list(pads)}
+    body = {
+        "backend": backend_fingerprint(),
+        "shapes": sorted(shapes),
+        "rows": max_rows,
+        "pads": list(pads),
+        "kernel": qmv_rows.variant(),
+    }
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
 
 

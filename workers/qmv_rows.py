@@ -60,6 +60,40 @@ WARPS = 8
 OUTS_PER_WARP = 4
 
 
+def _per_warp() -> dict[int, int]:
+    """Outputs per warp by row count where ``MLX_BATCHD_QMV_PER_WARP`` sets them: one number for every
+    row count (``"1"``) or ``rows:outputs`` pairs (``"1:1,4:2,5:2"``). For measuring which suits which
+    row count; every setting gives the same bytes (see ``OUTS_PER_WARP``)."""
+    raw = os.environ.get("MLX_BATCHD_QMV_PER_WARP", "").strip()
+    if not raw:
+        return {}
+    try:
+        if ":" not in raw:
+            pairs = [(rows, int(raw)) for rows in range(1, MAX_ROWS + 1)]
+        else:
+            pairs = [(int(a), int(b)) for a, b in (item.split(":") for item in raw.split(","))]
+        if all(1 <= rows <= MAX_ROWS and 1 <= r <= 8 for rows, r in pairs):
+            return dict(pairs)
+    except ValueError:
+        pass
+    log.warning("MLX_BATCHD_QMV_PER_WARP=%r: expected 1..8 or rows:outputs pairs; using %d", raw, OUTS_PER_WARP)
+    return {}
+
+
+#: Row count -> outputs per warp where it is not ``OUTS_PER_WARP``.
+PER_WARP = _per_warp()
+
+
+def per_warp(rows: int) -> int:
+    """Outputs per warp of a call on ``rows`` rows."""
+    return PER_WARP.get(rows, OUTS_PER_WARP)
+
+
+def variant() -> str:
+    """The kernel's launch settings as one line (part of what kernel plans timed on it depend on)."""
+    return " ".join(f"{rows}:{per_warp(rows)}" for rows in range(1, MAX_ROWS + 1)) + f" u{UNROLL}"
+
+
 #: Loop iterations whose weight tiles a lane loads before using the first of them (memory-level
 #: parallelism: one tile at a time leaves each warp waiting on one load). Any value gives every
 #: output the same operations in the same order. ``MLX_BATCHD_QMV_UNROLL`` overrides it (benchmarks).
@@ -344,7 +378,8 @@ def _kernel(count: int) -> Any:
 
 def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int) -> list[mx.array]:
     """``x``'s rows (at most ``MAX_ROWS``) against each (weight, scales, biases) in one kernel call."""
-    m, r = int(x.shape[0]), OUTS_PER_WARP
+    m = int(x.shape[0])
+    r = per_warp(m)
     warps = sum(-(-int(w.shape[0]) // r) for w, _, _ in mats)
     blocks = -(-warps // WARPS)
     return list(

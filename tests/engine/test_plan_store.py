@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store, plan_timing
+from workers import fastpath, plan_store, plan_timing, qmv_rows
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -38,6 +38,10 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=5))
     with pytest.raises(AssertionError, match="timed again"):  # another row range is another key
+        plan_timing.calibrate(_model(), tmp_path)
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    monkeypatch.setattr(qmv_rows, "PER_WARP", {4: 1})
+    with pytest.raises(AssertionError, match="timed again"):  # the kernel launched otherwise: another key
         plan_timing.calibrate(_model(), tmp_path)
 
 
@@ -142,3 +146,24 @@ def test_a_cache_folder_that_cannot_be_made_still_lets_the_engine_start(
     root.write_text("")
     plans, stored = plan_store.load_or_time(root, SHAPES[:1], 2, (8,), lambda: {SHAPES[0]: {2: 8}})
     assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "cannot use" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("", {}),
+        ("2", dict.fromkeys(range(1, qmv_rows.MAX_ROWS + 1), 2)),
+        ("1:1, 4:2,5:2", {1: 1, 4: 2, 5: 2}),
+        ("0", {}),
+        ("9:1", {}),
+        ("four", {}),
+        ("1:", {}),
+    ],
+)
+def test_the_kernels_outputs_per_warp_are_set_by_row_count_and_a_bad_setting_keeps_the_default(
+    raw: str, expected: dict[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLX_BATCHD_QMV_PER_WARP", raw)
+    assert qmv_rows._per_warp() == expected
+    monkeypatch.setattr(qmv_rows, "PER_WARP", expected)
+    assert [qmv_rows.per_warp(r) for r in (1, 4)] == [expected.get(r, qmv_rows.OUTS_PER_WARP) for r in (1, 4)]
