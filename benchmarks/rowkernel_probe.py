@@ -58,9 +58,11 @@ def use(variant: tuple[int, int]) -> None:
     outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default)."""
     if variant[0] < 0:
         qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = -variant[0], variant[1] or MIRRORED[0][1]
+        qmv_rows.PER_WARP = {}  # r outputs per warp at every row count
         variant = VARIANTS[0]
     else:
         qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
+        qmv_rows.PER_WARP = qmv_rows._per_warp()
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
@@ -152,7 +154,7 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
             best = min(ways, key=lambda k: ways[k])
             row["mlx_best_ms"][mm] = [best, ways[best]]
         for r, u in MIRRORED:
-            qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = r, u
+            qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL, qmv_rows.PER_WARP = r, u, {}
             mirrored = {mm: qmv_rows._launch(x[:mm], [found[:3]], found[3], found[4])[0] for mm in MIRRORED_ROWS}
             mx.eval(ones_mlx, mirrored)
             row[f"mirrored_R{r}U{u}"] = {
@@ -169,6 +171,7 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
                 },
             }
     qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
+    qmv_rows.PER_WARP = qmv_rows._per_warp()
     return row
 
 

@@ -15,13 +15,20 @@ keep its order behind them (a cancel, pause, resume or shutdown releases every h
 The trade is TGI's ``max_waiting_tokens``: a bounded wait before the first token of a request that
 arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`` turns it off.
 
-An idle engine holds arrivals for ``idle_window_s`` (the engine's default is 10 ms; 0: not at all). Clients that
+An idle engine holds arrivals until none has come for ``idle_window_s`` (the engine's default is
+10 ms; 0: not at all), and never past ``IDLE_HOLD_MAX`` windows from the first held one. Clients that
 start together reach an idle engine some milliseconds apart, and the first then starts a prefill
 wave of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client
 threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
 on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. On the H200,
-16 clients decoded at 0.955 of the engine alone with a 10 ms idle window against 0.854 without. The
-cost is the window itself on a lone request's first token.
+16 clients decoded at 0.955 of the engine alone with a 10 ms idle window against 0.854 without. A
+window counted from the first arrival still split larger groups: 64 client threads reached the H200
+daemon in 2-3 waves (192-196 decode steps for 192 tokens, the engine alone 192), and the development
+CPU's B = 64 in 2 waves every repeat; so the window is a quiet gap that each arrival restarts. The
+cost is one window on a lone request's first token, at most ``IDLE_HOLD_MAX`` windows on any. On the
+development CPU that did not remove the second wave (64 threads of one client: 36 + 28 and 42 + 22
+against 3 + 56 + 5 and 3 + 61 before): its front end took ~1.4 ms a request, so the 64 spanned more
+than the cap. Not yet measured on the H200.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.commands import Command, Submit
+
+#: The longest an idle engine holds an arrival, in idle windows (a steady trickle of arrivals less
+#: than a window apart would otherwise hold the first of them indefinitely).
+IDLE_HOLD_MAX = 5
 
 
 @dataclass
@@ -42,6 +53,8 @@ class AdmissionWaves:
     held: list[Submit] = field(default_factory=list)
     #: When the oldest held arrival was taken from the inbox.
     since: float | None = None
+    #: When the newest held arrival was taken from the inbox.
+    last: float | None = None
     #: Arrivals held past the iteration that took them (for the stats).
     delayed: int = 0
 
@@ -52,22 +65,31 @@ class AdmissionWaves:
         if window <= 0 or any(not isinstance(c, Submit) for c in cmds):
             return self._release(cmds)
         fresh = [c for c in cmds if isinstance(c, Submit)]
-        if fresh and self.since is None:
-            self.since = now
+        if fresh:
+            self.since = now if self.since is None else self.since
+            self.last = now
         self.held += fresh
-        if len(self.held) >= self.wave or (self.since is not None and now - self.since >= window):
+        if len(self.held) >= self.wave or (self.since is not None and now >= self._due(busy)):
             return self._release([])
         self.delayed += len(fresh)
         return []
+
+    def _due(self, busy: bool) -> float:
+        """When the held arrivals go in: ``window_s`` after the first while the engine has work; while
+        it is idle, ``idle_window_s`` after the latest, at most ``IDLE_HOLD_MAX`` windows after the first."""
+        assert self.since is not None and self.last is not None
+        if busy:
+            return self.since + self.window_s
+        return min(self.last + self.idle_window_s, self.since + IDLE_HOLD_MAX * self.idle_window_s)
 
     def wait_s(self, now: float) -> float | None:
         """How long an idle engine's loop may wait for more arrivals before the held ones are due
         (``None``: nothing is held)."""
         if self.since is None:
             return None
-        return max(0.0, self.since + self.idle_window_s - now)
+        return max(0.0, self._due(busy=False) - now)
 
     def _release(self, cmds: list[Command]) -> list[Command]:
         out: list[Command] = [*self.held, *cmds]
-        self.held, self.since = [], None
+        self.held, self.since, self.last = [], None, None
         return out

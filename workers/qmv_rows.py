@@ -58,26 +58,33 @@ WARPS = 8
 #: synth every layer shape and the head were byte-equal to MLX's one-row call at 1, 5 and 8 rows for
 #: 1, 2 and 4 outputs per warp, and 4 was the fastest at 5 rows (docs/benchmarks.md section 12).
 OUTS_PER_WARP = 4
+#: Row counts that run fewer outputs per warp. A lane keeps one tile of accumulators (8 registers for
+#: 4-bit) per output and row, so R outputs on M rows hold 8 R M registers: 256 at 4 outputs on 8 rows,
+#: the whole register file. Whole 8B-synth forwards on the H200, every projection through the kernel
+#: (docs/benchmarks.md section 22): at 8 rows 2 outputs took 29.5 ms against 35.3 at 4 and 44.4 at 1;
+#: at 1, 4 and 5 rows 4 outputs were the fastest. 6 and 7 rows (unmeasured) follow 8's register count.
+FEWER_OUTS = {6: 2, 7: 2, 8: 2}
 
 
 def _per_warp() -> dict[int, int]:
-    """Outputs per warp by row count where ``MLX_BATCHD_QMV_PER_WARP`` sets them: one number for every
-    row count (``"1"``) or ``rows:outputs`` pairs (``"1:1,4:2,5:2"``). For measuring which suits which
-    row count; every setting gives the same bytes (see ``OUTS_PER_WARP``)."""
+    """Outputs per warp by row count where they are not ``OUTS_PER_WARP``: ``FEWER_OUTS``, with
+    ``MLX_BATCHD_QMV_PER_WARP`` over it: one number for every row count (``"1"``) or ``rows:outputs``
+    pairs (``"1:1,4:2,5:2"``). For measuring which suits which row count; every setting gives the same
+    bytes (see ``OUTS_PER_WARP``)."""
     raw = os.environ.get("MLX_BATCHD_QMV_PER_WARP", "").strip()
     if not raw:
-        return {}
+        return dict(FEWER_OUTS)
     try:
         if ":" not in raw:
             pairs = [(rows, int(raw)) for rows in range(1, MAX_ROWS + 1)]
         else:
             pairs = [(int(a), int(b)) for a, b in (item.split(":") for item in raw.split(","))]
         if all(1 <= rows <= MAX_ROWS and 1 <= r <= 8 for rows, r in pairs):
-            return dict(pairs)
+            return {**FEWER_OUTS, **dict(pairs)}
     except ValueError:
         pass
-    log.warning("MLX_BATCHD_QMV_PER_WARP=%r: expected 1..8 or rows:outputs pairs; using %d", raw, OUTS_PER_WARP)
-    return {}
+    log.warning("MLX_BATCHD_QMV_PER_WARP=%r: expected 1..8 or rows:outputs pairs; using the defaults", raw)
+    return dict(FEWER_OUTS)
 
 
 #: Row count -> outputs per warp where it is not ``OUTS_PER_WARP``.

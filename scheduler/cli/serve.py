@@ -76,8 +76,8 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "--admit-idle-window-ms",
         type=float_in(0.0, 1_000.0),
         default=10.0,
-        help="the same for arrivals that find the engine idle, so that clients starting together join "
-        "in one prefill wave (0 = at once)",
+        help="arrivals that find the engine idle wait until none has come for this long (at most 5 times "
+        "it), so that clients starting together join in one prefill wave (0 = at once)",
     )
     p.add_argument(
         "--cudnn-attention",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.admission import AdmissionWaves
+from workers.admission import IDLE_HOLD_MAX, AdmissionWaves
 from workers.commands import Cancel, Command, Shutdown, Submit
 from workers.jobs import Job
 
@@ -81,3 +81,20 @@ def test_an_idle_window_holds_arrivals_for_an_idle_engine_until_it_ends_or_a_wav
     assert a.take([sub(3)], busy=False, now=2.001) == []
     assert seqs(a.take([sub(4)], busy=False, now=2.002)) == [2, 3, 4]  # a full wave goes at once
     assert a.delayed == 3
+
+
+def test_an_idle_engine_holds_arrivals_until_a_quiet_window_passes_and_never_past_the_cap() -> None:
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert a.take([sub(1)], busy=False, now=1.0) == []
+    assert a.take([sub(2)], busy=False, now=1.006) == []
+    assert a.take([sub(3)], busy=False, now=1.012) == []  # 12 ms after the first: the latest restarted the window
+    assert a.wait_s(1.015) == pytest.approx(0.007)
+    assert a.take([], busy=False, now=1.02) == []
+    assert seqs(a.take([], busy=False, now=1.022)) == [1, 2, 3]  # 10 ms without an arrival
+    for i in range(8):  # a trickle 8 ms apart goes in 5 windows after its first arrival
+        out = a.take([sub(10 + i)], busy=False, now=2.0 + 0.008 * i)
+        if out:
+            break
+    assert i == 7 and seqs(out) == list(range(10, 18))  # 2.048 < 2.0 + 5 windows <= 2.056
+    assert IDLE_HOLD_MAX == 5
+    assert a.wait_s(3.0) is None
