@@ -39,7 +39,8 @@
 # PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp;
 #   the fastest by rows is kept in /root/qmv-per-warp, which later calls on the machine use.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
-# PART=d: the demo pair with its MTP head (building ahead on and off, then the bench), and `mlx-batchd demo`.
+# PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
+#   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
 source benchmarks/h200-steps.sh
 for PART in ${PART:-k}; do
@@ -83,6 +84,7 @@ elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
     --model /tmp/m8b --repeats 7 --out "$R/prefix"
 elif [ "$PART" = d ]; then
+  step gemv 90 python3 benchmarks/gemv_rows_check.py --model demo --out "$R/gemv.json"
   step lookahead-mtp 120 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
     --repeats 5 --out "$R/lookahead-mtp.json"
   step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \

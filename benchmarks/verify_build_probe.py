@@ -48,6 +48,7 @@ def _attend_stand_in(queries: mx.array, keys: mx.array, values: mx.array, scale:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", choices=("per-query", "kernel"), default="per-query")
+    ap.add_argument("--top", type=int, default=0, help="also print the N functions with the most own time")
     a = ap.parse_args()
     width = (1, False) if a.attention == "per-query" else (attention.MAX_GROUP, True)
     attention.group_width = lambda *_: width  # type: ignore[assignment]
@@ -90,7 +91,10 @@ def main() -> None:
         with scoped(Level.MIRRORED):
             model(mx.array([[11, 12, 13, 14, 15]]), cache=wrap_caches(cache))
     profile.disable()
-    print("python calls building five mirrored 5-token blocks:", pstats.Stats(profile).total_calls)
+    stats = pstats.Stats(profile)
+    print("python calls building five mirrored 5-token blocks:", stats.total_calls)
+    if a.top:
+        stats.sort_stats("tottime").print_stats(a.top)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from workers.kernels import Level, process_level
 from workers.params import FinishReason
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
 from workers.pintax import PinTax
-from workers.prefill_wave import PREFILL_TOKENS, wave_size
+from workers.prefill_wave import PREFILL_TOKENS, most_prompts, wave_size
 from workers.prefix_cache import PrefixCache
 from workers.probe import Verdict
 from workers.sampling import make_sampler
@@ -87,7 +87,7 @@ class Engine:
         self.max_batch = max_batch
         #: Most prompts one prefill wave takes (``None``: the decode batch's size); the wave is sized
         #: by ``prefill_tokens`` within it (``workers.prefill_wave``).
-        self.prefill_batch = max_batch if prefill_batch is None else min(prefill_batch, max_batch)
+        self.prefill_batch = most_prompts(prefill_batch, max_batch)
         self.prefill_step = prefill_step
         self.prefill_tokens = prefill_tokens
         self.counters = EngineCounters()

@@ -60,6 +60,7 @@ from workers.engine import Engine, Finished, Job, Tokens
 from workers.engine_stats import engine_snapshot
 from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
+from workers.prefill_wave import most_prompts
 from workers.profiling import profiled
 from workers.snapshot import AdmissionSnapshot, DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
 from workers.startup import EngineSettings as EngineSettings
@@ -127,7 +128,7 @@ class EngineThread:
         #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
         s = self._settings
         self._admission = AdmissionWaves(
-            min(s.prefill_batch or s.max_batch, s.max_batch), s.admit_window_s, s.admit_idle_window_s
+            most_prompts(s.prefill_batch, s.max_batch), s.admit_window_s, s.admit_idle_window_s
         )
 
     def start(self) -> None:

@@ -21,6 +21,12 @@ from __future__ import annotations
 PREFILL_TOKENS = 4096
 
 
+def most_prompts(prefill_batch: int | None, max_batch: int) -> int:
+    """The most prompts one wave prefills: ``--prefill-batch`` (unset: the decode batch's size),
+    never more than the decode batch holds."""
+    return max_batch if prefill_batch is None else min(prefill_batch, max_batch)
+
+
 def wave_size(prefilling: list[int], queued: list[int], most: int, budget: int, step: int) -> int:
     """The prompt batch size for the next prefill step: the prompts already prefilling
     (``prefilling``: their remaining tokens) and as many of ``queued`` (in order) as fit

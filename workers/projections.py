@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers import fastpath, qmv_rows, rowkernel, seam
+from workers import fastpath, gemv_rows, qmv_rows, rowkernel, seam
 from workers.levels import Level, current_level
 from workers.widths import chunk_widths
 
@@ -116,15 +116,20 @@ def _through_kernel(
     kwargs: dict[str, Any],
 ) -> mx.array:
     """``x``'s rows through the project's kernel for ``level``: at ``rowwise`` the row-exact kernel
-    (``rowkernel``), at ``mirrored`` the one that repeats decode's one-row arithmetic (``qmv_rows``,
-    only on layer shapes measured equal to MLX's call). Where the kernel does not take the module,
+    (``rowkernel``), at ``mirrored`` the ones that repeat decode's one-row arithmetic (``qmv_rows`` for
+    quantized layers, ``gemv_rows`` for dense ones; only on shapes measured equal to MLX's call). Where the kernel does not take the module,
     decode's own one-row call per row, which is exact by construction as well."""
     rows = _rows(x)
     lead = x.shape[:-1]
     flat = x.reshape(rows, x.shape[-1])
     out = None
     if not (extra or kwargs):
-        out = rowkernel.project(module, flat) if level is Level.ROWWISE else qmv_rows.project(module, original, flat, x)
+        if level is Level.ROWWISE:
+            out = rowkernel.project(module, flat)
+        else:
+            out = qmv_rows.project(module, original, flat, x)
+            if out is None:
+                out = gemv_rows.project(module, original, flat)
     if out is None:
         flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
         out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))

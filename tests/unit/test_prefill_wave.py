@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.prefill_wave import wave_size
+from workers.prefill_wave import most_prompts, wave_size
 
 
 def test_short_prompts_fill_the_wave_up_to_the_most_prompts() -> None:
@@ -21,3 +21,9 @@ def test_one_prompt_always_goes_and_prompts_prefilling_stay() -> None:
     assert wave_size([], [9000], most=64, budget=16, step=2048) == 1
     assert wave_size([1500, 1500], [10], most=64, budget=4096, step=2048) == 2  # 3 x 1500 > 4096
     assert wave_size([10] * 5, [10, 10], most=4, budget=4096, step=2048) == 5
+
+
+def test_a_wave_holds_at_most_the_prefill_batch_and_never_more_than_the_decode_batch() -> None:
+    assert most_prompts(None, 32) == 32
+    assert most_prompts(8, 32) == 8
+    assert most_prompts(64, 32) == 32
