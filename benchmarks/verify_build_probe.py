@@ -45,6 +45,18 @@ def _attend_stand_in(queries: mx.array, keys: mx.array, values: mx.array, scale:
     return (out * s.astype(out.dtype)).transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)
 
 
+def _calls(model: Any, fresh: Any, level: Level, tokens: list[int]) -> pstats.Stats:
+    """The Python calls of building five forwards of ``tokens`` at ``level`` (deterministic)."""
+    caches = [fresh() for _ in range(5)]
+    profile = cProfile.Profile()
+    profile.enable()
+    for cache in caches:
+        with scoped(level):
+            model(mx.array([tokens]), cache=wrap_caches(cache) if level.per_query and len(tokens) > 1 else cache)
+    profile.disable()
+    return pstats.Stats(profile)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", choices=("per-query", "kernel"), default="per-query")
@@ -84,14 +96,9 @@ def main() -> None:
         build(level, tokens)
         ms = statistics.median(build(level, tokens) for _ in range(9)) * 1e3
         print(f"{level.value} {tokens}-token build: {ms:.2f} ms")
-    caches = [fresh() for _ in range(5)]
-    profile = cProfile.Profile()
-    profile.enable()
-    for cache in caches:
-        with scoped(Level.MIRRORED):
-            model(mx.array([[11, 12, 13, 14, 15]]), cache=wrap_caches(cache))
-    profile.disable()
-    stats = pstats.Stats(profile)
+    step_calls = _calls(model, fresh, Level.WIDE, [11])
+    print("python calls building five wide one-token steps:", step_calls.total_calls)
+    stats = _calls(model, fresh, Level.MIRRORED, [11, 12, 13, 14, 15])
     print("python calls building five mirrored 5-token blocks:", stats.total_calls)
     if a.top:
         stats.sort_stats("tottime").print_stats(a.top)

@@ -141,24 +141,15 @@ def wrap_caches(cache: list[Any] | None) -> list[Any] | None:
 def spans(lengths: list[int], width: int, alone_every: int | None = None) -> list[tuple[int, int]]:
     """Consecutive queries in groups of at most ``width``, given each query's decode key count
     (``lengths``, one more per query): [first, last] index pairs, no group spanning a ``SPLIT``
-    multiple and such a multiple alone (and a multiple of ``alone_every`` alone, when given)."""
-
-    def side(n: int) -> tuple[int, int]:
-        return n // SPLIT, (n - 1) // SPLIT
-
-    def alone(n: int) -> bool:
-        return alone_every is not None and n % alone_every == 0
-
+    multiple and such a multiple alone (and a multiple of ``alone_every`` alone, when given). Runs
+    for every attention call of a verify block: the per-query facts are computed in list
+    comprehensions, not per-query function calls."""
+    sides = [(n // SPLIT, (n - 1) // SPLIT) for n in lengths]
+    alone = [alone_every is not None and n % alone_every == 0 for n in lengths]
     out: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(lengths) + 1):
-        if (
-            i == len(lengths)
-            or i - start == width
-            or side(lengths[i]) != side(lengths[start])
-            or alone(lengths[i])
-            or alone(lengths[start])
-        ):
+        if i == len(lengths) or i - start == width or sides[i] != sides[start] or alone[i] or alone[start]:
             out.append((start, i - 1))
             start = i
     return out

@@ -114,12 +114,13 @@ def _through_kernel(
     x: mx.array,
     extra: tuple[Any, ...],
     kwargs: dict[str, Any],
+    rows: int,
 ) -> mx.array:
     """``x``'s rows through the project's kernel for ``level``: at ``rowwise`` the row-exact kernel
     (``rowkernel``), at ``mirrored`` the ones that repeat decode's one-row arithmetic (``qmv_rows`` for
     quantized layers, ``gemv_rows`` for dense ones; only on shapes measured equal to MLX's call). Where the kernel does not take the module,
-    decode's own one-row call per row, which is exact by construction as well."""
-    rows = _rows(x)
+    decode's own one-row call per row, which is exact by construction as well. ``rows``: ``x``'s rows
+    (the caller has counted them)."""
     lead = x.shape[:-1]
     flat = x.reshape(rows, x.shape[-1])
     out = None
@@ -133,7 +134,7 @@ def _through_kernel(
     if out is None:
         flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)
         out = chunked(module, original, 1, flat, flat_extra, kwargs, len(lead))
-    else:
+    elif seam.divergence_seam is not None:
         out = seam.apply(level.value, out, rows, module, flat)
     return out.reshape(*lead, *out.shape[1:])
 
@@ -196,7 +197,7 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):
-            return _through_kernel(level, self, original, x, extra, kwargs)
+            return _through_kernel(level, self, original, x, extra, kwargs, rows)
         if level is Level.PADDED:
             lead = x.shape[:-1]
             flat_extra = tuple(e.reshape(rows, *e.shape[len(lead) :]) for e in extra)

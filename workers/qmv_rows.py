@@ -473,20 +473,25 @@ def register_siblings(model: Any) -> int:
 
 
 def siblings(module: Any) -> tuple[Any, ...] | None:
-    """``module``'s sibling group (itself included), or ``None`` when it has none."""
+    """``module``'s sibling group (itself included), or ``None`` when it has none (or when a module
+    that had ``module``'s id is gone and another now has it). Called for every projection of a
+    verify block: kept to a few C-level calls."""
     refs = _siblings.get(id(module))
     if refs is None:
         return None
-    members = tuple(r() for r in refs)
-    if any(m is None for m in members) or not any(m is module for m in members):
-        return None
-    return members
+    members = tuple([r() for r in refs])
+    for m in members:
+        if m is None:
+            return None
+        if m is module:
+            return members
+    return None
 
 
 def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.array) -> list[mx.array] | None:
     """Each module's projection of ``x``'s rows through the kernel (all in one call per ``MAX_ROWS``
     rows), or ``None`` where a module, its shape or this backend is not covered."""
-    ids = tuple(id(m) for m in modules)
+    ids = tuple(map(id, modules))
     ready = _ready.get(ids)
     if ready is None or not ready.serves(modules, x):
         ready = _check(modules, original, x)
@@ -541,10 +546,13 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array, source:
     if group is not None:
         outs = _through(group, original, x)
         if outs is not None:
+            mine = outs[0]
             for m, o in zip(group, outs, strict=True):
-                if m is not module:
+                if m is module:
+                    mine = o
+                else:
                     _kept[id(m)] = (source, o)
-            return next(o for m, o in zip(group, outs, strict=True) if m is module)
+            return mine
     return _one(module, original, x)
 
 
