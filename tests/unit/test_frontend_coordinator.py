@@ -313,3 +313,33 @@ def test_stats_and_health_read_the_parts() -> None:
     reply = p.control.stats_reply(p.flight.table.tenants["local"], Stats("s", measure_tax=True))
     assert reply["stats"]["measure_tax"] == "queued" and p.engine.calls[-1] == ("measure_tax",)
     assert p.control.health("h")["status"] == p.flight.status
+
+
+def test_a_bucket_that_refilled_while_no_refill_was_due_still_starts_the_next_request(tmp_path: Path) -> None:
+    """The race a loaded CI machine hit: the tenant's last request finished with its bucket spent,
+    and the bucket refilled above zero before the refill loop looked again (nothing was "held back by
+    its bucket" any more). The waiting request must still start, within a poll."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        '[tenants.slow]\nkeys = ["' + "s" * 40 + '"]\ntoken_rate = 10.0\ntoken_burst = 5\nmax_concurrent = 1\n'
+    )
+    p = _Parts(load_tenants(path), capacity=4, tenants=path)
+    p.connect(b"\x00S")
+    first, second = p.submit(b"\x00S", "slow", "1"), p.submit(b"\x00S", "slow", "2")
+    assert p.engine.submitted() == [first.seq]  # one at a time
+    p.flight.fair.generated(p.flight.table.tenants["slow"], 20)  # the bucket spent past zero
+    p.flight.release(first.seq)
+    assert p.engine.submitted() == [first.seq]  # the finish pumped, but the bucket is empty
+    state = p.flight.fair.state["slow"]
+    state.bucket = 1.0  # refilled meanwhile, and nothing pumped since
+
+    async def main() -> None:
+        with anyio.move_on_after(1.0):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(p.flight.pump_on_refill)
+                while p.engine.submitted() == [first.seq]:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert p.engine.submitted() == [first.seq, second.seq]
