@@ -66,7 +66,8 @@ class AdmissionWaves:
             return self._release(cmds)
         fresh = [c for c in cmds if isinstance(c, Submit)]
         if fresh:
-            self.since = now if self.since is None else self.since
+            if self.since is None:
+                self.since = now
             self.last = now
         self.held += fresh
         if len(self.held) >= self.wave or (self.since is not None and now >= self._due(busy)):

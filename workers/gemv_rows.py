@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import rowkernel
+from workers.exact import bytes_equal
 
 log = logging.getLogger("mlx_batchd.gemv_rows")
 
@@ -138,12 +139,7 @@ def _matches(module: Any, original: Callable[..., mx.array], w: mx.array, dtype:
         log.warning("the dense mirrored kernel is unavailable: %s", exc)  # every shape on the fallback
         _compiled = False
         return False
-    bits = {2: mx.uint16, 4: mx.uint32}[dtype.size]
-    return all(
-        bool(mx.array_equal(five[i : i + 1].view(bits), mlx_rows[i].view(bits)).item())
-        and bool(mx.array_equal(ones[i].view(bits), mlx_rows[i].view(bits)).item())
-        for i in range(5)
-    )
+    return all(bytes_equal(five[i : i + 1], mlx_rows[i]) and bytes_equal(ones[i], mlx_rows[i]) for i in range(5))
 
 
 def project(module: Any, original: Callable[..., mx.array], x: mx.array) -> mx.array | None:

@@ -118,9 +118,9 @@ def _through_kernel(
 ) -> mx.array:
     """``x``'s rows through the project's kernel for ``level``: at ``rowwise`` the row-exact kernel
     (``rowkernel``), at ``mirrored`` the ones that repeat decode's one-row arithmetic (``qmv_rows`` for
-    quantized layers, ``gemv_rows`` for dense ones; only on shapes measured equal to MLX's call). Where the kernel does not take the module,
-    decode's own one-row call per row, which is exact by construction as well. ``rows``: ``x``'s rows
-    (the caller has counted them)."""
+    quantized layers, ``gemv_rows`` for dense ones; only on shapes measured equal to MLX's call).
+    Where the kernel does not take the module, decode's own one-row call per row, which is exact by
+    construction as well. ``rows``: ``x``'s rows (the caller has counted them)."""
     lead = x.shape[:-1]
     flat = x.reshape(rows, x.shape[-1])
     out = None

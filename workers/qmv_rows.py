@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import rowkernel
+from workers.exact import bytes_equal
 
 log = logging.getLogger("mlx_batchd.qmv_rows")
 
@@ -425,10 +426,8 @@ def _matches(
         log.warning("the mirrored kernel is unavailable: %s", exc)  # every shape on the fallback
         _compiled = False
         return False
-    u16 = mx.uint16
     return all(
-        bool(mx.array_equal(five[j][i : i + 1].view(u16), mlx_rows[j][i].view(u16)).item())
-        and bool(mx.array_equal(ones[i][j].view(u16), mlx_rows[j][i].view(u16)).item())
+        bytes_equal(five[j][i : i + 1], mlx_rows[j][i]) and bytes_equal(ones[i][j], mlx_rows[j][i])
         for j in range(len(modules))
         for i in range(5)
     )
