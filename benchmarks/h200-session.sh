@@ -38,6 +38,9 @@
 # graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
 # PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp;
 #   the fastest by rows is kept in /root/qmv-per-warp, which later calls on the machine use.
+# PART=q: the verify's cost chained as a burst with its next verify built ahead pays it (rowkernel_probe
+#   --chained, 4 outputs per warp), then the bench at B = 1, 4, 8 (192 tokens; raw up to 8) with the
+#   kernel plans checked on chained decode steps.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -62,6 +65,11 @@ elif [ "$PART" = w ]; then
   step rowkernel 420 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
     --out "$R/rowkernel.json" --per-warp-out /root/qmv-per-warp
   [ -s /root/qmv-per-warp ] && export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
+elif [ "$PART" = q ]; then
+  step chained 200 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,5 --outs 4 \
+    --chained --out "$R/chained.json"
+  step matrix 400 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8}" \
+    --tokens "${TOKENS:-192}" --repeats 3 --raw-max-batch "${RAW:-8}" --out "$R/matrix"
 elif [ "$PART" = a ]; then
   step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then

@@ -16,7 +16,9 @@
    row included: what a batched plan may choose), and at mirrored, for R = 1, 2, 4 outputs per warp;
    without ``--quick`` also per-query-1, mirrored "unfused" (one kernel call per projection, one
    attention call per query) and rowwise, in milliseconds and in wide classic steps, with the part
-   of each spent building the graph before any kernel runs.
+   of each spent building the graph before any kernel runs. ``--chained`` adds each forward stepped as
+   a decode loop steps it (the next built while this one runs): what a step, or a verify built ahead,
+   pays when building overlaps the device.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ MIRRORED_ROWS = (1, 2, 4, 5, 8)
 #: MLX's own one-row kernel runs one warp per output (R = 1's structure); at R = 4 an N = 4096
 #: projection gets 128 blocks of 8 warps, a quarter of MLX's.
 WHOLE_OUTS = (1, 2, 4)
+#: Forwards per chained timing (``--chained``).
+CHAIN = 6
 
 
 def use(variant: tuple[int, int]) -> None:
@@ -221,7 +225,13 @@ def kernel_plans(model: nn.Module, on: bool) -> Iterator[None]:
 
 
 def whole_model(
-    model: nn.Module, vocab: int, context: int = 300, quick: bool = False, blocks: tuple[int, ...] = (1, 5, 9)
+    model: nn.Module,
+    vocab: int,
+    context: int = 300,
+    quick: bool = False,
+    blocks: tuple[int, ...] = (1, 5, 9),
+    outs: tuple[int, ...] = WHOLE_OUTS,
+    chained: bool = False,
 ) -> dict[str, Any]:
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
 
@@ -249,12 +259,39 @@ def whole_model(
         mid = len(times[2:]) // 2
         return sorted(times[2:])[mid], sorted(builds[2:])[mid]
 
+    def chain_ms(level: Level, tokens: int) -> float:
+        """Median milliseconds per forward of ``CHAIN`` forwards stepped as a decode loop or a burst
+        with its next verify built ahead steps them: each forward's first token is the previous
+        forward's greedy token, and the next forward is built and queued before the host reads this
+        one's, so graph building overlaps the device's work."""
+        times = []
+        for rep in range(5):
+            cache = fresh()
+            first = mx.array([[11 + rep]])
+            rest = mx.array([[12 + rep + j for j in range(tokens - 1)]], dtype=mx.int32)
+            mx.synchronize()
+            tic = time.perf_counter()
+            with scoped(level):
+                c = wrap_caches(cache) if level.per_query and tokens > 1 else cache
+                token, last = first, None
+                for _ in range(CHAIN):
+                    block = mx.concatenate([token, rest], axis=1) if tokens > 1 else token
+                    token = mx.argmax(model(block, cache=c)[:, -1:, :], axis=-1).astype(mx.int32)
+                    mx.async_eval(token)
+                    if last is not None:
+                        last.tolist()
+                    last = token
+                assert last is not None
+                last.tolist()
+            times.append((time.perf_counter() - tic) * 1e3 / CHAIN)
+        return sorted(times[1:])[len(times[1:]) // 2]
+
     out: dict[str, Any] = {}
     r0, u0 = MIRRORED[0]
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        *((f"wide-kernel-R{r}U{u0}", Level.WIDE, (-r, u0)) for r in WHOLE_OUTS),
-        *((f"mirrored-R{r}U{u0}", Level.MIRRORED, (-r, u0)) for r in WHOLE_OUTS),
+        *((f"wide-kernel-R{r}U{u0}", Level.WIDE, (-r, u0)) for r in outs),
+        *((f"mirrored-R{r}U{u0}", Level.MIRRORED, (-r, u0)) for r in outs),
     ]
     if not quick:
         runs.append((f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)))
@@ -268,6 +305,8 @@ def whole_model(
             for t in blocks:
                 key = f"block{t}" if t > 1 else "step"
                 out[name][f"{key}_ms"], out[name][f"{key}_build_ms"] = step_ms(level, t)
+                if chained and not name.startswith("wide-kernel"):
+                    out[name][f"chain_{key}_ms"] = chain_ms(level, t)
         print(name, out[name], flush=True)
     use(VARIANTS[0])
     base = out["wide"]["step_ms"]
@@ -276,11 +315,15 @@ def whole_model(
         for t in (t for t in blocks if t > 1):
             v[f"block{t}_in_wide_steps"] = round(v[f"block{t}_ms"] / base, 3)
             v[f"block{t}_in_own_steps"] = round(v[f"block{t}_ms"] / v["step_ms"], 3)
+            if f"chain_block{t}_ms" in v:
+                v[f"chain_block{t}_in_chained_wide_steps"] = round(
+                    v[f"chain_block{t}_ms"] / out["wide"]["chain_step_ms"], 3
+                )
     out["attention_group_widths"] = {repr(k[:4]): v for k, v in attention._widths.items()}
     return out
 
 
-def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...]) -> str:
+def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...], outs: tuple[int, ...] = WHOLE_OUTS) -> str:
     """``rows:outputs`` pairs: for each block length of at most ``qmv_rows.MAX_ROWS`` tokens, the
     outputs per warp whose whole forwards (every projection through the kernel, and the mirrored
     level) took the least time together."""
@@ -289,7 +332,7 @@ def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...]) -> str:
         key = "step_ms" if t == 1 else f"block{t}_ms"
         ms = {
             r: whole[f"wide-kernel-R{r}U{MIRRORED[0][1]}"][key] + whole[f"mirrored-R{r}U{MIRRORED[0][1]}"][key]
-            for r in WHOLE_OUTS
+            for r in outs
         }
         pairs.append(f"{t}:{min(ms, key=lambda r: ms[r])}")
     return ",".join(pairs)
@@ -302,6 +345,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the mirrored kernel per shape; fewer whole-model rungs")
     ap.add_argument("--whole-only", action="store_true", help="skip part 1 (per shape)")
     ap.add_argument("--blocks", default="1,5,9", help="tokens per whole-model forward (one sequence), comma-separated")
+    ap.add_argument("--outs", default="1,2,4", help="outputs per warp of the whole-model kernel runs")
+    ap.add_argument(
+        "--chained", action="store_true", help="also each forward chained as decode steps it (not wide-kernel)"
+    )
     ap.add_argument("--per-warp-out", help="write the fastest outputs per warp by rows here (MLX_BATCHD_QMV_PER_WARP)")
     a = ap.parse_args()
     install()
@@ -311,8 +358,11 @@ def main() -> None:
     print("mirrored usable", report["mirrored_usable"], flush=True)
     report["shapes"] = {} if a.whole_only else shapes(loaded.model, a.quick)
     blocks = tuple(int(t) for t in a.blocks.split(","))
-    report["whole_model"] = whole_model(loaded.model, loaded.info.vocab_size, quick=a.quick, blocks=blocks)
-    report["per_warp"] = best_per_warp(report["whole_model"], blocks)
+    outs = tuple(int(r) for r in a.outs.split(","))
+    report["whole_model"] = whole_model(
+        loaded.model, loaded.info.vocab_size, quick=a.quick, blocks=blocks, outs=outs, chained=a.chained
+    )
+    report["per_warp"] = best_per_warp(report["whole_model"], blocks, outs)
     print("fastest outputs per warp by rows (MLX_BATCHD_QMV_PER_WARP):", report["per_warp"], flush=True)
     if a.per_warp_out:
         Path(a.per_warp_out).write_text(report["per_warp"])

@@ -32,7 +32,7 @@ from workers.backend import backend_fingerprint
 log = logging.getLogger("mlx_batchd")
 
 #: Bump when the timing method changes, so stored plans are timed again.
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 
 #: The longest a process waits for another to finish timing (timing takes seconds).
 LOCK_WAIT_S = 120.0

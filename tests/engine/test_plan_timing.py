@@ -108,6 +108,36 @@ def test_forward_timing_installs_each_candidate_before_its_forwards(tmp_path: Pa
     assert order == [0, 1] + [0, 1] * plan_timing.FORWARD_ROUNDS
 
 
+def test_forward_timing_steps_as_the_engine_does(tmp_path: Path) -> None:
+    """A timed chain is decode: each forward gets the previous forward's greedy token and the next
+    cache position, and every chain starts again from the same context (the cache cut back)."""
+    inner = _tiny(tmp_path)
+    calls: list[tuple[list[list[int]], int, mx.array]] = []
+
+    class Recorded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.layers = inner.layers  # what make_prompt_cache reads
+
+        def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
+            offset = cache[0].offset
+            out = self.inner(tokens, cache=cache)
+            calls.append((tokens.tolist(), offset, out))
+            return out
+
+    plan_timing.forward_ms(Recorded(), 2, [lambda: None])
+    steps, rounds = plan_timing.FORWARD_STEPS, plan_timing.FORWARD_ROUNDS
+    decode = calls[1:]  # the context's prefill first
+    assert len(decode) == 1 + rounds * steps  # one untimed step, then the timed chains
+    for r in range(rounds):
+        chain = decode[1 + r * steps : 1 + (r + 1) * steps]
+        assert [offset for _, offset, _ in chain] == [plan_timing.FORWARD_CONTEXT + i for i in range(steps)]
+        assert chain[0][0] == [[0], [0]]
+        for (_, _, logits), (fed, _, _) in zip(chain, chain[1:], strict=False):
+            assert fed == mx.argmax(logits[:, -1:, :], axis=-1).tolist()
+
+
 def test_only_a_model_that_decodes_gets_the_forward_check() -> None:
     assert not plan_timing.decodes(nn.Sequential(nn.Linear(4, 4)))
 
