@@ -28,6 +28,8 @@ Because each row is MLX's one-row call, batched forwards may use the kernel too 
 every sibling of a group is planned to it at a row count, they share one call there as well
 (``projections.together``).
 
+The CUDA text is ``workers.qmv_source``; this module checks, plans and launches it.
+
 Switch: ``rowkernel.implementation()`` (``MLX_BATCHD_ROWKERNEL``). With ``reference`` (CPU tests)
 every row takes the fallback, so tests exercise the level's plumbing; the kernel itself can only
 be checked where MLX runs on CUDA (``benchmarks/rowkernel_probe.py``).
@@ -45,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers import rowkernel
+from workers import qmv_source, rowkernel
 from workers.exact import bytes_equal
 
 log = logging.getLogger("mlx_batchd.qmv_rows")
@@ -116,195 +118,6 @@ def _unroll() -> int:
 
 UNROLL = _unroll()
 
-_HEADER = """
-// MLX's default kernel header brings libcu++'s FP_* classification macros; cutlass declares the same
-// names (under NVRTC) as enumerators, so they are dropped first.
-#undef FP_NAN
-#undef FP_INFINITE
-#undef FP_ZERO
-#undef FP_SUBNORMAL
-#undef FP_NORMAL
-#include "mlx/backend/cuda/device/cute_dequant.cuh"
-#include <cutlass/array.h>
-#include <cutlass/numeric_conversion.h>
-
-template <typename T> struct qr_cutlass;
-template <> struct qr_cutlass<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
-template <> struct qr_cutlass<__half> { using type = cutlass::half_t; };
-template <int BITS> struct qr_quant { using type = cutlass::integer_subbyte<BITS, false>; };
-template <> struct qr_quant<8> { using type = uint8_t; };
-
-// One tile of E weights of one output feature against M rows of x (already in registers), in decode's
-// kernel's order: dequantize (convert, times scale, plus bias, each in CT), then one fused
-// multiply-add per element into that row's accumulators (CT for 4-bit, fp32 for 8-bit). The weights,
-// scale and bias come in already loaded (``qr_tile`` loads them; the main loop loads U tiles ahead).
-template <typename CT, typename Q, typename Acc, int E, int M, int BITS>
-__device__ __forceinline__ void qr_math(
-    const cutlass::Array<CT, E> (&xv)[M], const cutlass::Array<Q, E>& wq, const CT scale, const CT bias,
-    cutlass::Array<Acc, E> (&sums)[M]) {
-  cutlass::NumericArrayConverter<CT, Q, E> to_ct;
-  cutlass::Array<CT, E> wd = to_ct(wq);
-  wd = wd * scale + bias;
-  #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    if constexpr (BITS >= 8) {
-      cutlass::NumericArrayConverter<float, CT, E> to_f;
-      sums[m] = cutlass::fma(to_f(xv[m]), to_f(wd), sums[m]);
-    } else {
-      sums[m] = cutlass::fma(xv[m], wd, sums[m]);
-    }
-  }
-}
-
-template <typename Q, int E, int BITS>
-__device__ __forceinline__ cutlass::Array<Q, E> qr_weights(const uint8_t* wrow, int idx) {
-  return *reinterpret_cast<const cutlass::Array<Q, E>*>(wrow + (size_t)idx * BITS / 8);
-}
-
-template <typename CT, typename Q, typename Acc, int E, int M, int GS, int BITS>
-__device__ __forceinline__ void qr_tile(
-    const cutlass::Array<CT, E> (&xv)[M], const uint8_t* wrow, const CT* srow, const CT* brow, int idx,
-    cutlass::Array<Acc, E> (&sums)[M]) {
-  qr_math<CT, Q, Acc, E, M, BITS>(xv, qr_weights<Q, E, BITS>(wrow, idx), srow[idx / GS], brow[idx / GS], sums);
-}
-
-// The x tile at idx of each of the M rows, loaded once for the warp's R outputs.
-template <typename CT, int E, int M>
-__device__ __forceinline__ void qr_load_x(const CT* x, int k, int idx, cutlass::Array<CT, E> (&xv)[M]) {
-  #pragma unroll
-  for (int m = 0; m < M; ++m) xv[m] = *reinterpret_cast<const cutlass::Array<CT, E>*>(x + (size_t)m * k + idx);
-}
-"""
-
-#: Template ints: M rows, GS group size, BITS (4 or 8), R outputs per warp (each keeps its own sums,
-#: in the same order whatever R: only the x tiles are shared), U weight tiles loaded ahead (the
-#: order of the arithmetic does not depend on it); T the activation (and scale) dtype. K
-#: and N come from the shapes at run time. ``WARPS`` warps per block. The prologue (``_ONE`` or
-#: ``_many``) picks the weight matrix, its output and the warp's first output feature ``n0``; the
-#: body is the same for one matrix and for several.
-_BODY = """
-  using CT = typename qr_cutlass<T>::type;
-  using Q = typename qr_quant<BITS>::type;
-  constexpr int E = BITS <= 4 ? 16 : 8;
-  using Acc = cuda::std::conditional_t<(BITS >= 8), float, CT>;
-  if (n0 >= N) return;
-  const int groups = K / GS;
-  const CT* xc = reinterpret_cast<const CT*>(x);
-  const uint8_t* wrow[R];
-  const CT* srow[R];
-  const CT* brow[R];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + r < N ? n0 + r : N - 1;
-    wrow[r] = reinterpret_cast<const uint8_t*>(wp) + (size_t)n * ((size_t)K * BITS / 8);
-    srow[r] = reinterpret_cast<const CT*>(sp) + (size_t)n * groups;
-    brow[r] = reinterpret_cast<const CT*>(bp) + (size_t)n * groups;
-  }
-  cutlass::Array<Acc, E> sums[R][M];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      #pragma unroll
-      for (int i = 0; i < E; ++i) sums[r][m][i] = Acc(0);
-    }
-  }
-  cutlass::Array<CT, E> xv[M];
-  constexpr int PER_WARP = 32 * E;
-  const int iters = K / PER_WARP;
-  int it = 0;
-  // U iterations' weight tiles, scales and biases are loaded before any of them is used, so that U
-  // loads per output are in flight at once; the arithmetic that follows is the one-at-a-time loop's.
-  for (; it + U <= iters; it += U) {
-    cutlass::Array<Q, E> wq[U][R];
-    CT sc[U][R];
-    CT bi[U][R];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = lane * E + (it + u) * PER_WARP;
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        wq[u][r] = qr_weights<Q, E, BITS>(wrow[r], idx);
-        sc[u][r] = srow[r][idx / GS];
-        bi[u][r] = brow[r][idx / GS];
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      qr_load_x<CT, E, M>(xc, K, lane * E + (it + u) * PER_WARP, xv);
-      #pragma unroll
-      for (int r = 0; r < R; ++r) qr_math<CT, Q, Acc, E, M, BITS>(xv, wq[u][r], sc[u][r], bi[u][r], sums[r]);
-    }
-  }
-  for (; it < iters; ++it) {
-    const int idx = lane * E + it * PER_WARP;
-    qr_load_x<CT, E, M>(xc, K, idx, xv);
-    #pragma unroll
-    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
-  }
-  const int rest = K % PER_WARP;
-  if (rest && lane * E + K - rest < K) {
-    const int idx = lane * E + K - rest;
-    qr_load_x<CT, E, M>(xc, K, idx, xv);
-    #pragma unroll
-    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
-  }
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float s = 0.0f;
-      #pragma unroll
-      for (int i = 0; i < E; ++i) s += static_cast<float>(sums[r][m][i]);
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (lane == 0 && n0 + r < N) {
-        const CT o = static_cast<CT>(s);
-        op[(size_t)m * N + n0 + r] = *reinterpret_cast<const T*>(&o);
-      }
-    }
-  }
-"""
-
-_ONE = """
-  const int K = static_cast<int>(x_shape[1]);
-  const int N = static_cast<int>(w_shape[0]);
-  const int lane = threadIdx.x & 31;
-  const int n0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  const auto* wp = w;
-  const auto* sp = scales;
-  const auto* bp = biases;
-  auto* op = out;
-"""
-
-
-def _many(count: int) -> str:
-    """The prologue for ``count`` weight matrices on the same rows (a layer's q/k/v or gate/up): the
-    grid's warps cover the first matrix's outputs, then the second's, ...; each warp works in one
-    matrix, on the outputs it would have in that matrix's own call."""
-    lines = [
-        "  const int K = static_cast<int>(x_shape[1]);",
-        "  const int lane = threadIdx.x & 31;",
-        "  int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;",
-        "  const char* wp = nullptr; const char* sp = nullptr; const char* bp = nullptr; T* op = nullptr;",
-        "  int N = 0;",
-    ]
-    for j in range(count):
-        lines += [
-            "  if (op == nullptr) {",
-            f"    const int n = static_cast<int>(w{j}_shape[0]);",
-            "    if (warp < (n + R - 1) / R) {",
-            f"      wp = reinterpret_cast<const char*>(w{j}); sp = reinterpret_cast<const char*>(scales{j});",
-            f"      bp = reinterpret_cast<const char*>(biases{j}); op = out{j}; N = n;",
-            "    } else {",
-            "      warp -= (n + R - 1) / R;",
-            "    }",
-            "  }",
-        ]
-    lines += ["  if (op == nullptr) return;", "  const int n0 = warp * R;"]
-    return "\n".join(lines) + "\n"
-
-
 #: Kernels by number of weight matrices per call.
 _kernels: dict[int, Any] = {}
 #: Per layer shapes (one, or a sibling group's) and dtype: whether the kernel reproduced MLX's one-row call.
@@ -370,16 +183,16 @@ def _kernel(count: int) -> Any:
     kernel = _kernels.get(count)
     if kernel is None:
         if count == 1:
-            names, outs, source = ["x", "w", "scales", "biases"], ["out"], _ONE + _BODY
+            names, outs, source = ["x", "w", "scales", "biases"], ["out"], qmv_source.ONE + qmv_source.BODY
         else:
             names = ["x", *(f"{n}{j}" for j in range(count) for n in ("w", "scales", "biases"))]
-            outs, source = [f"out{j}" for j in range(count)], _many(count) + _BODY
+            outs, source = [f"out{j}" for j in range(count)], qmv_source.many(count) + qmv_source.BODY
         kernel = _kernels[count] = mx.fast.cuda_kernel(
             name=f"mlx_batchd_qmv_rows_{count}",
             input_names=names,
             output_names=outs,
             source=source,
-            header=_HEADER,
+            header=qmv_source.HEADER,
         )
     return kernel
 

@@ -301,10 +301,10 @@ def run_spec(path, dump):
 
 
 # ---------------------------------------------------------------------------------------------------
-# project mode: this repository's workers/qmv_rows.py and workers/rowkernel.py
+# project mode: this repository's workers/qmv_source.py (qmv_rows' kernel) and workers/rowkernel.py
 def project_cases():
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from workers import qmv_rows, rowkernel, sdpa_rows  # noqa: E402  (read only: nothing is modified)
+    from workers import qmv_source, rowkernel, sdpa_rows  # noqa: E402  (read only: nothing is modified)
 
     cases = []
     bf = "bfloat16"
@@ -312,13 +312,13 @@ def project_cases():
         if count == 1:
             ins = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf)]
             outs = ["out"]
-            src = qmv_rows._ONE + qmv_rows._BODY
+            src = qmv_source.ONE + qmv_source.BODY
         else:
             ins = [("x", 2, bf)] + [
                 (f"{n}{j}", 2, "uint32" if n == "w" else bf) for j in range(count) for n in ("w", "scales", "biases")
             ]
             outs = [f"out{j}" for j in range(count)]
-            src = qmv_rows._many(count) + qmv_rows._BODY
+            src = qmv_source.many(count) + qmv_source.BODY
         for bits in (4, 8):
             for m in (1, 5, 8):
                 for u in (1, 2, 4):
@@ -333,7 +333,7 @@ def project_cases():
                                 output_names=outs,
                                 output_dtypes=[bf] * len(outs),
                                 source=src,
-                                header=qmv_rows._HEADER,
+                                header=qmv_source.HEADER,
                                 template=tmpl,
                             ),
                         )
