@@ -304,7 +304,7 @@ def run_spec(path, dump):
 # project mode: this repository's workers/qmv_source.py (qmv_rows' kernel) and workers/rowkernel.py
 def project_cases():
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from workers import qmv_source, rowkernel, sdpa_rows  # noqa: E402  (read only: nothing is modified)
+    from workers import qmv_source, rowkernel, sdpa_rows, sdpa_source  # noqa: E402  (read only: nothing is modified)
 
     cases = []
     bf = "bfloat16"
@@ -379,14 +379,14 @@ def project_cases():
         for dim in sdpa_rows.HEAD_DIMS:
             attn_ins = [("queries", 4, dt), ("keys", 4, dt), ("values", 4, dt), ("scale", 1, "float32")]
             parts = [
-                ("one_pass", attn_ins, ["out"], [dt], sdpa_rows._ONE_PASS),
-                ("pass_1", attn_ins, ["partials", "sums", "maxs"], ["float32"] * 3, sdpa_rows._PASS_1),
+                ("one_pass", attn_ins, ["out"], [dt], sdpa_source.ONE_PASS),
+                ("pass_1", attn_ins, ["partials", "sums", "maxs"], ["float32"] * 3, sdpa_source.PASS_1),
                 (
                     "pass_2",
                     [(n, 5 - (n != "partials"), "float32") for n in ("partials", "sums", "maxs")],
                     ["out"],
                     [dt],
-                    sdpa_rows._PASS_2,
+                    sdpa_source.PASS_2,
                 ),
             ]
             for part, ins, outs, out_dtypes, src in parts:
@@ -399,7 +399,7 @@ def project_cases():
                             output_names=outs,
                             output_dtypes=out_dtypes,
                             source=src,
-                            header=sdpa_rows._HEADER,
+                            header=sdpa_source.HEADER,
                             template=[("T", dt), ("D", dim)],
                         ),
                     )
