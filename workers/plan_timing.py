@@ -148,6 +148,29 @@ def decodes(model: nn.Module) -> bool:
         return False
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """The last position's greedy token of each row, ``(rows, 1)`` int32: what a chained step feeds on."""
+    return mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
+
+
+def chained_ms(step: Callable[[mx.array], mx.array], first: mx.array, steps: int) -> float:
+    """Milliseconds per call of ``steps`` calls of ``step``, each on the previous call's output (from
+    ``first``), stepped as a decode loop steps: the next call built and queued (``async_eval``) before
+    the host reads the last one's output, so graph building overlaps the device's work."""
+    mx.synchronize()
+    tic = time.perf_counter()
+    token, last = first, None
+    for _ in range(steps):
+        token = step(token)
+        mx.async_eval(token)
+        if last is not None:
+            last.tolist()
+        last = token
+    if last is not None:
+        last.tolist()
+    return 1e3 * (time.perf_counter() - tic) / max(steps, 1)
+
+
 def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) -> list[float]:
     """Milliseconds per decode step on ``rows`` sequences of ``FORWARD_CONTEXT`` tokens after each
     ``installs[i]()``, stepped as the engine steps: ``FORWARD_STEPS`` forwards, each fed the previous
@@ -166,19 +189,7 @@ def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) 
     trim = can_trim_prompt_cache(cache)
 
     def chain(steps: int = FORWARD_STEPS) -> float:
-        mx.synchronize()
-        tic = time.perf_counter()
-        token, last = first, None
-        for _ in range(steps):
-            logits = model(token, cache=cache)
-            token = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
-            mx.async_eval(token)
-            if last is not None:
-                last.tolist()
-            last = token
-        assert last is not None
-        last.tolist()
-        ms = 1e3 * (time.perf_counter() - tic) / steps
+        ms = chained_ms(lambda token: greedy(model(token, cache=cache)), first, steps)
         if trim:
             trim_prompt_cache(cache, steps)
         return ms
