@@ -41,6 +41,8 @@
 # PART=q: the verify's cost chained as a burst with its next verify built ahead pays it (rowkernel_probe
 #   --chained, 4 outputs per warp), then the bench at B = 1, 4, 8 (192 tokens; raw up to 8) with the
 #   kernel plans checked on chained decode steps.
+# PART=lc: the host's cost of one mx.fast.cuda_kernel call against one MLX op, by source length
+#   (benchmarks/launch_cost_probe.py: is that what a mirrored verify's graph building pays for?).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -70,6 +72,8 @@ elif [ "$PART" = q ]; then
     --chained --out "$R/chained.json"
   step matrix 400 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8}" \
     --tokens "${TOKENS:-192}" --repeats 3 --raw-max-batch "${RAW:-8}" --out "$R/matrix"
+elif [ "$PART" = lc ]; then
+  step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = a ]; then
   step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then
