@@ -43,6 +43,9 @@
 #   kernel plans checked on chained decode steps.
 # PART=lc: the host's cost of one mx.fast.cuda_kernel call against one MLX op, by source length
 #   (benchmarks/launch_cost_probe.py: is that what a mirrored verify's graph building pays for?).
+# PART=h: where a mirrored verify's graph building goes on this host: the kernel-call costs
+#   (launch_cost_probe), then the verify chained and synchronous at 4 outputs per warp with cProfile's
+#   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -72,6 +75,10 @@ elif [ "$PART" = q ]; then
     --chained --out "$R/chained.json"
   step matrix 400 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8}" \
     --tokens "${TOKENS:-192}" --repeats 3 --raw-max-batch "${RAW:-8}" --out "$R/matrix"
+elif [ "$PART" = h ]; then
+  step launch 120 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
+  TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only \
+    --blocks 1,5 --outs 4 --chained --profile-build 45 --out "$R/chained.json"
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = a ]; then

@@ -19,12 +19,18 @@
    of each spent building the graph before any kernel runs. ``--chained`` adds each forward stepped as
    a decode loop steps it (the next built while this one runs): what a step, or a verify built ahead,
    pays when building overlaps the device.
+3. ``--profile-build N``: the N functions with the most own time while building (not evaluating) five
+   wide one-token steps and five mirrored 5-token blocks on this host, real kernels and all: where a
+   verify block's graph building goes, MLX's kernel-call entry points included.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -315,6 +321,39 @@ def whole_model(
     return out
 
 
+def build_profile(model: nn.Module, vocab: int, top: int, context: int = 300) -> dict[str, Any]:
+    """cProfile's top ``top`` functions by own time while building five forwards (graphs only, each
+    evaluated outside the profile) per run: wide one-token steps, mirrored 5-token blocks."""
+    prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
+    report: dict[str, Any] = {}
+    for name, level, tokens in (("wide-step", Level.WIDE, 1), ("mirrored-block5", Level.MIRRORED, 5)):
+        caches = []
+        for _ in range(6):
+            cache = make_prompt_cache(model)
+            model(prompt, cache=cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        profile = cProfile.Profile()
+        builds = []
+        for i, cache in enumerate(caches):
+            block = mx.array([[11 + i + j for j in range(tokens)]])
+            with scoped(level):
+                c = wrap_caches(cache) if level.per_query and tokens > 1 else cache
+                if i:
+                    profile.enable()
+                tic = time.perf_counter()
+                out = model(block, cache=c)
+                builds.append((time.perf_counter() - tic) * 1e3)
+                profile.disable()
+                mx.eval(out)
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(top)
+        report[name] = {"calls": stats.total_calls, "build_ms_profiled": builds[1:], "top": text.getvalue()}
+        print(name, "python calls", stats.total_calls, "\n", text.getvalue(), flush=True)
+    return report
+
+
 def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...], outs: tuple[int, ...] = WHOLE_OUTS) -> str:
     """``rows:outputs`` pairs: for each block length of at most ``qmv_rows.MAX_ROWS`` tokens, the
     outputs per warp whose whole forwards (every projection through the kernel, and the mirrored
@@ -341,6 +380,7 @@ def main() -> None:
     ap.add_argument(
         "--chained", action="store_true", help="also each forward chained as decode steps it (not wide-kernel)"
     )
+    ap.add_argument("--profile-build", type=int, default=0, help="profile building steps and blocks: top N")
     ap.add_argument("--per-warp-out", help="write the fastest outputs per warp by rows here (MLX_BATCHD_QMV_PER_WARP)")
     a = ap.parse_args()
     install()
@@ -354,6 +394,8 @@ def main() -> None:
     report["whole_model"] = whole_model(
         loaded.model, loaded.info.vocab_size, quick=a.quick, blocks=blocks, outs=outs, chained=a.chained
     )
+    if a.profile_build:
+        report["build_profile"] = build_profile(loaded.model, loaded.info.vocab_size, a.profile_build)
     report["per_warp"] = best_per_warp(report["whole_model"], blocks, outs)
     print("fastest outputs per warp by rows (MLX_BATCHD_QMV_PER_WARP):", report["per_warp"], flush=True)
     if a.per_warp_out:

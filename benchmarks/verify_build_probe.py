@@ -5,12 +5,12 @@
 On the H200 half of a 5-token mirrored verify was graph building in Python (docs/benchmarks.md
 section 16). Building does not depend on the backend's kernels, so this measures it here: a 32-layer
 4-bit llama of small width, the CUDA kernel policy forced, and the CUDA launch of the mirrored kernel
-replaced by a stand-in (MLX's own quantized matmul: named as such, since the kernel cannot run on a
-CPU). Prints the median build milliseconds of a classic step, a wide 5-token block and a mirrored
+replaced by a stand-in (MLX's own quantized matmul, called with the kernel's own arguments: named as
+such, since the kernel cannot run on a CPU). Prints the median build milliseconds of a classic step, a wide 5-token block and a mirrored
 one, and the Python function calls of building five mirrored blocks (deterministic, unlike this
 machine's timings). ``--attention per-query`` builds attention as on the H200 before ``sdpa_rows``
 (one MLX call per query: MLX CUDA sends grouped queries to cuDNN), ``kernel`` through the project's
-block kernel (its launch replaced by a stand-in of one MLX call, since it cannot run on a CPU).
+block kernel (the kernel replaced by a stand-in of one MLX call, since it cannot run on a CPU).
 """
 
 from __future__ import annotations
@@ -33,16 +33,31 @@ from workers.models import load
 from workers.synthetic import llama_config, write_model
 
 
-def _stand_in(x: mx.array, mats: list[tuple[mx.array, ...]], bits: int, gs: int) -> list[mx.array]:
-    return [mx.quantized_matmul(x, w, s, b, True, gs, bits) for w, s, b in mats]
+def _qmv_stand_in(count: int) -> Any:
+    """Stand-in for ``qmv_rows``' CUDA kernel over ``count`` matrices (named as such: it cannot run on
+    a CPU): called with the kernel's own arguments, it makes one MLX quantized matmul per matrix."""
+
+    def call(*, inputs: list[mx.array], template: list[tuple[str, Any]], **_: Any) -> list[mx.array]:
+        t = dict(template)
+        x = inputs[0]
+        return [
+            mx.quantized_matmul(x, inputs[1 + 3 * j], inputs[2 + 3 * j], inputs[3 + 3 * j], True, t["GS"], t["BITS"])
+            for j in range(count)
+        ]
+
+    return call
 
 
-def _attend_stand_in(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Stand-in for the block kernel's launch: one MLX call in its place, its output laid out as the
-    kernel lays it out."""
-    s = mx.array([scale], dtype=mx.float32)  # as attend makes it
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
-    return (out * s.astype(out.dtype)).transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)
+def _sdpa_stand_in(name: str) -> Any:
+    """Stand-in for ``sdpa_rows``' one-pass CUDA kernel: one MLX call in its place, its output laid
+    out as the kernel lays it out."""
+
+    def call(*, inputs: list[mx.array], **_: Any) -> list[mx.array]:
+        q, k, v, s = inputs
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal") * s.astype(q.dtype)
+        return [out.transpose(0, 2, 1, 3)]
+
+    return call
 
 
 def _calls(model: Any, fresh: Any, level: Level, tokens: list[int]) -> pstats.Stats:
@@ -64,9 +79,9 @@ def main() -> None:
     a = ap.parse_args()
     width = (1, False) if a.attention == "per-query" else (attention.MAX_GROUP, True)
     attention.group_width = lambda *_: width  # type: ignore[assignment]
-    sdpa_rows.attend = _attend_stand_in  # type: ignore[assignment]
+    sdpa_rows._kernel = _sdpa_stand_in  # type: ignore[assignment]
     rowkernel.implementation = lambda: "cuda"  # type: ignore[assignment]
-    qmv_rows._launch = _stand_in  # type: ignore[assignment]
+    qmv_rows._kernel = _qmv_stand_in  # type: ignore[assignment]
     fastpath.set_active(fastpath.CUDA)
     kernels.install()
     path = Path(tempfile.mkdtemp()) / "m32"

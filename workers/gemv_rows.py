@@ -80,7 +80,7 @@ _SOURCE = """
 """
 
 _kernel: Any = None
-#: (weight shape, dtype) -> whether the kernel reproduced MLX's one-row call.
+#: (out features, in features, dtype) -> whether the kernel reproduced MLX's one-row call.
 _matches_mlx: dict[tuple[Any, ...], bool] = {}
 #: Whether the kernel compiled (``None`` until first tried).
 _compiled: bool | None = None
@@ -103,6 +103,10 @@ def covered(module: Any, x: mx.array) -> mx.array | None:
     return w if w.shape[1] == x.shape[1] else None
 
 
+#: Launch arguments by (rows, weight shape, dtype): worked out once, not on every projection call.
+_plans: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
 def _launch(x: mx.array, w: mx.array) -> mx.array:
     """``x``'s rows (at most ``MAX_ROWS``) against ``w`` in one kernel call."""
     global _kernel
@@ -110,16 +114,18 @@ def _launch(x: mx.array, w: mx.array) -> mx.array:
         _kernel = mx.fast.cuda_kernel(
             name="mlx_batchd_gemv_rows", input_names=["x", "w"], output_names=["out"], source=_SOURCE, header=_HEADER
         )
-    m, n = int(x.shape[0]), int(w.shape[0])
-    blocks = -(-n // WARPS)
-    return _kernel(
-        inputs=[x, w],
-        template=[("T", x.dtype), ("M", m), ("NP", per_lane(int(w.shape[1])))],
-        grid=(blocks * 32, WARPS, 1),
-        threadgroup=(32, WARPS, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype)
+    kwargs = _plans.get(key)
+    if kwargs is None:
+        m, n = int(x.shape[0]), int(w.shape[0])
+        kwargs = _plans[key] = {
+            "template": [("T", x.dtype), ("M", m), ("NP", per_lane(int(w.shape[1])))],
+            "grid": (-(-n // WARPS) * 32, WARPS, 1),
+            "threadgroup": (32, WARPS, 1),
+            "output_shapes": [(m, n)],
+            "output_dtypes": [x.dtype],
+        }
+    return _kernel(inputs=[x, w], **kwargs)[0]
 
 
 def _matches(module: Any, original: Callable[..., mx.array], w: mx.array, dtype: Any) -> bool:
@@ -146,14 +152,17 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array) -> mx.a
     """``module``'s projection of ``x``'s rows (shape (rows, in)) through the kernel, in calls of at
     most ``MAX_ROWS`` rows, or ``None`` where the module, its shape or this backend is not covered
     (the caller then makes decode's own one-row call per row)."""
-    if rowkernel.implementation() != "cuda" or _compiled is False:
+    if _compiled is False:
         return None
     w = covered(module, x)
     if w is None:
         return None
-    key = (tuple(w.shape), str(x.dtype))
+    key = (w.shape[0], w.shape[1], x.dtype)
     ok = _matches_mlx.get(key)
     if ok is None:
+        # The switch is read here, on a shape's first call, not on every call.
+        if rowkernel.implementation() != "cuda":
+            return None
         ok = _matches_mlx[key] = _matches(module, original, w, x.dtype)
         log.info(
             "dense mirrored kernel on %s: %s", key, "matches MLX's one-row call" if ok else "differs; one-row calls"

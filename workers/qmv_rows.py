@@ -118,6 +118,8 @@ def _unroll() -> int:
 
 UNROLL = _unroll()
 
+#: The module types the kernel may take (``covered`` says which of them it does).
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 #: Kernels by number of weight matrices per call.
 _kernels: dict[int, Any] = {}
 #: Per layer shapes (one, or a sibling group's) and dtype: whether the kernel reproduced MLX's one-row call.
@@ -143,7 +145,8 @@ class _Ready:
     mats: list[tuple[mx.array, mx.array, mx.array]]
     bits: int
     gs: int
-    biases: list[Any]
+    #: Each module's bias, or ``None`` where no module has one.
+    biases: list[Any] | None
 
     def serves(self, modules: tuple[Any, ...], x: mx.array) -> bool:
         """Whether these are still the checked modules with the checked weight arrays, on rows of
@@ -167,7 +170,7 @@ def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int
     """(weight, scales, biases, bits, group size) when the kernel takes ``module`` on rows like ``x``:
     an affine 4- or 8-bit ``QuantizedLinear`` (or a tied embedding's linear use) with bf16 or fp16
     activations and scales of the same dtype, 2-D rows, in features a multiple of one lane's tile."""
-    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or x.ndim != 2:
+    if not isinstance(module, _QUANTIZED) or x.ndim != 2:
         return None
     biases = module.get("biases")
     if getattr(module, "mode", "affine") != "affine" or biases is None or module.bits not in (4, 8):
@@ -197,22 +200,48 @@ def _kernel(count: int) -> Any:
     return kernel
 
 
-def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int) -> list[mx.array]:
-    """``x``'s rows (at most ``MAX_ROWS``) against each (weight, scales, biases) in one kernel call."""
-    m = int(x.shape[0])
-    r = per_warp(m)
+class Mats(list[tuple[mx.array, mx.array, mx.array]]):
+    """A checked group's (weight, scales, biases) triples, with its launch arguments by (rows, outputs
+    per warp, tiles ahead, dtype): a verify block calls each group once per layer, and working the
+    arguments out again on every call was a third of a call's Python."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self, mats: list[tuple[mx.array, mx.array, mx.array]]) -> None:
+        super().__init__(mats)
+        self.plans: dict[tuple[Any, ...], tuple[Any, list[mx.array], dict[str, Any]]] = {}
+
+
+def _plan(
+    m: int, r: int, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int, dtype: Any
+) -> tuple[Any, list[mx.array], dict[str, Any]]:
+    """The kernel, the inputs after ``x`` and the launch arguments of a call on ``m`` rows."""
     warps = sum(-(-int(w.shape[0]) // r) for w, _, _ in mats)
     blocks = -(-warps // WARPS)
-    return list(
-        _kernel(len(mats))(
-            inputs=[x, *(a for mat in mats for a in mat)],
-            template=[("T", x.dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r), ("U", UNROLL)],
-            grid=(blocks * WARPS * 32, 1, 1),
-            threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(m, int(w.shape[0])) for w, _, _ in mats],
-            output_dtypes=[x.dtype] * len(mats),
-        )
-    )
+    kwargs = {
+        "template": [("T", dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r), ("U", UNROLL)],
+        "grid": (blocks * WARPS * 32, 1, 1),
+        "threadgroup": (WARPS * 32, 1, 1),
+        "output_shapes": [(m, int(w.shape[0])) for w, _, _ in mats],
+        "output_dtypes": [dtype] * len(mats),
+    }
+    return _kernel(len(mats)), [a for mat in mats for a in mat], kwargs
+
+
+def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int) -> list[mx.array]:
+    """``x``'s rows (at most ``MAX_ROWS``) against each (weight, scales, biases) in one kernel call
+    (its launch arguments kept on ``mats`` where it is a checked group's ``Mats``)."""
+    m = x.shape[0]
+    r = per_warp(m)
+    plans = getattr(mats, "plans", None)
+    key = (m, r, UNROLL, x.dtype)
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        plan = _plan(m, r, mats, bits, gs, x.dtype)
+        if plans is not None:
+            plans[key] = plan
+    kernel, tail, kwargs = plan
+    return kernel(inputs=[x, *tail], **kwargs)
 
 
 def _matches(
@@ -306,6 +335,9 @@ def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.
     ids = tuple(map(id, modules))
     ready = _ready.get(ids)
     if ready is None or not ready.serves(modules, x):
+        # The switch is read here, on a miss, not on every call: a checked group was checked under it.
+        if rowkernel.implementation() != "cuda":
+            return None
         ready = _check(modules, original, x)
         if ready is None:
             return None
@@ -316,6 +348,8 @@ def _through(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.
     else:
         parts = [_launch(x[i : i + MAX_ROWS], mats, bits, gs) for i in range(0, x.shape[0], MAX_ROWS)]
         outs = [mx.concatenate(list(p), axis=0) for p in zip(*parts, strict=True)]
+    if ready.biases is None:
+        return outs
     return [o if b is None else o + b for o, b in zip(outs, ready.biases, strict=True)]
 
 
@@ -334,8 +368,9 @@ def _check(modules: tuple[Any, ...], original: Callable[..., mx.array], x: mx.ar
         log.info("mirrored kernel on %s: %s", key, "matches MLX's one-row call" if ok else "differs; one-row calls")
     if not ok:
         return None
-    biases = [m["bias"] if isinstance(m, nn.QuantizedLinear) and "bias" in m else None for m in modules]
-    return _Ready(tuple(weakref.ref(m) for m in modules), x.dtype, mats, bits, gs, biases)
+    found_biases = [m["bias"] if isinstance(m, nn.QuantizedLinear) and "bias" in m else None for m in modules]
+    biases = None if all(b is None for b in found_biases) else found_biases
+    return _Ready(tuple(weakref.ref(m) for m in modules), x.dtype, Mats(mats), bits, gs, biases)
 
 
 def project(module: Any, original: Callable[..., mx.array], x: mx.array, source: Any = None) -> mx.array | None:
@@ -346,11 +381,13 @@ def project(module: Any, original: Callable[..., mx.array], x: mx.array, source:
     ``source`` is the array the model called the module with: when the module has siblings
     (``register_siblings``) the first of them called on it computes them all in one call and keeps the
     others' outputs for their own calls on that same array (taken first: only the kernel made them)."""
+    if not isinstance(module, _QUANTIZED):  # dense layers: ``gemv_rows``
+        return None
     if source is not None:
         kept = _kept.pop(id(module), None)
         if kept is not None and kept[0] is source:
             return kept[1]
-    if rowkernel.implementation() != "cuda" or _compiled is False:
+    if _compiled is False:
         return None
     if source is None:
         return _one(module, original, x)

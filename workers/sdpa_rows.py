@@ -41,6 +41,8 @@ ALONE_EVERY = 256
 HEAD_DIMS = (64, 96, 128)
 
 _kernels: dict[str, Any] = {}
+#: The scale as the kernels read it, one array per value (a model has one): not one made per call.
+_scales: dict[float, mx.array] = {}
 
 
 def _kernel(name: str) -> Any:
@@ -83,7 +85,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     computes it. All n key counts must be on one side of ``ONE_PASS_KEYS`` (``attention.spans``)."""
     heads, n, dim = queries.shape[1], queries.shape[2], queries.shape[3]
     total = keys.shape[2]
-    s = mx.array([scale], dtype=mx.float32)
+    s = _scales.get(scale)
+    if s is None:
+        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
     template = [("T", queries.dtype), ("D", dim)]
     if total <= ONE_PASS_KEYS:
         (out,) = _kernel("one_pass")(
