@@ -230,6 +230,14 @@ def kernel_plans(model: nn.Module, on: bool) -> Iterator[None]:
         fastpath.one_row.update(saved_one)
 
 
+def _prefilled(model: nn.Module, prompt: mx.array) -> list[Any]:
+    """A fresh prompt cache with ``prompt`` prefilled and evaluated."""
+    cache = make_prompt_cache(model)
+    model(prompt, cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 def whole_model(
     model: nn.Module,
     vocab: int,
@@ -242,10 +250,7 @@ def whole_model(
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
 
     def fresh() -> list[Any]:
-        cache = make_prompt_cache(model)
-        model(prompt, cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
+        return _prefilled(model, prompt)
 
     def step_ms(level: Level, tokens: int) -> tuple[float, float]:
         """Median milliseconds of the whole forward, and of building its graph alone (Python and
@@ -327,12 +332,7 @@ def build_profile(model: nn.Module, vocab: int, top: int, context: int = 300) ->
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
     report: dict[str, Any] = {}
     for name, level, tokens in (("wide-step", Level.WIDE, 1), ("mirrored-block5", Level.MIRRORED, 5)):
-        caches = []
-        for _ in range(6):
-            cache = make_prompt_cache(model)
-            model(prompt, cache=cache)
-            mx.eval([c.state for c in cache])
-            caches.append(cache)
+        caches = [_prefilled(model, prompt) for _ in range(6)]
         profile = cProfile.Profile()
         builds = []
         for i, cache in enumerate(caches):
