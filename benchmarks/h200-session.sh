@@ -46,6 +46,9 @@
 # PART=h: where a mirrored verify's graph building goes on this host: the kernel-call costs
 #   (launch_cost_probe), then the verify chained and synchronous at 4 outputs per warp with cProfile's
 #   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
+# PART=qv: the project kernel's variants (benchmarks/qmv_variants_probe.py: outputs per warp and warps a
+#   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4,
+#   5 and 8 rows at the defaults and at the fastest exact variants (kept in /root/qmv-env for later parts).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -79,6 +82,15 @@ elif [ "$PART" = h ]; then
   step launch 120 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
   TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only \
     --blocks 1,5 --outs 4 --chained --profile-build 45 --out "$R/chained.json"
+elif [ "$PART" = qv ]; then
+  TAIL=${TAIL:-40} step variants 320 python3 benchmarks/qmv_variants_probe.py --out "$R/variants.json" --env-out /root/qmv-env
+  step whole-base 150 env -u MLX_BATCHD_QMV_WARPS python3 benchmarks/rowkernel_probe.py \
+    --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 --outs 0 --out "$R/whole-base.json"
+  if [ -s /root/qmv-env ]; then
+    source /root/qmv-env && cat /root/qmv-env
+    step whole-best 150 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
+      --outs 0 --out "$R/whole-best.json"
+  fi
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = a ]; then

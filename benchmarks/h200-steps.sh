@@ -10,7 +10,11 @@ R=$OUT/r && mkdir -p $R
 if [ -z "${MLX_BATCHD_QMV_PER_WARP:-}" ] && [ -s /root/qmv-per-warp ]; then
   export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
 fi
-echo "MLX_BATCHD_QMV_PER_WARP=${MLX_BATCHD_QMV_PER_WARP:-}"
+# The project kernel's fastest exact launch settings by rows, as an earlier call measured them (part qv).
+if [ -z "${MLX_BATCHD_QMV_WARPS:-}" ] && [ -s /root/qmv-env ]; then
+  source /root/qmv-env
+fi
+echo "MLX_BATCHD_QMV_PER_WARP=${MLX_BATCHD_QMV_PER_WARP:-} WARPS=${MLX_BATCHD_QMV_WARPS:-}"
 START=$SECONDS
 step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; print rc and the log's tail
   local name=$1 t=$2; shift 2

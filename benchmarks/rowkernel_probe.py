@@ -65,7 +65,11 @@ CHAIN = 6
 
 def use(variant: tuple[int, int]) -> None:
     """A rowkernel variant (outputs per warp, words per load), or (-r, u): the mirrored kernel with r
-    outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default)."""
+    outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default), or (0, u):
+    the mirrored kernel's configured launch settings by row count (``MLX_BATCHD_QMV_*``)."""
+    if variant[0] == 0:
+        use(VARIANTS[0])
+        return
     if variant[0] < 0:
         qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = -variant[0], variant[1] or MIRRORED[0][1]
         qmv_rows.PER_WARP = {}  # r outputs per warp at every row count
@@ -293,8 +297,8 @@ def whole_model(
     r0, u0 = MIRRORED[0]
     runs: list[tuple[str, Level, tuple[int, int]]] = [
         ("wide", Level.WIDE, VARIANTS[0]),
-        *((f"wide-kernel-R{r}U{u0}", Level.WIDE, (-r, u0)) for r in outs),
-        *((f"mirrored-R{r}U{u0}", Level.MIRRORED, (-r, u0)) for r in outs),
+        *((f"wide-kernel-R{r or 'cfg'}U{u0}", Level.WIDE, (-r, u0)) for r in outs),
+        *((f"mirrored-R{r or 'cfg'}U{u0}", Level.MIRRORED, (-r, u0)) for r in outs),
     ]
     if not quick:
         runs.append((f"mirrored-R{r0}-unfused", Level.MIRRORED, (-r0, 0)))
@@ -364,7 +368,10 @@ def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...], outs: tuple[in
         ms = {
             r: whole[f"wide-kernel-R{r}U{MIRRORED[0][1]}"][key] + whole[f"mirrored-R{r}U{MIRRORED[0][1]}"][key]
             for r in outs
+            if r
         }
+        if not ms:
+            continue
         pairs.append(f"{t}:{min(ms, key=lambda r: ms[r])}")
     return ",".join(pairs)
 
@@ -376,7 +383,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the mirrored kernel per shape; fewer whole-model rungs")
     ap.add_argument("--whole-only", action="store_true", help="skip part 1 (per shape)")
     ap.add_argument("--blocks", default="1,5,9", help="tokens per whole-model forward (one sequence), comma-separated")
-    ap.add_argument("--outs", default="1,2,4", help="outputs per warp of the whole-model kernel runs")
+    ap.add_argument(
+        "--outs",
+        default="1,2,4",
+        help="outputs per warp of the whole-model kernel runs (0: the launch settings configured by row count)",
+    )
     ap.add_argument(
         "--chained", action="store_true", help="also each forward chained as decode steps it (not wide-kernel)"
     )

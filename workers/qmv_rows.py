@@ -54,7 +54,7 @@ log = logging.getLogger("mlx_batchd.qmv_rows")
 
 #: Rows per kernel call (a longer block runs in calls of this many; each row is unaffected).
 MAX_ROWS = 8
-#: Warps per block.
+#: Warps per block (``BLOCK_WARPS`` by row count over it).
 WARPS = 8
 #: Output features per warp. Any value gives every output the same operations in the same order
 #: (only how x is fetched changes); larger values share each x tile between outputs. On the H200 8B
@@ -63,35 +63,45 @@ WARPS = 8
 OUTS_PER_WARP = 4
 #: Row counts that run fewer outputs per warp. A lane keeps one tile of accumulators (8 registers for
 #: 4-bit) per output and row, so R outputs on M rows hold 8 R M registers: 256 at 4 outputs on 8 rows,
-#: the whole register file. Whole 8B-synth forwards on the H200, every projection through the kernel
-#: (docs/benchmarks.md section 22): at 8 rows 2 outputs took 29.5 ms against 35.3 at 4 and 44.4 at 1;
-#: at 1, 4 and 5 rows 4 outputs were the fastest. 6 and 7 rows (unmeasured) follow 8's register count.
-FEWER_OUTS = {6: 2, 7: 2, 8: 2}
+#: the whole register file. On the H200 (docs/benchmarks.md section 25: each call timed alone over an
+#: 8B layer's shapes, weights read from HBM, the kernel's 16-byte loads): at 1 row 2 outputs per warp
+#: in 4-warp blocks took 100.7 us a layer against 112.3 at 4 outputs in 8-warp blocks; at 8 rows 2
+#: outputs in 4-warp blocks 240.3 against 255.4 in 8-warp blocks; at 4 and 5 rows 4 outputs in 8-warp
+#: blocks were the fastest. 6 and 7 rows (unmeasured) follow 8's register count.
+FEWER_OUTS = {1: 2, 6: 2, 7: 2, 8: 2}
+#: Row counts that run smaller blocks than ``WARPS`` (same measurements as ``FEWER_OUTS``).
+SMALLER_BLOCKS = {1: 4, 6: 4, 7: 4, 8: 4}
 
 
-def _per_warp() -> dict[int, int]:
-    """Outputs per warp by row count where they are not ``OUTS_PER_WARP``: ``FEWER_OUTS``, with
-    ``MLX_BATCHD_QMV_PER_WARP`` over it: one number for every row count (``"1"``) or ``rows:outputs``
-    pairs (``"1:1,4:2,5:2"``). For measuring which suits which row count; every setting gives the same
-    bytes (see ``OUTS_PER_WARP``)."""
-    raw = os.environ.get("MLX_BATCHD_QMV_PER_WARP", "").strip()
+def _by_rows(env: str, defaults: dict[int, int], ok: Callable[[int], bool]) -> dict[int, int]:
+    """A launch setting by row count: ``defaults`` with the environment variable ``env`` over it, one
+    number for every row count (``"2"``) or ``rows:value`` pairs (``"1:4,5:2"``). For measuring which
+    suits which row count: every setting gives the same bytes."""
+    raw = os.environ.get(env, "").strip()
     if not raw:
-        return dict(FEWER_OUTS)
+        return dict(defaults)
     try:
         if ":" not in raw:
             pairs = [(rows, int(raw)) for rows in range(1, MAX_ROWS + 1)]
         else:
             pairs = [(int(a), int(b)) for a, b in (item.split(":") for item in raw.split(","))]
-        if all(1 <= rows <= MAX_ROWS and 1 <= r <= 8 for rows, r in pairs):
-            return {**FEWER_OUTS, **dict(pairs)}
+        if all(1 <= rows <= MAX_ROWS and ok(v) for rows, v in pairs):
+            return {**defaults, **dict(pairs)}
     except ValueError:
         pass
-    log.warning("MLX_BATCHD_QMV_PER_WARP=%r: expected 1..8 or rows:outputs pairs; using the defaults", raw)
-    return dict(FEWER_OUTS)
+    log.warning("%s=%r: not a value or rows:value pairs in range; using the defaults", env, raw)
+    return dict(defaults)
 
 
-#: Row count -> outputs per warp where it is not ``OUTS_PER_WARP``.
+def _per_warp() -> dict[int, int]:
+    return _by_rows("MLX_BATCHD_QMV_PER_WARP", FEWER_OUTS, lambda v: 1 <= v <= 8)
+
+
+#: Row count -> outputs per warp where it is not ``OUTS_PER_WARP`` (``MLX_BATCHD_QMV_PER_WARP``).
 PER_WARP = _per_warp()
+#: Row count -> warps per block where it is not ``WARPS`` (``MLX_BATCHD_QMV_WARPS``): smaller blocks let
+#: an SM hold more of them when each thread needs many registers.
+BLOCK_WARPS = _by_rows("MLX_BATCHD_QMV_WARPS", SMALLER_BLOCKS, lambda v: v in (1, 2, 4, 8, 16))
 
 
 def per_warp(rows: int) -> int:
@@ -99,9 +109,16 @@ def per_warp(rows: int) -> int:
     return PER_WARP.get(rows, OUTS_PER_WARP)
 
 
+def warps(rows: int) -> int:
+    """Warps per block of a call on ``rows`` rows."""
+    return BLOCK_WARPS.get(rows, WARPS)
+
+
 def variant() -> str:
-    """The kernel's launch settings as one line (part of what kernel plans timed on it depend on)."""
-    return " ".join(f"{rows}:{per_warp(rows)}" for rows in range(1, MAX_ROWS + 1)) + f" u{UNROLL}"
+    """The kernel's launch settings as one line (part of what kernel plans timed on it depend on):
+    rows:outputs per warp/warps per block, then the tiles loaded ahead."""
+    shapes = (f"{rows}:{per_warp(rows)}/{warps(rows)}" for rows in range(1, MAX_ROWS + 1))
+    return " ".join(shapes) + f" u{UNROLL}"
 
 
 #: Loop iterations whose weight tiles a lane loads before using the first of them (memory-level
@@ -216,13 +233,13 @@ def _plan(
     m: int, r: int, mats: list[tuple[mx.array, mx.array, mx.array]], bits: int, gs: int, dtype: Any
 ) -> tuple[Any, list[mx.array], dict[str, Any]]:
     """The kernel, the inputs after ``x`` and the launch arguments of a call on ``m`` rows."""
-    warps = sum(-(-int(w.shape[0]) // r) for w, _, _ in mats)
-    blocks = -(-warps // WARPS)
+    w = warps(m)
+    blocks = -(-sum(-(-int(mat[0].shape[0]) // r) for mat in mats) // w)
     kwargs = {
         "template": [("T", dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r), ("U", UNROLL)],
-        "grid": (blocks * WARPS * 32, 1, 1),
-        "threadgroup": (WARPS * 32, 1, 1),
-        "output_shapes": [(m, int(w.shape[0])) for w, _, _ in mats],
+        "grid": (blocks * w * 32, 1, 1),
+        "threadgroup": (w * 32, 1, 1),
+        "output_shapes": [(m, int(mat[0].shape[0])) for mat in mats],
         "output_dtypes": [dtype] * len(mats),
     }
     return _kernel(len(mats)), [a for mat in mats for a in mat], kwargs
@@ -234,7 +251,7 @@ def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: 
     m = x.shape[0]
     r = per_warp(m)
     plans = getattr(mats, "plans", None)
-    key = (m, r, UNROLL, x.dtype)
+    key = (m, r, warps(m), UNROLL, x.dtype)
     plan = None if plans is None else plans.get(key)
     if plan is None:
         plan = _plan(m, r, mats, bits, gs, x.dtype)

@@ -49,23 +49,43 @@ __device__ __forceinline__ void qr_math(
   }
 }
 
-template <typename Q, int E, int BITS>
-__device__ __forceinline__ cutlass::Array<Q, E> qr_weights(const uint8_t* wrow, int idx) {
-  return *reinterpret_cast<const cutlass::Array<Q, E>*>(wrow + (size_t)idx * BITS / 8);
+// A tile as whole 16- or 8-byte loads where WIDE (the caller checked the alignment), else as the
+// element type's own loads. Why: cutlass's Array is only element-aligned,
+// so a plain dereference becomes 4-byte loads, and a warp's 4-byte loads of a lane-strided tile cost
+// the L1 eight times the wavefronts of the 16-byte ones: at 5 rows those loads, not the arithmetic,
+// set the kernel's time. Only how the bytes arrive changes, never a value.
+template <typename A, bool WIDE>
+__device__ __forceinline__ A qr_load(const void* p) {
+  if constexpr (WIDE && sizeof(A) % 8 == 0) {
+    using V = cuda::std::conditional_t<sizeof(A) % 16 == 0, uint4, uint2>;
+    V v[sizeof(A) / sizeof(V)];
+    #pragma unroll
+    for (int i = 0; i < (int)(sizeof(A) / sizeof(V)); ++i) v[i] = reinterpret_cast<const V*>(p)[i];
+    A a;
+    memcpy(&a, v, sizeof(A));
+    return a;
+  } else {
+    return *reinterpret_cast<const A*>(p);
+  }
 }
 
-template <typename CT, typename Q, typename Acc, int E, int M, int GS, int BITS>
+template <typename Q, int E, int BITS, bool WIDE>
+__device__ __forceinline__ cutlass::Array<Q, E> qr_weights(const uint8_t* wrow, int idx) {
+  return qr_load<cutlass::Array<Q, E>, WIDE>(wrow + (size_t)idx * BITS / 8);
+}
+
+template <typename CT, typename Q, typename Acc, int E, int M, int GS, int BITS, bool WIDE>
 __device__ __forceinline__ void qr_tile(
     const cutlass::Array<CT, E> (&xv)[M], const uint8_t* wrow, const CT* srow, const CT* brow, int idx,
     cutlass::Array<Acc, E> (&sums)[M]) {
-  qr_math<CT, Q, Acc, E, M, BITS>(xv, qr_weights<Q, E, BITS>(wrow, idx), srow[idx / GS], brow[idx / GS], sums);
+  qr_math<CT, Q, Acc, E, M, BITS>(xv, qr_weights<Q, E, BITS, WIDE>(wrow, idx), srow[idx / GS], brow[idx / GS], sums);
 }
 
 // The x tile at idx of each of the M rows, loaded once for the warp's R outputs.
-template <typename CT, int E, int M>
+template <typename CT, int E, int M, bool WIDE>
 __device__ __forceinline__ void qr_load_x(const CT* x, int k, int idx, cutlass::Array<CT, E> (&xv)[M]) {
   #pragma unroll
-  for (int m = 0; m < M; ++m) xv[m] = *reinterpret_cast<const cutlass::Array<CT, E>*>(x + (size_t)m * k + idx);
+  for (int m = 0; m < M; ++m) xv[m] = qr_load<cutlass::Array<CT, E>, WIDE>(x + (size_t)m * k + idx);
 }
 """
 
@@ -75,7 +95,7 @@ __device__ __forceinline__ void qr_load_x(const CT* x, int k, int idx, cutlass::
 #: and N come from the shapes at run time. ``WARPS`` warps per block. The prologue (``ONE`` or
 #: ``many``) picks the weight matrix, its output and the warp's first output feature ``n0``; the
 #: body is the same for one matrix and for several.
-BODY = """
+PRELUDE = """
   using CT = typename qr_cutlass<T>::type;
   using Q = typename qr_quant<BITS>::type;
   constexpr int E = BITS <= 4 ? 16 : 8;
@@ -83,6 +103,10 @@ BODY = """
   if (n0 >= N) return;
   const int groups = K / GS;
   const CT* xc = reinterpret_cast<const CT*>(x);
+  // Whole 16-byte x loads and 8-byte weight loads where the arrays' alignment allows (``qr_load``):
+  // the main loop is compiled both ways and this picks one for the whole call.
+  const bool wide = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && K % 8 == 0 &&
+                    (reinterpret_cast<uintptr_t>(wp) & 7) == 0 && ((size_t)K * BITS / 8) % 8 == 0;
   const uint8_t* wrow[R];
   const CT* srow[R];
   const CT* brow[R];
@@ -105,7 +129,12 @@ BODY = """
   cutlass::Array<CT, E> xv[M];
   constexpr int PER_WARP = 32 * E;
   const int iters = K / PER_WARP;
-  int it = 0;
+"""
+
+#: The main loop: U iterations' weight tiles, scales and biases are loaded into registers before any of
+#: them is used, so that U loads per output are in flight at once; the arithmetic that follows is the
+#: one-at-a-time loop's.
+LOOP = """  int it = 0;
   // U iterations' weight tiles, scales and biases are loaded before any of them is used, so that U
   // loads per output are in flight at once; the arithmetic that follows is the one-at-a-time loop's.
   for (; it + U <= iters; it += U) {
@@ -117,32 +146,39 @@ BODY = """
       const int idx = lane * E + (it + u) * PER_WARP;
       #pragma unroll
       for (int r = 0; r < R; ++r) {
-        wq[u][r] = qr_weights<Q, E, BITS>(wrow[r], idx);
+        wq[u][r] = qr_weights<Q, E, BITS, WIDE>(wrow[r], idx);
         sc[u][r] = srow[r][idx / GS];
         bi[u][r] = brow[r][idx / GS];
       }
     }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      qr_load_x<CT, E, M>(xc, K, lane * E + (it + u) * PER_WARP, xv);
+      qr_load_x<CT, E, M, WIDE>(xc, K, lane * E + (it + u) * PER_WARP, xv);
       #pragma unroll
       for (int r = 0; r < R; ++r) qr_math<CT, Q, Acc, E, M, BITS>(xv, wq[u][r], sc[u][r], bi[u][r], sums[r]);
     }
   }
   for (; it < iters; ++it) {
     const int idx = lane * E + it * PER_WARP;
-    qr_load_x<CT, E, M>(xc, K, idx, xv);
+    qr_load_x<CT, E, M, WIDE>(xc, K, idx, xv);
     #pragma unroll
-    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
+    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS, WIDE>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
   }
-  const int rest = K % PER_WARP;
+"""
+
+#: The rest of K (less than one warp's tile).
+TAIL = """  const int rest = K % PER_WARP;
   if (rest && lane * E + K - rest < K) {
     const int idx = lane * E + K - rest;
-    qr_load_x<CT, E, M>(xc, K, idx, xv);
+    qr_load_x<CT, E, M, WIDE>(xc, K, idx, xv);
     #pragma unroll
-    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
+    for (int r = 0; r < R; ++r) qr_tile<CT, Q, Acc, E, M, GS, BITS, WIDE>(xv, wrow[r], srow[r], brow[r], idx, sums[r]);
   }
-  #pragma unroll
+"""
+
+#: Each output's accumulators summed in fp32 in element order and the warp's lanes in a butterfly
+#: (MLX's ``cg::reduce``), written by lane 0.
+REDUCE = """  #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -158,6 +194,21 @@ BODY = """
     }
   }
 """
+
+
+def _both_ways(loop: str) -> str:
+    """``loop`` and the rest of K in a lambda instantiated with and without wide loads, and the call
+    that picks one (a branch per call, not per load)."""
+    return (
+        "  auto main_loop = [&](auto wide_t) {\n    constexpr bool WIDE = decltype(wide_t)::value;\n"
+        + loop
+        + TAIL
+        + "  };\n  if (wide) main_loop(cuda::std::true_type{}); else main_loop(cuda::std::false_type{});\n"
+    )
+
+
+BODY = PRELUDE + _both_ways(LOOP) + REDUCE
+
 
 ONE = """
   const int K = static_cast<int>(x_shape[1]);

@@ -151,13 +151,14 @@ def test_a_cache_folder_that_cannot_be_made_still_lets_the_engine_start(
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        ("", {6: 2, 7: 2, 8: 2}),
+        ("", {1: 2, 6: 2, 7: 2, 8: 2}),
         ("2", dict.fromkeys(range(1, qmv_rows.MAX_ROWS + 1), 2)),
         ("1:1, 4:2,8:4", {1: 1, 4: 2, 6: 2, 7: 2, 8: 4}),
-        ("0", {6: 2, 7: 2, 8: 2}),
-        ("9:1", {6: 2, 7: 2, 8: 2}),
-        ("four", {6: 2, 7: 2, 8: 2}),
-        ("1:", {6: 2, 7: 2, 8: 2}),
+        ("5:1", {1: 2, 5: 1, 6: 2, 7: 2, 8: 2}),
+        ("0", {1: 2, 6: 2, 7: 2, 8: 2}),
+        ("9:1", {1: 2, 6: 2, 7: 2, 8: 2}),
+        ("four", {1: 2, 6: 2, 7: 2, 8: 2}),
+        ("1:", {1: 2, 6: 2, 7: 2, 8: 2}),
     ],
 )
 def test_the_kernels_outputs_per_warp_are_set_by_row_count_and_a_bad_setting_keeps_the_default(

@@ -60,6 +60,11 @@ def test_a_checked_groups_launch_arguments_are_worked_out_once_per_row_count_and
     qmv_rows._launch(x5, mats, 4, 64)
     assert len(mats.plans) == 3
     assert ("R", 1) in calls[-1]["template"] and ("R", qmv_rows.OUTS_PER_WARP) in calls[0]["template"]
+    # Warps per block are a setting of their own: the grid covers the same warps in smaller blocks.
+    monkeypatch.setattr(qmv_rows, "BLOCK_WARPS", {5: 4})
+    qmv_rows._launch(x5, mats, 4, 64)
+    assert len(mats.plans) == 4 and calls[-1]["threadgroup"] == (128, 1, 1)
+    assert calls[-1]["grid"] == (-(-24 // 1 // 4) * 128, 1, 1)  # 24 outputs, one a warp: 6 blocks of 4 warps
     plain = [found[:3]]
     qmv_rows._launch(x5, plain, 4, 64)
     assert not hasattr(plain, "plans") and calls[-1] == calls[-2]

@@ -227,7 +227,9 @@ def compile_source(kernel_name: str, source: str, module_name: str = "check", ar
     )
     full_name = ("mlx::core::cu::" + kernel_name).encode()
     _check(lib.nvrtcAddNameExpression(prog, full_name), "nvrtcAddNameExpression")
-    opts = ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *include_args()]
+    # NVRTC_EXTRA: more options, e.g. "--ptxas-options=-v" (registers and spills of each kernel in the log)
+    extra = os.environ.get("NVRTC_EXTRA", "").split()
+    opts = ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *include_args(), *extra]
     opt_arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     t0 = time.perf_counter()
     res = lib.nvrtcCompileProgram(prog, len(opts), opt_arr)
@@ -244,6 +246,13 @@ def compile_source(kernel_name: str, source: str, module_name: str = "check", ar
         cubin = ctypes.c_size_t()
         _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)), "nvrtcGetCUBINSize")
         detail = f"{lowered.value.decode()} cubin={cubin.value}B"
+        out_dir = os.environ.get("NVRTC_CUBIN_DIR")  # keep the cubin (for cuobjdump -sass)
+        if out_dir:
+            data = ctypes.create_string_buffer(cubin.value)
+            _check(lib.nvrtcGetCUBIN(prog, data), "nvrtcGetCUBIN")
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, kernel_name + ".cubin"), "wb") as f:
+                f.write(data.raw)
     else:
         detail = lib.nvrtcGetErrorString(res).decode()
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
