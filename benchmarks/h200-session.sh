@@ -74,7 +74,7 @@ elif [ "$PART" = w ]; then
     --out "$R/rowkernel.json" --per-warp-out /root/qmv-per-warp
   [ -s /root/qmv-per-warp ] && export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
 elif [ "$PART" = q ]; then
-  step chained 200 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,5 --outs 4 \
+  step chained 200 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,5 --outs "${OUTS:-4}" \
     --chained --out "$R/chained.json"
   step matrix 400 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8}" \
     --tokens "${TOKENS:-192}" --repeats 3 --raw-max-batch "${RAW:-8}" --out "$R/matrix"
