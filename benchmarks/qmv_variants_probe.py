@@ -1,6 +1,7 @@
 """Device measurement: how fast the project's quantized row kernel reads the weights, by variant (MLX CUDA).
 
-    python benchmarks/qmv_variants_probe.py --out variants.json [--quick]
+    python benchmarks/qmv_variants_probe.py --out variants.json [--quick] [--env-out FILE]
+    python benchmarks/qmv_variants_probe.py --plot "4-byte loads=a.json" "16-byte loads=b.json" --out loads.png
 
 Why: the kernel's arithmetic is fixed (each output must be MLX's one-row call's, byte for byte), but
 how a call is laid out over the GPU is not: outputs per warp (each x tile shared by more outputs, more
@@ -180,12 +181,43 @@ def best(report: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return {"table": table, "env": env}
 
 
+def plot(reports: list[str], labels: list[str], png: str) -> None:
+    """Microseconds an 8B layer's projections take by row count (``best``'s weighted sums): each
+    report's default variant and its fastest exact one, and MLX's quantized matmul."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for path, label in zip(reports, labels, strict=True):
+        with open(path) as f:
+            table = json.load(f)["best"]["table"]
+        rows = sorted(int(k[4:]) for k in table)
+        first = [next(iter(table[f"rows{m}"]["layer_us"].values())) for m in rows]
+        fastest = [min(table[f"rows{m}"]["layer_us"].values()) for m in rows]
+        ax.plot(rows, first, "o--", label=f"{label}: first variant")
+        ax.plot(rows, fastest, "s-", label=f"{label}: fastest exact")
+    ax.plot(rows, [table[f"rows{m}"]["mlx_layer_us"] for m in rows], "x:", color="grey", label="MLX quantized matmul")
+    ax.set_xlabel("rows a call")
+    ax.set_ylabel("us an 8B layer's projections (HBM-resident weights)")
+    ax.set_title("qmv_rows on the H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="rows 1 and 5 only")
     ap.add_argument("--env-out", help="write the fastest exact settings here as shell exports")
+    ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON", help="only plot earlier reports to --out (a PNG)")
     a = ap.parse_args()
+    if a.plot:
+        labels, paths = zip(*(item.split("=", 1) for item in a.plot), strict=True)
+        plot(list(paths), list(labels), a.out)
+        return 0
     if not mx.cuda.is_available():
         print("qmv_variants_probe: MLX has no CUDA device here")
         return 2
