@@ -42,7 +42,7 @@ import mlx.nn as nn
 from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import attention, fastpath, plan_timing, qmv_rows, rowkernel
+from workers import attention, fastpath, plan_timing, qmv_launch, qmv_rows, rowkernel
 from workers.kernels import Level, install, scoped, stock, wrap_caches
 from workers.models import load
 
@@ -52,7 +52,7 @@ VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
 
 #: (outputs per warp, weight tiles loaded ahead) of the mirrored kernel that part 1 times (the first
 #: is the module's default).
-MIRRORED = tuple(dict.fromkeys(((qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL), (4, 1), (4, 2), (4, 4), (8, 2))))
+MIRRORED = tuple(dict.fromkeys(((qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL), (4, 1), (4, 2), (4, 4), (8, 2))))
 #: Rows per call that part 1 times the mirrored kernel (and MLX) at.
 MIRRORED_ROWS = (1, 2, 4, 5, 8)
 #: Outputs per warp of the mirrored kernel in part 2's whole-model runs (tiles ahead: the default).
@@ -71,12 +71,12 @@ def use(variant: tuple[int, int]) -> None:
         use(VARIANTS[0])
         return
     if variant[0] < 0:
-        qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = -variant[0], variant[1] or MIRRORED[0][1]
-        qmv_rows.PER_WARP = {}  # r outputs per warp at every row count
+        qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL = -variant[0], variant[1] or MIRRORED[0][1]
+        qmv_launch.PER_WARP = {}  # r outputs per warp at every row count
         variant = VARIANTS[0]
     else:
-        qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
-        qmv_rows.PER_WARP = qmv_rows._per_warp()
+        qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL = MIRRORED[0]
+        qmv_launch.PER_WARP = qmv_launch._per_warp()
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
@@ -168,7 +168,7 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
             best = min(ways, key=lambda k: ways[k])
             row["mlx_best_ms"][mm] = [best, ways[best]]
         for r, u in MIRRORED:
-            qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL, qmv_rows.PER_WARP = r, u, {}
+            qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL, qmv_launch.PER_WARP = r, u, {}
             mirrored = {mm: qmv_rows._launch(x[:mm], [found[:3]], found[3], found[4])[0] for mm in MIRRORED_ROWS}
             mx.eval(ones_mlx, mirrored)
             row[f"mirrored_R{r}U{u}"] = {
@@ -184,8 +184,8 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
                     for mm in MIRRORED_ROWS
                 },
             }
-    qmv_rows.OUTS_PER_WARP, qmv_rows.UNROLL = MIRRORED[0]
-    qmv_rows.PER_WARP = qmv_rows._per_warp()
+    qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL = MIRRORED[0]
+    qmv_launch.PER_WARP = qmv_launch._per_warp()
     return row
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from workers import qmv_rows
+from workers import qmv_launch
 from workers.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
@@ -48,7 +48,7 @@ def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> str:
         "shapes": sorted(shapes),
         "rows": max_rows,
         "pads": list(pads),
-        "kernel": qmv_rows.variant(),
+        "kernel": qmv_launch.variant(),
     }
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
 

@@ -120,7 +120,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
-    from workers import fastpath, qmv_rows
+    from workers import fastpath, qmv_launch
     from workers.backend import configure_attention
     from workers.engine import Engine
     from workers.models import load
@@ -201,7 +201,7 @@ def _main(args: argparse.Namespace) -> int:
         "model_path": str(path),
         "device": str(mx.default_device()),
         "mlx": str(getattr(mx, "__version__", "unknown")),
-        "row_kernel": qmv_rows.variant(),
+        "row_kernel": qmv_launch.variant(),
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store, plan_timing, qmv_rows
+from workers import fastpath, plan_store, plan_timing, qmv_launch, qmv_rows
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -40,7 +40,7 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     with pytest.raises(AssertionError, match="timed again"):  # another row range is another key
         plan_timing.calibrate(_model(), tmp_path)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    monkeypatch.setattr(qmv_rows, "PER_WARP", {4: 1})
+    monkeypatch.setattr(qmv_launch, "PER_WARP", {4: 1})
     with pytest.raises(AssertionError, match="timed again"):  # the kernel launched otherwise: another key
         plan_timing.calibrate(_model(), tmp_path)
 
@@ -165,6 +165,6 @@ def test_the_kernels_outputs_per_warp_are_set_by_row_count_and_a_bad_setting_kee
     raw: str, expected: dict[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MLX_BATCHD_QMV_PER_WARP", raw)
-    assert qmv_rows._per_warp() == expected
-    monkeypatch.setattr(qmv_rows, "PER_WARP", expected)
-    assert [qmv_rows.per_warp(r) for r in (1, 4)] == [expected.get(r, qmv_rows.OUTS_PER_WARP) for r in (1, 4)]
+    assert qmv_launch._per_warp() == expected
+    monkeypatch.setattr(qmv_launch, "PER_WARP", expected)
+    assert [qmv_launch.per_warp(r) for r in (1, 4)] == [expected.get(r, qmv_launch.OUTS_PER_WARP) for r in (1, 4)]

@@ -8,7 +8,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.mirrored import _quantized
-from workers import qmv_rows
+from workers import qmv_launch, qmv_rows
 from workers.kernels import Level
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
@@ -56,12 +56,12 @@ def test_a_checked_groups_launch_arguments_are_worked_out_once_per_row_count_and
     qmv_rows._launch(x5, mats, 4, 64)
     assert len(mats.plans) == 1 and calls[0] == calls[1] and calls[0]["output_shapes"] == [(5, 24)]
     qmv_rows._launch(x2, mats, 4, 64)
-    monkeypatch.setattr(qmv_rows, "PER_WARP", {5: 1})
+    monkeypatch.setattr(qmv_launch, "PER_WARP", {5: 1})
     qmv_rows._launch(x5, mats, 4, 64)
     assert len(mats.plans) == 3
-    assert ("R", 1) in calls[-1]["template"] and ("R", qmv_rows.OUTS_PER_WARP) in calls[0]["template"]
+    assert ("R", 1) in calls[-1]["template"] and ("R", qmv_launch.OUTS_PER_WARP) in calls[0]["template"]
     # Warps per block are a setting of their own: the grid covers the same warps in smaller blocks.
-    monkeypatch.setattr(qmv_rows, "BLOCK_WARPS", {5: 4})
+    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {5: 4})
     qmv_rows._launch(x5, mats, 4, 64)
     assert len(mats.plans) == 4 and calls[-1]["threadgroup"] == (128, 1, 1)
     assert calls[-1]["grid"] == (-(-24 // 1 // 4) * 128, 1, 1)  # 24 outputs, one a warp: 6 blocks of 4 warps
