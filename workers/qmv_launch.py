@@ -63,9 +63,15 @@ def _per_warp() -> dict[int, int]:
 
 #: Row count -> outputs per warp where it is not ``OUTS_PER_WARP`` (``MLX_BATCHD_QMV_PER_WARP``).
 PER_WARP = _per_warp()
+
+
 #: Row count -> warps per block where it is not ``WARPS`` (``MLX_BATCHD_QMV_WARPS``): smaller blocks let
 #: an SM hold more of them when each thread needs many registers.
-BLOCK_WARPS = _by_rows("MLX_BATCHD_QMV_WARPS", SMALLER_BLOCKS, lambda v: v in (1, 2, 4, 8, 16))
+def _block_warps() -> dict[int, int]:
+    return _by_rows("MLX_BATCHD_QMV_WARPS", SMALLER_BLOCKS, lambda v: v in (1, 2, 4, 8, 16))
+
+
+BLOCK_WARPS = _block_warps()
 
 
 def per_warp(rows: int) -> int:

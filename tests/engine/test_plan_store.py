@@ -168,3 +168,27 @@ def test_the_kernels_outputs_per_warp_are_set_by_row_count_and_a_bad_setting_kee
     assert qmv_launch._per_warp() == expected
     monkeypatch.setattr(qmv_launch, "PER_WARP", expected)
     assert [qmv_launch.per_warp(r) for r in (1, 4)] == [expected.get(r, qmv_launch.OUTS_PER_WARP) for r in (1, 4)]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("", {1: 4, 6: 4, 7: 4, 8: 4}),
+        ("8", dict.fromkeys(range(1, qmv_launch.MAX_ROWS + 1), 8)),
+        ("1:8, 5:2", {1: 8, 5: 2, 6: 4, 7: 4, 8: 4}),
+        ("3", {1: 4, 6: 4, 7: 4, 8: 4}),
+        ("5:32", {1: 4, 6: 4, 7: 4, 8: 4}),
+    ],
+)
+def test_the_kernels_warps_per_block_are_set_by_row_count_and_name_the_plans_they_were_timed_on(
+    raw: str, expected: dict[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of 1-16 warps (a power of two) by row count, or the defaults; and the kernel's variant
+    line, which kernel plans are stored under, changes with the setting."""
+    monkeypatch.setenv("MLX_BATCHD_QMV_WARPS", raw)
+    assert qmv_launch._block_warps() == expected
+    before = qmv_launch.variant()
+    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", expected)
+    assert [qmv_launch.warps(r) for r in (1, 5)] == [expected.get(r, qmv_launch.WARPS) for r in (1, 5)]
+    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {**expected, 3: 16})
+    assert qmv_launch.variant() != before
