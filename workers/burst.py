@@ -14,6 +14,8 @@ Token accounting mirrors ``GenerationBatch.next`` exactly: each emitted token co
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +31,11 @@ class BurstSettings:
     audit_fraction: float = 0.02
     #: Classic B = 1 steps timed before the first burst of a pairing, and again after a pause.
     profile_steps: int = 3
-    #: Rounds measured before the adaptive policy may stop bursting.
+    #: Rounds measured before the adaptive policy may stop bursting; also how many of the latest
+    #: rounds (and classic steps) its estimate reads.
     min_rounds: int = 16
     #: Seconds bursting stays off after the measured speedup fell below 1.
     reprofile_after_s: float = 30.0
-    ema: float = 0.2
     seed: int = 0
     #: Build the next round's verify while this one runs, where the drafter can guess it
     #: (``workers.lookahead``); off only to measure what it saves.
@@ -52,41 +54,70 @@ class BurstCounters:
     audit_failures: int = 0
     #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
     ahead: int = 0
-    #: Wall seconds of every round, from drafting to emitting (the adaptive gate keeps only a moving
-    #: average, and forgets it when it pauses bursts: this total says what rounds cost over any span).
+    #: Wall seconds of every round, from drafting to emitting (the adaptive gate keeps only its
+    #: latest rounds, and forgets them when it pauses bursts: this total says what rounds cost over any span).
     round_seconds: float = 0.0
     declined: dict[str, int] = field(default_factory=dict)
 
 
+def _median(xs: deque[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 @dataclass
 class Adaptive:
-    """Measured speedup of bursts over classic B = 1 decode, and the decision it drives."""
+    """Measured speedup of bursts over classic B = 1 decode, and the decision it drives.
+
+    The estimate reads the latest ``min_rounds`` rounds and classic steps: the median seconds of
+    each (a round whose kernels compiled for a new shape, or a step that waited on the host, is one
+    sample among many and not the level every later sample decays from) and the mean tokens a round
+    emitted (bounded by K + 1, and what throughput follows). On the H200 a moving average seeded by
+    the first rounds of the demo pair, which include first-use compilation, paused bursts before any
+    timed request (docs/benchmarks.md section 26)."""
 
     settings: BurstSettings
-    classic_step_s: float | None = None
-    classic_samples: int = 0
-    round_s: float | None = None
-    tokens_per_round: float | None = None
     rounds: int = 0
     paused_until: float = 0.0
+    _classic: deque[float] = field(default_factory=deque, repr=False)
+    _round_s: deque[float] = field(default_factory=deque, repr=False)
+    _tokens: deque[int] = field(default_factory=deque, repr=False)
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.settings.ema * (new - old)
+    def __post_init__(self) -> None:
+        n = max(self.settings.min_rounds, self.settings.profile_steps, 1)
+        self._classic, self._round_s, self._tokens = deque(maxlen=n), deque(maxlen=n), deque(maxlen=n)
+
+    @property
+    def classic_samples(self) -> int:
+        return len(self._classic)
+
+    @property
+    def classic_step_s(self) -> float | None:
+        """Median seconds of the latest classic B = 1 steps."""
+        return _median(self._classic)
+
+    @property
+    def round_s(self) -> float | None:
+        """Median seconds of the latest rounds."""
+        return _median(self._round_s)
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        return statistics.fmean(self._tokens) if self._tokens else None
 
     def observe_classic(self, seconds: float) -> None:
-        self.classic_step_s = self._ema(self.classic_step_s, seconds)
-        self.classic_samples += 1
+        self._classic.append(seconds)
 
     def observe_round(self, seconds: float, tokens: int) -> None:
-        self.round_s = self._ema(self.round_s, seconds)
-        self.tokens_per_round = self._ema(self.tokens_per_round, float(tokens))
+        self._round_s.append(seconds)
+        self._tokens.append(tokens)
         self.rounds += 1
 
     @property
     def speedup(self) -> float | None:
-        if self.classic_step_s is None or self.round_s is None or self.tokens_per_round is None:
+        classic, round_s, tokens = self.classic_step_s, self.round_s, self.tokens_per_round
+        if classic is None or round_s is None or tokens is None or round_s <= 0:
             return None
-        return self.tokens_per_round * self.classic_step_s / self.round_s
+        return tokens * classic / round_s
 
     def refusal(self, now: float) -> str | None:
         """Why a burst may not start now, or ``None``."""
@@ -101,8 +132,9 @@ class Adaptive:
         s = self.speedup
         if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
             self.paused_until = now + self.settings.reprofile_after_s
-            self.classic_samples = 0
-            self.round_s = self.tokens_per_round = None
+            self._classic.clear()
+            self._round_s.clear()
+            self._tokens.clear()
             self.rounds = 0
             return False
         return True
