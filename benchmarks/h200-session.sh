@@ -50,6 +50,8 @@
 #   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4,
 #   5 and 8 rows at the defaults and at the fastest exact variants (kept in /root/qmv-env for later parts).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
+# PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
+#   ahead (lookahead_probe), then through the daemon with lookahead on and off (--no-lookahead), 5 repeats each.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -121,6 +123,14 @@ elif [ "$PART" = d ]; then
   step demo-mtp 300 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,prompt-lookup \
     --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/demo-mtp"
   step demo 120 python3 -m scheduler demo
+elif [ "$PART" = dl ]; then
+  step lookahead-mtp 90 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
+    --repeats 5 --out "$R/lookahead-mtp.json"
+  for ahead in on off; do
+    args=(); [ $ahead = off ] && args=(--daemon-args=--no-lookahead)
+    step "demo-mtp-$ahead" 200 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
+      --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-mtp-$ahead"
+  done
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"

@@ -78,6 +78,9 @@ class Adaptive:
     settings: BurstSettings
     rounds: int = 0
     paused_until: float = 0.0
+    #: What the estimate read when it last paused bursting (``after_round``), kept after it forgets
+    #: its samples: speedup, classic step and round seconds (medians), tokens a round (mean), rounds.
+    last_pause: dict[str, float] | None = None
     _classic: deque[float] = field(default_factory=deque, repr=False)
     _round_s: deque[float] = field(default_factory=deque, repr=False)
     _tokens: deque[int] = field(default_factory=deque, repr=False)
@@ -132,6 +135,13 @@ class Adaptive:
         s = self.speedup
         if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
             self.paused_until = now + self.settings.reprofile_after_s
+            self.last_pause = {
+                "speedup": s,
+                "classic_step_s": self.classic_step_s or 0.0,
+                "round_s": self.round_s or 0.0,
+                "tokens_per_round": self.tokens_per_round or 0.0,
+                "rounds": float(self.rounds),
+            }
             self._classic.clear()
             self._round_s.clear()
             self._tokens.clear()

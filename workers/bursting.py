@@ -417,4 +417,5 @@ class BurstRunner:
             "speedup_estimate": self.adaptive.speedup,
             "classic_step_s": self.adaptive.classic_step_s,
             "round_s": self.adaptive.round_s,
+            "last_pause": self.adaptive.last_pause,
         }

@@ -108,6 +108,8 @@ class BurstSummary(TypedDict):
     speedup_estimate: float | None
     classic_step_s: float | None
     round_s: float | None
+    #: What the adaptive gate's estimate read when it last paused bursting (``Adaptive.last_pause``).
+    last_pause: dict[str, float] | None
 
 
 class PinTax(TypedDict, total=False):

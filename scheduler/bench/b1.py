@@ -29,6 +29,7 @@ def b1_rows(
     counts: dict[str, dict[str, float]],
     verdicts: dict[str, dict[str, Any]],
     reference: float | None = None,
+    pauses: dict[str, dict[str, float] | None] | None = None,
 ) -> list[dict[str, Any]]:
     """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats.
 
@@ -37,7 +38,9 @@ def b1_rows(
     or no round ran) has ``speedup`` None, and ``alike`` says whether 1.0 is within its spread
     (an arm that decoded classically must read 1.00, else the arms were not measured alike).
     ``round_ms`` is the rounds' mean wall time and ``round_steps`` that in classic B = 1 steps (at
-    classic's median rate): what a round costs, whatever the adaptive gate then decided."""
+    classic's median rate): what a round costs, whatever the adaptive gate then decided.
+    ``pauses``: each arm's daemon's ``bursts.last_pause`` (what its adaptive gate measured when it
+    last paused bursting), kept as ``gate_pause``: why an arm declined with "adaptive" did."""
     base = samples[("daemon", 1)]
     classic = statistics.median(base)
 
@@ -61,6 +64,7 @@ def b1_rows(
             "round_steps": None,
             "verdict": "-",
             "of_limit": of_limit(classic),
+            "gate_pause": None,
         }
     ]
     for arm, c in counts.items():
@@ -89,6 +93,7 @@ def b1_rows(
                 "round_steps": None if round_s is None else round_s * classic,
                 "verdict": f"{v.get('level') or 'declined'}{'' if v.get('exact', False) else ' (inexact)'}",
                 "of_limit": of_limit(rate),
+                "gate_pause": (pauses or {}).get(arm),
             }
         )
     return rows
@@ -142,6 +147,13 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
         for r in rows
         for rlo, rhi in [r["vs_classic_spread"]]
         if r["alike"] is False
+    ]
+    notes += [
+        f"{r['drafter']}: the daemon's adaptive gate last paused bursting at {g['speedup']:.3f}x its classic "
+        f"steps ({g['rounds']:.0f} rounds: {g['tokens_per_round']:.2f} tokens a round in {1e3 * g['round_s']:.2f} ms "
+        f"against classic steps of {1e3 * g['classic_step_s']:.2f} ms, medians)"
+        for r in rows
+        if (g := r.get("gate_pause"))
     ]
     if reference_line:
         notes.append(f"{reference_line} (classic decode; a burst round reads the weights once for several tokens)")

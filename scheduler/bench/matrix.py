@@ -79,6 +79,7 @@ def write_tables(
     counts: dict[str, dict[str, float]] | None = None,
     verdicts: dict[str, dict[str, Any]] | None = None,
     runs: list[dict[str, Any]] | None = None,
+    pauses: dict[str, dict[str, float] | None] | None = None,
 ) -> str:
     """Write every table with the batch sizes finished so far and return their Markdown.
 
@@ -92,7 +93,7 @@ def write_tables(
         return ""
     md = write_report(rows, meta, out, runs)
     if 1 in done and setup.b1_arms and counts is not None:
-        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1))
+        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1), pauses)
         b1_runs = [r for r in runs or [] if r["batch"] == 1]
         md += "\n" + write_b1(b1, meta, out, setup.reference_line(1), b1_runs)
     return md
@@ -220,6 +221,7 @@ def _main(args: argparse.Namespace) -> int:
     }
     out = Path(args.out)
     counts: dict[str, dict[str, float]] | None = None
+    pauses: dict[str, dict[str, float] | None] = {}
     verdicts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
@@ -333,7 +335,10 @@ def _main(args: argparse.Namespace) -> int:
                     name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
                     for name in b1_arms
                 }
-            write_tables(samples, setup, meta, out, counts, verdicts, runs)
+                pauses = {
+                    name: (clients[name].stats()["engine"].get("bursts") or {}).get("last_pause") for name in b1_arms
+                }
+            write_tables(samples, setup, meta, out, counts, verdicts, runs, pauses)
             progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
         if args.poisson_rate > 0:
             # The production shape: the first drafter's daemon (bursts whenever one request is alone).
@@ -349,7 +354,7 @@ def _main(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
     meta["daemon_exit_codes"] = exit_codes
-    print(write_tables(samples, setup, meta, out, counts, verdicts, runs))
+    print(write_tables(samples, setup, meta, out, counts, verdicts, runs, pauses))
     if poisson is not None:
         print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
         print(write_poisson(poisson, meta, out))

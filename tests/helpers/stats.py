@@ -105,6 +105,7 @@ def stats_snapshot(
                 "speedup_estimate": None,
                 "classic_step_s": None,
                 "round_s": None,
+                "last_pause": None,
             },
             "pin_tax": {},
             "prefix_cache": {

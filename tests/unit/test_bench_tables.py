@@ -268,3 +268,20 @@ def test_prefix_tables_say_when_reuse_ran_under_allow_inexact() -> None:
     exact = {"serving": True, "verdict": {"exact": True, "reason": "warm == cold"}}
     assert "allow-inexact" not in prefix_markdown({"meta": {"allow_inexact": True, "prefix_cache": exact}})
     assert "allow-inexact" not in prefix_markdown({"meta": {"allow_inexact": False, "prefix_cache": inexact}})
+
+
+def test_an_arm_the_gate_paused_says_what_the_gate_measured() -> None:
+    """A drafter arm declined by the adaptive gate carries the estimate that paused it, and the
+    table's notes print it: the figure a reader needs to tell a slow round from a warm-up stall."""
+    pause = {"speedup": 0.87, "classic_step_s": 0.0012, "round_s": 0.0064, "tokens_per_round": 4.64, "rounds": 16.0}
+    samples = {("daemon", 1): CLASSIC, ("bursts:mtp", 1): [101.0, 99.0, 100.0], ("bursts:pl", 1): CLASSIC}
+    counts = {"bursts:mtp": {**NO_ROUNDS, "declined:adaptive": 3}, "bursts:pl": COUNTS}
+    verdicts = {"bursts:mtp": {"level": "mirrored", "exact": True}, "bursts:pl": {"level": "wide", "exact": True}}
+    rows = b1_rows(samples, counts, verdicts, pauses={"bursts:mtp": pause, "bursts:pl": None})
+    assert [r["gate_pause"] for r in rows] == [None, pause, None]
+    md = b1_markdown(rows)
+    assert (
+        "mtp: the daemon's adaptive gate last paused bursting at 0.870x its classic steps (16 rounds: 4.64 tokens "
+        "a round in 6.40 ms against classic steps of 1.20 ms, medians)"
+    ) in md
+    assert "pl: the daemon's adaptive gate" not in md
