@@ -52,6 +52,7 @@
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
 #   ahead (lookahead_probe), then through the daemon with lookahead on and off (--no-lookahead), 5 repeats each.
+# PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -130,6 +131,12 @@ elif [ "$PART" = dl ]; then
     args=(); [ $ahead = off ] && args=(--daemon-args=--no-lookahead)
     step "demo-mtp-$ahead" 200 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-mtp-$ahead"
+  done
+elif [ "$PART" = dt ]; then
+  for ahead in on off; do
+    args=(); [ $ahead = off ] && args=(--daemon-args=--no-lookahead)
+    step "demo-text-$ahead" 150 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
+      --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
   done
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \

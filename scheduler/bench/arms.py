@@ -18,6 +18,15 @@ def random_prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, min(vocab, 256)) for _ in range(n)] for _ in range(b)]
 
 
+def text_prompts(tokenizer: Any, texts: list[str], b: int, seed: int) -> list[list[int]]:
+    """``b`` prompts from ``texts`` (encoded with the served model's tokenizer), starting at text
+    ``seed`` and cycling: every arm of a repeat gets the same ones, and a repeat's seed picks where
+    the cycle starts. For drafters whose acceptance depends on what they read (a head trained on the
+    demo's corpus accepts far less on random token ids)."""
+    encoded = [list(tokenizer.encode(t)) for t in texts]
+    return [encoded[(seed + i) % len(encoded)] for i in range(b)]
+
+
 def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     """Generated tokens and seconds for one workload on a fresh ``BatchGenerator``, on stock MLX and
     mlx-lm (the project's kernel patches are lifted for the run): the peer, as mlx_lm.server runs it."""

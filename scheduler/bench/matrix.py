@@ -61,6 +61,7 @@ from scheduler.bench.arms import (
     run_raw,
     served_model,
     step_counters,
+    text_prompts,
     wait_idle,
 )
 from scheduler.bench.b1 import b1_rows, write_b1
@@ -69,6 +70,7 @@ from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.spreads import rotated
+from scheduler.cli.demo import DEMO_PROMPTS
 
 
 def write_tables(
@@ -154,6 +156,13 @@ def _main(args: argparse.Namespace) -> int:
     )
     weight_bytes = sum(v.nbytes for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+    def prompts_for(b: int, seed: int) -> list[list[int]]:
+        """The workload's prompts (``--prompts``): random token ids, or the demo's file-like openings."""
+        if args.prompts == "demo":
+            return text_prompts(loaded.tokenizer, DEMO_PROMPTS, b, seed)
+        return random_prompts(b, args.prompt_tokens, vocab, seed)
+
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     drafters = [d for d in (args.drafters or "").split(",") if d]
     samples: dict[tuple[str, int], list[float]] = {}
@@ -205,6 +214,7 @@ def _main(args: argparse.Namespace) -> int:
         "row_kernel": qmv_launch.variant(),
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
         "repeats": args.repeats,
         "context": setup.context,
         "drafters": drafters,
@@ -269,12 +279,12 @@ def _main(args: argparse.Namespace) -> int:
             return step_counters(clients["daemon" if arm in HTTP_ARMS else arm].stats()["engine"])
 
         progress("bench: warming every arm up (untimed)")
-        warm = random_prompts(2, args.prompt_tokens, vocab, seed=99)
+        warm = prompts_for(2, seed=99)
         for arm in setup.arms:
             run(arm, warm, min(8, args.tokens))  # the daemons refuse more than --tokens
         if 1 in batches:
             # The measured shape, once, in every B = 1 arm (see the module's docstring).
-            shape = random_prompts(1, args.prompt_tokens, vocab, seed=98)
+            shape = prompts_for(1, seed=98)
             for arm in setup.arms_at(1):
                 wait_idle(clients)
                 run(arm, shape, args.tokens)
@@ -285,14 +295,14 @@ def _main(args: argparse.Namespace) -> int:
         for b in batches:
             if b != 1:  # B = 1 ran its measured shape above
                 # This batch size's shapes, once, in every arm (see the module's docstring).
-                wave = random_prompts(b, args.prompt_tokens, vocab, seed=1000 * b + 999)
+                wave = prompts_for(b, seed=1000 * b + 999)
                 progress(f"bench: B = {b}, warming every arm up (untimed)")
                 for arm in setup.arms_at(b):
                     wait_idle(clients)
                     run(arm, wave, min(8, args.tokens))
                     mx.clear_cache()
             for rep in range(args.repeats):
-                prompts = random_prompts(b, args.prompt_tokens, vocab, seed=1000 * b + rep)
+                prompts = prompts_for(b, seed=1000 * b + rep)
                 for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
                     wait_idle(clients)
                     before_steps = counters(arm)

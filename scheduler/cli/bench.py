@@ -60,6 +60,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
+    p.add_argument(
+        "--prompts",
+        choices=("random", "demo"),
+        default="random",
+        help="random: --prompt-tokens random token ids a request; demo: the demo command's file-like openings "
+        "(what the demo pair was trained on: its MTP head accepts far less on random ids)",
+    )
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument(
         "--out", default=BENCH_OUT, help=f"folder for JSON, Markdown and PNG results (default ./{BENCH_OUT})"

@@ -285,3 +285,21 @@ def test_an_arm_the_gate_paused_says_what_the_gate_measured() -> None:
         "a round in 6.40 ms against classic steps of 1.20 ms, medians)"
     ) in md
     assert "pl: the daemon's adaptive gate" not in md
+
+
+def test_demo_prompts_are_the_demo_commands_text_through_the_served_tokenizer() -> None:
+    """``--prompts demo``: the demo command's openings as the demo target's tokenizer encodes them,
+    cycled from the repeat's seed, so every arm of a repeat reads the same prompts."""
+    from mlx_lm.utils import load_tokenizer
+
+    from scheduler.bench.arms import text_prompts
+    from scheduler.cli.demo import DEMO_PROMPTS
+    from workers.demo import demo_path
+
+    tokenizer = load_tokenizer(demo_path("target"))
+    got = text_prompts(tokenizer, DEMO_PROMPTS, 6, seed=3)
+    assert len(got) == 6 and got == text_prompts(tokenizer, DEMO_PROMPTS, 6, seed=3)
+    assert [tokenizer.decode(p) for p in got] == [DEMO_PROMPTS[(3 + i) % len(DEMO_PROMPTS)] for i in range(6)]
+    assert text_prompts(tokenizer, DEMO_PROMPTS, 1, seed=4) == [got[1]]
+    assert build_parser().parse_args(["bench"]).prompts == "random"
+    assert build_parser().parse_args(["bench", "--prompts", "demo"]).prompts == "demo"
