@@ -71,9 +71,10 @@ class Adaptive:
     The estimate reads the latest ``min_rounds`` rounds and classic steps: the median seconds of
     each (a round whose kernels compiled for a new shape, or a step that waited on the host, is one
     sample among many and not the level every later sample decays from) and the mean tokens a round
-    emitted (bounded by K + 1, and what throughput follows). On the H200 a moving average seeded by
-    the first rounds of the demo pair, which include first-use compilation, paused bursts before any
-    timed request (docs/benchmarks.md section 26)."""
+    emitted (bounded by K + 1, and what throughput follows). A moving average seeded by its first
+    sample let one round that waited on first-use compilation (the demo MTP head's projection is
+    checked at its first use, during the first bursts) outweigh dozens of later rounds
+    (docs/benchmarks.md section 26)."""
 
     settings: BurstSettings
     rounds: int = 0

@@ -336,9 +336,11 @@ def _main(args: argparse.Namespace) -> int:
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
                     done += 1
+                    rounds = runs[-1]["bursts"]
                     progress(
                         f"bench [{done}/{total}] B = {b}, repeat {rep + 1}/{args.repeats}, {arm}: "
                         f"{n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s"
+                        + ("" if rounds is None else f", {rounds['rounds']:.0f} burst rounds")
                     )
             if b == 1 and b1_arms:
                 counts = {
