@@ -51,8 +51,9 @@
 #   5 and 8 rows at the defaults and at the fastest exact variants (kept in /root/qmv-env for later parts).
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
-#   ahead (lookahead_probe), then through the daemon with lookahead on and off (--no-lookahead), 5 repeats each.
-# PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on.
+#   ahead (lookahead_probe), then through the daemon with lookahead on and off (--lookahead on|off), 5 repeats each.
+# PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on,
+#   with --lookahead auto (the default: rounds timed each way, the faster kept), on and off.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -128,13 +129,13 @@ elif [ "$PART" = dl ]; then
   step lookahead-mtp 90 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
     --repeats 5 --out "$R/lookahead-mtp.json"
   for ahead in on off; do
-    args=(); [ $ahead = off ] && args=(--daemon-args=--no-lookahead)
+    args=(--daemon-args="--lookahead $ahead")
     step "demo-mtp-$ahead" 200 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-mtp-$ahead"
   done
 elif [ "$PART" = dt ]; then
-  for ahead in on off; do
-    args=(); [ $ahead = off ] && args=(--daemon-args=--no-lookahead)
+  for ahead in auto on off; do
+    args=(--daemon-args="--lookahead $ahead")
     step "demo-text-$ahead" 150 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
   done

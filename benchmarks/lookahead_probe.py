@@ -67,7 +67,9 @@ def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: boo
         engine.start_probe(name, steps)
         while engine.probing:
             engine.probe_step()
-        settings = BurstSettings(k=k, audit_fraction=0.0, profile_steps=0, min_rounds=10**9, lookahead=lookahead)
+        settings = BurstSettings(
+            k=k, audit_fraction=0.0, profile_steps=0, min_rounds=10**9, lookahead=lookahead, lookahead_choice=False
+        )
         engine.configure_bursts(drafter, settings, name)
     return engine
 

@@ -38,8 +38,11 @@ class BurstSettings:
     reprofile_after_s: float = 30.0
     seed: int = 0
     #: Build the next round's verify while this one runs, where the drafter can guess it
-    #: (``workers.lookahead``); off only to measure what it saves.
+    #: (``workers.lookahead``).
     lookahead: bool = True
+    #: With ``lookahead``: time rounds built each way and keep the faster (``Adaptive.build_ahead``);
+    #: off: build ahead on every round that can.
+    lookahead_choice: bool = True
 
 
 @dataclass
@@ -60,6 +63,12 @@ class BurstCounters:
     declined: dict[str, int] = field(default_factory=dict)
 
 
+#: Rounds timed each way (next round built ahead, and not) before ``Adaptive.build_ahead`` chooses.
+EXPLORE_ROUNDS = 8
+#: Rounds after which both ways are timed afresh.
+REEXPLORE_ROUNDS = 512
+
+
 def _median(xs: deque[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -78,6 +87,8 @@ class Adaptive:
 
     settings: BurstSettings
     rounds: int = 0
+    #: Rounds since both ways of building were last timed afresh (``build_ahead``).
+    rounds_since_explore: int = 0
     paused_until: float = 0.0
     #: What the estimate read when it last paused bursting (``after_round``), kept after it forgets
     #: its samples: speedup, classic step and round seconds (medians), tokens a round (mean), rounds.
@@ -85,10 +96,37 @@ class Adaptive:
     _classic: deque[float] = field(default_factory=deque, repr=False)
     _round_s: deque[float] = field(default_factory=deque, repr=False)
     _tokens: deque[int] = field(default_factory=deque, repr=False)
+    #: Round seconds by whether the round built the next one ahead (``build_ahead``).
+    _ways: dict[bool, deque[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         n = max(self.settings.min_rounds, self.settings.profile_steps, 1)
         self._classic, self._round_s, self._tokens = deque(maxlen=n), deque(maxlen=n), deque(maxlen=n)
+        self._ways = {True: deque(maxlen=2 * EXPLORE_ROUNDS), False: deque(maxlen=2 * EXPLORE_ROUNDS)}
+
+    def build_ahead(self) -> bool:
+        """Whether a round that can build the next round's verify ahead does: first
+        ``EXPLORE_ROUNDS`` rounds built ahead, then as many not, then the way whose median round was
+        shorter; both are timed afresh every ``REEXPLORE_ROUNDS`` rounds and after a pause.
+
+        Why measured and not fixed: on the H200 the demo pair's forced bursts ran at 1.628x classic
+        without building ahead and 1.190x with it on one lease, 1.247x and 1.379x on the next
+        (docs/benchmarks.md section 26): a round of a small model is host work, and which way is
+        faster follows the host. Both ways give the same bytes (``workers.lookahead``)."""
+        if not self.settings.lookahead:
+            return False
+        if not self.settings.lookahead_choice:
+            return True
+        on, off = self._ways[True], self._ways[False]
+        if len(on) < EXPLORE_ROUNDS:
+            return True
+        if len(off) < EXPLORE_ROUNDS:
+            return False
+        return statistics.median(on) <= statistics.median(off)
+
+    def ahead_medians(self) -> dict[str, float | None]:
+        """Median round seconds built ahead (``on``) and not (``off``), as last timed."""
+        return {"on": _median(self._ways[True]), "off": _median(self._ways[False])}
 
     @property
     def classic_samples(self) -> int:
@@ -111,10 +149,22 @@ class Adaptive:
     def observe_classic(self, seconds: float) -> None:
         self._classic.append(seconds)
 
-    def observe_round(self, seconds: float, tokens: int) -> None:
+    def observe_round(self, seconds: float, tokens: int, ahead: bool | None = None) -> None:
+        """A round's wall seconds and emitted tokens; ``ahead``: whether it built the next round
+        ahead (``build_ahead``'s answer), ``None`` for a round that could not."""
         self._round_s.append(seconds)
         self._tokens.append(tokens)
         self.rounds += 1
+        if ahead is not None:
+            self._ways[ahead].append(seconds)
+            self.rounds_since_explore += 1
+            if self.rounds_since_explore >= REEXPLORE_ROUNDS:
+                self._forget_ways()
+
+    def _forget_ways(self) -> None:
+        self._ways[True].clear()
+        self._ways[False].clear()
+        self.rounds_since_explore = 0
 
     @property
     def speedup(self) -> float | None:
@@ -146,6 +196,7 @@ class Adaptive:
             self._classic.clear()
             self._round_s.clear()
             self._tokens.clear()
+            self._forget_ways()
             self.rounds = 0
             return False
         return True

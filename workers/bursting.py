@@ -312,13 +312,14 @@ class BurstRunner:
                 single = self.host.counted(mx.array([[b.pending]]), cache=b.cache)[0, 0]
                 mx.eval(single)
             trim_prompt_cache(b.cache, 1)
-        lookahead = (
+        can_build_ahead = (
             self.settings.lookahead
             and not audit
             and (block is None or len(block) > 1)
             and b.sampler is None
             and plain(b.cache)
         )
+        lookahead = can_build_ahead and self.adaptive.build_ahead()
         logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
         if proposal is not None:  # the drafter's proposal built ahead, computed with this verify
             draft = Draft(token_list(proposal))
@@ -377,7 +378,7 @@ class BurstRunner:
             return events + self._rejoin()
         elapsed = time.perf_counter() - tic
         self.counters.round_seconds += elapsed
-        self.adaptive.observe_round(elapsed, len(candidates))
+        self.adaptive.observe_round(elapsed, len(candidates), lookahead if can_build_ahead else None)
         events.append(StepInfo(StepKind.BURST_ROUND, elapsed, 1))
         # The policy reads the clock, so its "stop" is carried out at the next step's decision
         # (``Gate.stop``), which across ranks is rank 0's: the same step on every rank.
@@ -418,4 +419,5 @@ class BurstRunner:
             "classic_step_s": self.adaptive.classic_step_s,
             "round_s": self.adaptive.round_s,
             "last_pause": self.adaptive.last_pause,
+            "ahead_round_s": self.adaptive.ahead_medians(),
         }

@@ -110,6 +110,9 @@ class BurstSummary(TypedDict):
     round_s: float | None
     #: What the adaptive gate's estimate read when it last paused bursting (``Adaptive.last_pause``).
     last_pause: dict[str, float] | None
+    #: Median round seconds with the next round built ahead (``on``) and without (``off``), as the
+    #: gate last timed them (``Adaptive.build_ahead``); ``None`` where not timed.
+    ahead_round_s: dict[str, float | None]
 
 
 class PinTax(TypedDict, total=False):

@@ -139,9 +139,11 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="fraction of burst rounds re-checked against a single-token forward",
     )
     p.add_argument(
-        "--no-lookahead",
-        action="store_true",
-        help="build each burst round's verify only when the round starts, not while the previous one runs",
+        "--lookahead",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="build a burst round's verify while the previous round runs: auto (time rounds each way, "
+        "keep the faster), on (whenever it can), off",
     )
     p.add_argument("--max-queued", type=positive_int, default=1024, help="requests waiting for a slot before `busy`")
     p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
@@ -221,7 +223,12 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         probe_policy=probe_policy(args),
         draft=args.draft,
         mtp=args.mtp,
-        bursts=BurstSettings(k=args.k, audit_fraction=args.audit_fraction, lookahead=not args.no_lookahead),
+        bursts=BurstSettings(
+            k=args.k,
+            audit_fraction=args.audit_fraction,
+            lookahead=args.lookahead != "off",
+            lookahead_choice=args.lookahead == "auto",
+        ),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         rank_timeout_s=args.rank_timeout,
     )

@@ -64,7 +64,7 @@ def drafters(paths: dict[str, Path], target: Any) -> dict[str, Callable[[], Draf
     }
 
 
-EXACT_FOREVER = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)
+EXACT_FOREVER = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9, lookahead_choice=False)
 
 
 def make_engine(

@@ -167,15 +167,16 @@ def test_a_burst_that_ends_with_a_round_built_ahead_keeps_its_last_rounds_kv(tar
 # --------------------------------------------------------------------------- the MTP head
 
 
-def _demo_engine(demo: Any, lookahead: bool | None) -> Engine:
+def _demo_engine(demo: Any, lookahead: bool | None, choice: bool = False) -> Engine:
     """The shipped pair's target; with ``lookahead`` not ``None``, the shipped MTP head drafting,
-    its verdict given as the CPU's (exact at ``wide``, as tests/engine/test_probe.py measures)."""
+    its verdict given as the CPU's (exact at ``wide``, as tests/engine/test_probe.py measures);
+    ``choice``: ``BurstSettings.lookahead_choice``."""
     from workers.drafters import load_mtp_drafter
     from workers.probe import Verdict
 
     engine = Engine(demo.model, eos_token_ids=demo.info.eos_token_ids, vocab_size=demo.info.vocab_size)
     if lookahead is not None:
-        settings = replace(EXACT_FOREVER, lookahead=lookahead)
+        settings = replace(EXACT_FOREVER, lookahead=lookahead, lookahead_choice=choice)
         engine.configure_bursts(load_mtp_drafter("demo", demo.model), settings, "demo+mtp")
         engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact", [], 0.0)
     return engine
@@ -213,3 +214,18 @@ def test_an_mtp_burst_interrupted_with_a_round_built_ahead_stays_exact(demo: Any
         if seen == [True]:
             return
     raise AssertionError("no arrival found a round built ahead on the caches")
+
+
+def test_mtp_rounds_that_choose_whether_to_build_ahead_emit_classic_decodes_tokens(demo: Any) -> None:
+    """``lookahead_choice`` (the daemon's default, ``--lookahead auto``): the first rounds are built
+    ahead, the next ones not, then the way timed faster; every round's tokens and logprob bytes are
+    classic decode's whichever way it went, and both ways were timed."""
+    from workers.burst import EXPLORE_ROUNDS
+
+    j = job(0, demo.tokenizer.encode("def fibonacci(n):"), 4 * 5 * EXPLORE_ROUNDS, logprobs=True)
+    want = _emitted(_demo_engine(demo, None), [j])[0]
+    engine = _demo_engine(demo, lookahead=True, choice=True)
+    assert _emitted(engine, [j])[0] == want
+    c, medians = engine.runner.counters, engine.runner.summary()["ahead_round_s"]
+    assert c.rounds > 2 * EXPLORE_ROUNDS and medians["on"] is not None and medians["off"] is not None
+    assert 0 < c.ahead < c.rounds - 1  # rounds built ahead, and rounds not

@@ -106,6 +106,7 @@ def stats_snapshot(
                 "classic_step_s": None,
                 "round_s": None,
                 "last_pause": None,
+                "ahead_round_s": {"on": None, "off": None},
             },
             "pin_tax": {},
             "prefix_cache": {

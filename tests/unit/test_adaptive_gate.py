@@ -3,7 +3,7 @@ is arithmetic on timings, fed here the way the engine feeds it)."""
 
 from __future__ import annotations
 
-from workers.burst import Adaptive, BurstSettings
+from workers.burst import EXPLORE_ROUNDS, REEXPLORE_ROUNDS, Adaptive, BurstSettings
 
 SETTINGS = BurstSettings(k=4, profile_steps=3, min_rounds=16, reprofile_after_s=30.0)
 
@@ -68,3 +68,51 @@ def test_a_slow_classic_step_does_not_make_rounds_look_faster() -> None:
         gate.observe_round(0.030, 2)
         kept = gate.after_round(float(i))
     assert not kept
+
+
+def _rounds_by_way(gate: Adaptive, seconds: dict[bool, float], n: int) -> list[bool]:
+    """``n`` rounds that can build ahead, each taking ``seconds[way]`` for the way the gate chose."""
+    ways = []
+    for i in range(n):
+        way = gate.build_ahead()
+        ways.append(way)
+        gate.observe_round(seconds[way], 5, way)
+        assert gate.after_round(float(i))
+    return ways
+
+
+def test_building_ahead_is_timed_both_ways_and_the_faster_kept() -> None:
+    for faster in (True, False):
+        gate = _profiled()
+        seconds = {faster: 0.010, not faster: 0.014}
+        ways = _rounds_by_way(gate, seconds, 40)
+        assert ways[: 2 * EXPLORE_ROUNDS] == [True] * EXPLORE_ROUNDS + [False] * EXPLORE_ROUNDS
+        assert set(ways[2 * EXPLORE_ROUNDS :]) == {faster}
+        assert gate.ahead_medians() == {"on": seconds[True], "off": seconds[False]}
+
+
+def test_building_ahead_is_timed_afresh_once_the_host_changes() -> None:
+    """The way not kept is timed again every ``REEXPLORE_ROUNDS`` rounds: once not building ahead
+    got faster (the host changed), rounds stop being built ahead."""
+    gate = _profiled()
+    ways = _rounds_by_way(gate, {True: 0.010, False: 0.014}, REEXPLORE_ROUNDS)
+    assert set(ways[2 * EXPLORE_ROUNDS :]) == {True}
+    ways = _rounds_by_way(gate, {True: 0.010, False: 0.006}, 3 * EXPLORE_ROUNDS)
+    assert ways[: 2 * EXPLORE_ROUNDS] == [True] * EXPLORE_ROUNDS + [False] * EXPLORE_ROUNDS
+    assert set(ways[2 * EXPLORE_ROUNDS :]) == {False}
+
+
+def test_rounds_that_cannot_build_ahead_leave_the_choice_alone() -> None:
+    gate = _profiled()
+    for i in range(3 * EXPLORE_ROUNDS):
+        gate.observe_round(0.001, 5, None)  # audited or sampled rounds: no way to time
+        assert gate.after_round(float(i))
+    assert gate.ahead_medians() == {"on": None, "off": None} and gate.build_ahead()
+
+
+def test_fixed_settings_do_not_choose() -> None:
+    always = Adaptive(BurstSettings(lookahead=True, lookahead_choice=False))
+    never = Adaptive(BurstSettings(lookahead=False))
+    for _ in range(3 * EXPLORE_ROUNDS):
+        assert always.build_ahead() and not never.build_ahead()
+        always.observe_round(0.02, 5, True)

@@ -149,5 +149,11 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert build_parser().parse_args(["serve", "--admit-idle-window-ms", "12.5"]).admit_idle_window_ms == 12.5
     assert engine_settings(build_parser().parse_args(["serve"])).cudnn_attention is False
     assert engine_settings(build_parser().parse_args(["serve", "--cudnn-attention"])).cudnn_attention is True
-    assert engine_settings(build_parser().parse_args(["serve"])).bursts.lookahead is True
-    assert engine_settings(build_parser().parse_args(["serve", "--no-lookahead"])).bursts.lookahead is False
+    ways = {
+        way: (lambda b: (b.lookahead, b.lookahead_choice))(
+            engine_settings(build_parser().parse_args(["serve", "--lookahead", way])).bursts
+        )
+        for way in ("auto", "on", "off")
+    }
+    assert ways == {"auto": (True, True), "on": (True, False), "off": (False, False)}
+    assert engine_settings(build_parser().parse_args(["serve"])).bursts.lookahead_choice is True
