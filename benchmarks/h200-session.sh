@@ -53,7 +53,8 @@
 # PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
 #   ahead (lookahead_probe), then through the daemon with lookahead on and off (--lookahead on|off), 5 repeats each.
 # PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on,
-#   with --lookahead auto (the default: rounds timed each way, the faster kept), on and off.
+#   with --lookahead auto (the default: rounds timed each way, the faster kept) and off (AHEAD overrides the
+#   list, e.g. AHEAD="auto on off"); each run takes ~190 s on the H200 (start, probe, 20 timed runs).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -134,9 +135,9 @@ elif [ "$PART" = dl ]; then
       --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-mtp-$ahead"
   done
 elif [ "$PART" = dt ]; then
-  for ahead in auto on off; do
+  for ahead in ${AHEAD:-auto off}; do
     args=(--daemon-args="--lookahead $ahead")
-    step "demo-text-$ahead" 150 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
+    step "demo-text-$ahead" 210 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
   done
 elif [ "$PART" = r ]; then
