@@ -139,8 +139,11 @@ class Adaptive:
 
     @property
     def round_s(self) -> float | None:
-        """Median seconds of the latest rounds."""
-        return _median(self._round_s)
+        """Median seconds of the latest rounds; where rounds were timed built ahead and not
+        (``build_ahead``), the faster way's: the way bursting goes on with once both are timed, so
+        that the rounds spent timing the slower way do not pause bursting that pays."""
+        timed = [statistics.median(w) for w in self._ways.values() if len(w) >= EXPLORE_ROUNDS]
+        return min(timed) if timed else _median(self._round_s)
 
     @property
     def tokens_per_round(self) -> float | None:

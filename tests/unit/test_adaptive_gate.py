@@ -116,3 +116,13 @@ def test_fixed_settings_do_not_choose() -> None:
     for _ in range(3 * EXPLORE_ROUNDS):
         assert always.build_ahead() and not never.build_ahead()
         always.observe_round(0.02, 5, True)
+
+
+def test_timing_the_slower_way_does_not_pause_bursting_that_pays() -> None:
+    """Rounds built ahead pay (5 tokens for 2.5 classic steps), rounds not built ahead do not (5 for
+    10): the 8 rounds spent timing the slower way leave the gate's estimate on the faster one (a
+    median over both ways' rounds would read 0.8x and pause)."""
+    gate = _profiled()
+    ways = _rounds_by_way(gate, {True: 0.025, False: 0.100}, 4 * EXPLORE_ROUNDS)
+    assert False in ways and set(ways[2 * EXPLORE_ROUNDS :]) == {True}
+    assert gate.speedup is not None and abs(gate.speedup - 2.0) < 1e-9
