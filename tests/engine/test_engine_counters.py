@@ -37,3 +37,15 @@ def test_arrivals_together_prefill_together_and_equal_budgets_end_together(targe
         drain(engine)
     snap = engine.counters.snapshot()
     assert (snap["prefill_steps"], snap["finish_steps"]) == (3 * wave, 4)
+
+
+def test_warm_up_runs_a_lone_sequence_and_a_padded_batch(target: Any) -> None:
+    """The daemon's warm-up (before it announces itself ready) reaches the batched path too: two
+    prompts of different lengths in one wave, decoded together, one finishing first."""
+    from workers.startup import warm_up
+
+    engine = Engine(target, eos_token_ids=(), vocab_size=260)
+    warm_up(engine)
+    snap = engine.counters.snapshot()
+    assert not engine.has_work and snap["peak_batch_size"] == 2
+    assert snap["finish_steps"] == 3  # the lone one, then the two ends a step apart
