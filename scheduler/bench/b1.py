@@ -174,6 +174,8 @@ def write_b1(
         json.dumps({"meta": meta, "reference": reference_line, "rows": rows, "runs": runs or []}, indent=2),
     )
     md = b1_markdown(rows, reference_line)
+    if meta.get("repeats_done"):
+        md = f"partial: {meta['repeats_done']} of {meta.get('repeats', '?')} repeats so far\n\n{md}"
     write_whole(out / "b1_bursts.md", md)
     import matplotlib
 

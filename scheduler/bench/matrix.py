@@ -290,6 +290,17 @@ def _main(args: argparse.Namespace) -> int:
                 run(arm, shape, args.tokens)
                 mx.clear_cache()
         before = {name: burst_counts(clients[name]) for name in b1_arms}
+
+        def b1_state() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float] | None]]:
+            """Each drafter arm's burst counters since B = 1's timed runs began, and what its gate
+            read when it last paused bursting."""
+            counts = {
+                name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
+                for name in b1_arms
+            }
+            pauses = {name: (clients[name].stats()["engine"].get("bursts") or {}).get("last_pause") for name in b1_arms}
+            return counts, pauses
+
         total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
         done = 0
         for b in batches:
@@ -342,14 +353,14 @@ def _main(args: argparse.Namespace) -> int:
                         f"{n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s"
                         + ("" if rounds is None else f", {rounds['rounds']:.0f} burst rounds")
                     )
+                if b == 1 and b1_arms and rep + 1 < args.repeats:
+                    # The burst table so far, so that a run an outer timeout stops keeps its B = 1 rows.
+                    counts, pauses = b1_state()
+                    partial = {**meta, "repeats_done": rep + 1}
+                    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), pauses)
+                    write_b1(b1, partial, out, setup.reference_line(1), [r for r in runs if r["batch"] == 1])
             if b == 1 and b1_arms:
-                counts = {
-                    name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
-                    for name in b1_arms
-                }
-                pauses = {
-                    name: (clients[name].stats()["engine"].get("bursts") or {}).get("last_pause") for name in b1_arms
-                }
+                counts, pauses = b1_state()
             write_tables(samples, setup, meta, out, counts, verdicts, runs, pauses)
             progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
         if args.poisson_rate > 0:

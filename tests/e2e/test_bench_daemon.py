@@ -170,6 +170,48 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no half-written file left
 
 
+def test_a_bench_stopped_during_b1_keeps_the_burst_rows_of_its_finished_repeats(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM in B = 1's second repeat (from inside the engine arm): the burst table of the first
+    repeat is on disk, marked partial, with the drafter arm's run in it."""
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    store_declined_verdict(tiny_model)
+    engine_arm, timed = run_engine, []
+
+    def interrupted(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        if max_tokens == 12:  # the measured shape's run and the timed ones (warm-up runs ask for 8)
+            timed.append(1)
+            if len(timed) == 3:
+                signal.raise_signal(signal.SIGTERM)
+        return engine_arm(engine, prompts, max_tokens)
+
+    monkeypatch.setattr("scheduler.bench.matrix.run_engine", interrupted)
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(
+        [
+            *("bench", "--model", str(tiny_model), "--batch-sizes", "1", "--tokens", "12", "--prompt-tokens", "4"),
+            *("--repeats", "2", "--drafters", "prompt-lookup", "--raw-max-batch", "1", "--out", str(out)),
+        ]
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            args.func(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    b1 = json.loads((out / "b1_bursts.json").read_text())
+    assert b1["meta"]["repeats_done"] == 1 and [r["drafter"] for r in b1["rows"]] == [
+        "classic (no drafter)",
+        "prompt-lookup",
+    ]
+    assert {r["arm"] for r in b1["runs"]} >= {"daemon", "bursts:prompt-lookup"} and {
+        r["repeat"] for r in b1["runs"]
+    } == {0}
+    assert (out / "b1_bursts.md").read_text().startswith("partial: 1 of 2 repeats so far")
+    assert not (out / "daemon_vs_raw.json").exists()  # B = 1 never finished
+
+
 def test_bench_via_http_measures_the_daemon_through_its_http_door(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
