@@ -55,6 +55,7 @@
 # PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on,
 #   with --lookahead auto (the default: rounds timed each way, the faster kept) and off (AHEAD overrides the
 #   list, e.g. AHEAD="auto on off"); each run takes ~190 s on the H200 (start, probe, 20 timed runs).
+# PART=dd: `mlx-batchd demo` alone (the four concurrent requests' time to first token after the warm-up).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -140,6 +141,8 @@ elif [ "$PART" = dt ]; then
     step "demo-text-$ahead" 210 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
   done
+elif [ "$PART" = dd ]; then
+  step demo 120 python3 -m scheduler demo
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
