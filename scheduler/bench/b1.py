@@ -29,7 +29,7 @@ def b1_rows(
     counts: dict[str, dict[str, float]],
     verdicts: dict[str, dict[str, Any]],
     reference: float | None = None,
-    pauses: dict[str, dict[str, float] | None] | None = None,
+    gates: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats.
 
@@ -39,8 +39,10 @@ def b1_rows(
     (an arm that decoded classically must read 1.00, else the arms were not measured alike).
     ``round_ms`` is the rounds' mean wall time and ``round_steps`` that in classic B = 1 steps (at
     classic's median rate): what a round costs, whatever the adaptive gate then decided.
-    ``pauses``: each arm's daemon's ``bursts.last_pause`` (what its adaptive gate measured when it
-    last paused bursting), kept as ``gate_pause``: why an arm declined with "adaptive" did."""
+    ``gates``: each arm's daemon's ``bursts`` stats, of which ``last_pause`` (what its adaptive gate
+    measured when it last paused bursting: why an arm declined with "adaptive" did) is kept as
+    ``gate_pause``, and ``ahead_round_s`` (median rounds built ahead and not, as its gate last timed
+    them: which way ``--lookahead auto`` went)."""
     base = samples[("daemon", 1)]
     classic = statistics.median(base)
 
@@ -65,6 +67,7 @@ def b1_rows(
             "verdict": "-",
             "of_limit": of_limit(classic),
             "gate_pause": None,
+            "ahead_round_s": None,
         }
     ]
     for arm, c in counts.items():
@@ -93,7 +96,8 @@ def b1_rows(
                 "round_steps": None if round_s is None else round_s * classic,
                 "verdict": f"{v.get('level') or 'declined'}{'' if v.get('exact', False) else ' (inexact)'}",
                 "of_limit": of_limit(rate),
-                "gate_pause": (pauses or {}).get(arm),
+                "gate_pause": (gates or {}).get(arm, {}).get("last_pause"),
+                "ahead_round_s": (gates or {}).get(arm, {}).get("ahead_round_s"),
             }
         )
     return rows
@@ -154,6 +158,12 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
         f"against classic steps of {1e3 * g['classic_step_s']:.2f} ms, medians)"
         for r in rows
         if (g := r.get("gate_pause"))
+    ]
+    notes += [
+        f"{r['drafter']}: rounds built ahead took {1e3 * a['on']:.2f} ms, not built ahead {1e3 * a['off']:.2f} ms "
+        "(medians, as its gate last timed them)"
+        for r in rows
+        if (a := r.get("ahead_round_s")) and a.get("on") is not None and a.get("off") is not None
     ]
     if reference_line:
         notes.append(f"{reference_line} (classic decode; a burst round reads the weights once for several tokens)")

@@ -81,7 +81,7 @@ def write_tables(
     counts: dict[str, dict[str, float]] | None = None,
     verdicts: dict[str, dict[str, Any]] | None = None,
     runs: list[dict[str, Any]] | None = None,
-    pauses: dict[str, dict[str, float] | None] | None = None,
+    gates: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """Write every table with the batch sizes finished so far and return their Markdown.
 
@@ -95,7 +95,7 @@ def write_tables(
         return ""
     md = write_report(rows, meta, out, runs)
     if 1 in done and setup.b1_arms and counts is not None:
-        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1), pauses)
+        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1), gates)
         b1_runs = [r for r in runs or [] if r["batch"] == 1]
         md += "\n" + write_b1(b1, meta, out, setup.reference_line(1), b1_runs)
     return md
@@ -231,7 +231,7 @@ def _main(args: argparse.Namespace) -> int:
     }
     out = Path(args.out)
     counts: dict[str, dict[str, float]] | None = None
-    pauses: dict[str, dict[str, float] | None] = {}
+    gates: dict[str, dict[str, Any]] = {}
     verdicts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
@@ -291,15 +291,15 @@ def _main(args: argparse.Namespace) -> int:
                 mx.clear_cache()
         before = {name: burst_counts(clients[name]) for name in b1_arms}
 
-        def b1_state() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float] | None]]:
-            """Each drafter arm's burst counters since B = 1's timed runs began, and what its gate
-            read when it last paused bursting."""
+        def b1_state() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+            """Each drafter arm's burst counters since B = 1's timed runs began, and its daemon's
+            burst stats (what its gate read when it last paused, how its rounds timed each way)."""
             counts = {
                 name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
                 for name in b1_arms
             }
-            pauses = {name: (clients[name].stats()["engine"].get("bursts") or {}).get("last_pause") for name in b1_arms}
-            return counts, pauses
+            gates = {name: clients[name].stats()["engine"].get("bursts") or {} for name in b1_arms}
+            return counts, gates
 
         total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
         done = 0
@@ -355,13 +355,13 @@ def _main(args: argparse.Namespace) -> int:
                     )
                 if b == 1 and b1_arms and rep + 1 < args.repeats:
                     # The burst table so far, so that a run an outer timeout stops keeps its B = 1 rows.
-                    counts, pauses = b1_state()
+                    counts, gates = b1_state()
                     partial = {**meta, "repeats_done": rep + 1}
-                    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), pauses)
+                    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), gates)
                     write_b1(b1, partial, out, setup.reference_line(1), [r for r in runs if r["batch"] == 1])
             if b == 1 and b1_arms:
-                counts, pauses = b1_state()
-            write_tables(samples, setup, meta, out, counts, verdicts, runs, pauses)
+                counts, gates = b1_state()
+            write_tables(samples, setup, meta, out, counts, verdicts, runs, gates)
             progress(f"bench: B = {b} done, tables for B = {setup.finished(samples)} in {out}")
         if args.poisson_rate > 0:
             # The production shape: the first drafter's daemon (bursts whenever one request is alone).
@@ -377,7 +377,7 @@ def _main(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
     meta["daemon_exit_codes"] = exit_codes
-    print(write_tables(samples, setup, meta, out, counts, verdicts, runs, pauses))
+    print(write_tables(samples, setup, meta, out, counts, verdicts, runs, gates))
     if poisson is not None:
         print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
         print(write_poisson(poisson, meta, out))

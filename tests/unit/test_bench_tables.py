@@ -277,14 +277,22 @@ def test_an_arm_the_gate_paused_says_what_the_gate_measured() -> None:
     samples = {("daemon", 1): CLASSIC, ("bursts:mtp", 1): [101.0, 99.0, 100.0], ("bursts:pl", 1): CLASSIC}
     counts = {"bursts:mtp": {**NO_ROUNDS, "declined:adaptive": 3}, "bursts:pl": COUNTS}
     verdicts = {"bursts:mtp": {"level": "mirrored", "exact": True}, "bursts:pl": {"level": "wide", "exact": True}}
-    rows = b1_rows(samples, counts, verdicts, pauses={"bursts:mtp": pause, "bursts:pl": None})
+    ahead = {"on": 0.0051, "off": 0.0058}
+    gates = {
+        "bursts:mtp": {"last_pause": pause, "ahead_round_s": {"on": None, "off": None}},
+        "bursts:pl": {"ahead_round_s": ahead},
+    }
+    rows = b1_rows(samples, counts, verdicts, gates=gates)
     assert [r["gate_pause"] for r in rows] == [None, pause, None]
+    assert [r["ahead_round_s"] for r in rows] == [None, {"on": None, "off": None}, ahead]
     md = b1_markdown(rows)
     assert (
         "mtp: the daemon's adaptive gate last paused bursting at 0.870x its classic steps (16 rounds: 4.64 tokens "
         "a round in 6.40 ms against classic steps of 1.20 ms, medians)"
     ) in md
     assert "pl: the daemon's adaptive gate" not in md
+    assert "pl: rounds built ahead took 5.10 ms, not built ahead 5.80 ms (medians, as its gate last timed them)" in md
+    assert "mtp: rounds built ahead" not in md
 
 
 def test_demo_prompts_are_the_demo_commands_text_through_the_served_tokenizer() -> None:
