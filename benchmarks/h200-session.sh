@@ -55,6 +55,8 @@
 # PART=dt: part dl's daemon runs on the demo command's prompts (--prompts demo), what the pair was trained on,
 #   with --lookahead auto (the default: rounds timed each way, the faster kept) and off (AHEAD overrides the
 #   list, e.g. AHEAD="auto on off"); each run takes ~190 s on the H200 (start, probe, 20 timed runs).
+# PART=dp: part dt's bench (2 repeats, --lookahead auto) with every daemon's engine thread under cProfile: where a
+#   round's time goes in the daemon (5.2-6.5 ms in section 26) against ~3.8 ms forced in-process (lookahead_probe).
 # PART=dd: `mlx-batchd demo` alone (the four concurrent requests' time to first token after the warm-up).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -141,6 +143,9 @@ elif [ "$PART" = dt ]; then
     step "demo-text-$ahead" 210 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
   done
+elif [ "$PART" = dp ]; then
+  MLX_BATCHD_PROFILE_DIR="$R/demo-prof" step demo-prof 200 python3 -m scheduler bench --model demo --batch-sizes 1 \
+    --drafters mtp:demo --prompts demo --tokens 256 --repeats 2 --raw-max-batch 1 --out "$R/demo-prof"
 elif [ "$PART" = dd ]; then
   step demo 120 python3 -m scheduler demo
 elif [ "$PART" = r ]; then
