@@ -103,10 +103,10 @@ def check_environment() -> None:
 def warm_up(engine: Engine) -> None:
     """Run tiny jobs through the engine so the first clients do not pay for lazy setup: one alone
     (a lone sequence's prefill and decode), then two of different lengths together (a prefill wave
-    with padding, masked batched decode, a batch that shrinks). Those are different kernels, and MLX
-    CUDA compiles each kernel at its first use on a machine: on the H200 the demo command's first
-    four concurrent requests waited 8.5 s for their first tokens after a lone request had run
-    (docs/benchmarks.md section 26)."""
+    with padding, masked batched decode, a batch that shrinks). Those run different kernels, and MLX
+    CUDA compiles each kernel at its first use on a machine. On the H200 the demo command's first
+    four concurrent requests, after a lone one, waited 8.5 s for their first tokens (docs/benchmarks.md
+    section 26); that this warm-up removes the wait is not yet measured."""
     for jobs in (
         [Job(seq=-1, prompt=[0, 0], max_tokens=2)],
         [Job(seq=-2, prompt=[0, 0], max_tokens=2), Job(seq=-3, prompt=[0, 0, 0], max_tokens=3)],

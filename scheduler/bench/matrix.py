@@ -95,10 +95,23 @@ def write_tables(
         return ""
     md = write_report(rows, meta, out, runs)
     if 1 in done and setup.b1_arms and counts is not None:
-        b1 = b1_rows(samples, counts, verdicts or {}, setup.reference(1), gates)
-        b1_runs = [r for r in runs or [] if r["batch"] == 1]
-        md += "\n" + write_b1(b1, meta, out, setup.reference_line(1), b1_runs)
+        md += "\n" + write_b1_table(samples, setup, meta, out, counts, verdicts or {}, runs or [], gates)
     return md
+
+
+def write_b1_table(
+    samples: dict[tuple[str, int], list[float]],
+    setup: Setup,
+    meta: dict[str, Any],
+    out: Path,
+    counts: dict[str, dict[str, float]],
+    verdicts: dict[str, dict[str, Any]],
+    runs: list[dict[str, Any]],
+    gates: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """The B = 1 burst table (JSON, Markdown, PNG) from the samples so far; returns its Markdown."""
+    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), gates)
+    return write_b1(b1, meta, out, setup.reference_line(1), [r for r in runs if r["batch"] == 1])
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -356,9 +369,9 @@ def _main(args: argparse.Namespace) -> int:
                 if b == 1 and b1_arms and rep + 1 < args.repeats:
                     # The burst table so far, so that a run an outer timeout stops keeps its B = 1 rows.
                     counts, gates = b1_state()
-                    partial = {**meta, "repeats_done": rep + 1}
-                    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), gates)
-                    write_b1(b1, partial, out, setup.reference_line(1), [r for r in runs if r["batch"] == 1])
+                    write_b1_table(
+                        samples, setup, {**meta, "repeats_done": rep + 1}, out, counts, verdicts, runs, gates
+                    )
             if b == 1 and b1_arms:
                 counts, gates = b1_state()
             write_tables(samples, setup, meta, out, counts, verdicts, runs, gates)
