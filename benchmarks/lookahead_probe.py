@@ -8,7 +8,8 @@ as such): it proposes the target's own greedy continuation (decoded classically 
 draft is kept and every guess of the next round is right; its figures are the mechanics' best case
 (what a workload whose drafts are all accepted gets), not a drafter's. ``--drafter mtp:PATH`` drafts
 with an MTP head (``mtp:demo``: the shipped pair's), whose next proposal is built on the verify's
-outputs. Bursts run at the level a probe of the pairing gives,
+outputs; with it a fourth arm has its drafts evaluated before the verify is built (``draft_in_verify``
+off; the other burst arms compute them with the verify). Bursts run at the level a probe of the pairing gives,
 as the daemon runs them. Prints and writes tokens/s per arm (median of ``--repeats``, with min-max),
 burst rounds and rounds built ahead.
 """
@@ -56,7 +57,7 @@ class Oracle:
         self._n = 0
 
 
-def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: bool) -> Engine:
+def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: bool, fused: bool = True) -> Engine:
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=4)
     if drafter is not None:
         name = f"lookahead-probe+{drafter.name}"
@@ -68,7 +69,13 @@ def _engine(loaded: LoadedModel, drafter: Drafter | None, k: int, lookahead: boo
         while engine.probing:
             engine.probe_step()
         settings = BurstSettings(
-            k=k, audit_fraction=0.0, profile_steps=0, min_rounds=10**9, lookahead=lookahead, lookahead_choice=False
+            k=k,
+            audit_fraction=0.0,
+            profile_steps=0,
+            min_rounds=10**9,
+            lookahead=lookahead,
+            lookahead_choice=False,
+            draft_in_verify=fused,
         )
         engine.configure_bursts(drafter, settings, name)
     return engine
@@ -127,6 +134,8 @@ def main() -> None:
         "bursts": lambda: _engine(loaded, drafter(), a.k, False),
         "bursts+lookahead": lambda: _engine(loaded, drafter(), a.k, True),
     }
+    if a.drafter.startswith("mtp:"):  # drafts evaluated before the verify is built (``draft_in_verify`` off)
+        arms["bursts-drafts-first"] = lambda: _engine(loaded, drafter(), a.k, False, fused=False)
     engines = {name: make() for name, make in arms.items()}
     for engine in engines.values():  # first use of each shape, untimed; counters from the timed runs on
         _run(engine, prompt, 8)
@@ -148,6 +157,7 @@ def main() -> None:
         row: dict[str, Any] = {"tok_s": statistics.median(xs), "spread": [min(xs), max(xs)], "rounds": c.rounds}
         row["acceptance"] = c.accepted / c.drafted if c.drafted else None
         row["ahead_rounds"] = c.ahead
+        row["fused_rounds"] = c.fused
         if c.rounds:  # a round's wall time in classic steps, from the medians (every token came from a round)
             row["round_in_steps"] = (c.emitted / c.rounds) / row["tok_s"] / step_s
         report["arms"][name] = row

@@ -103,6 +103,11 @@ _BURSTS: tuple[tuple[str, str, Callable[[BurstSummary], float]], ...] = (
     ("audits", "Burst rounds re-checked against a single-token forward", lambda b: b["audits"]),
     ("audit_failures", "Audits that found the verify diverging from classic decode", lambda b: b["audit_failures"]),
     ("ahead_rounds", "Burst rounds whose verify was built while the previous round ran", lambda b: b["ahead_rounds"]),
+    (
+        "fused_rounds",
+        "Burst rounds whose drafts were computed with the verify in one evaluation",
+        lambda b: b["fused_rounds"],
+    ),
     ("round_seconds", "Seconds spent in burst rounds, drafting to emitting", lambda b: b["round_seconds"]),
 )
 

@@ -43,6 +43,10 @@ class BurstSettings:
     #: With ``lookahead``: time rounds built each way and keep the faster (``Adaptive.build_ahead``);
     #: off: build ahead on every round that can.
     lookahead_choice: bool = True
+    #: A drafter that drafts on the device (the MTP head) has its proposal built into the verify's
+    #: graph, not evaluated first: one evaluation a round, and the device drafts while the host builds
+    #: the verify (``BurstRunner.round``). Off: the proposal is evaluated, then the verify built on it.
+    draft_in_verify: bool = True
 
 
 @dataclass
@@ -57,6 +61,8 @@ class BurstCounters:
     audit_failures: int = 0
     #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
     ahead: int = 0
+    #: Rounds whose drafts were built into the verify's graph (``BurstSettings.draft_in_verify``).
+    fused: int = 0
     #: Wall seconds of every round, from drafting to emitting (the adaptive gate keeps only its
     #: latest rounds, and forgets them when it pauses bursts: this total says what rounds cost over any span).
     round_seconds: float = 0.0

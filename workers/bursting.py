@@ -244,28 +244,41 @@ class BurstRunner:
             ahead.undo(self.current.cache)
 
     def _verify(
-        self, b: BurstSeq, block: list[int] | None, level: Level, ahead: Ahead | None, lookahead: bool
+        self,
+        b: BurstSeq,
+        block: list[int] | None,
+        proposal: mx.array | None,
+        level: Level,
+        ahead: Ahead | None,
+        lookahead: bool,
     ) -> tuple[mx.array, mx.array | None, Ahead | None]:
         """The verify forward: one block, pinned to ``level`` (a lone token is a plain step), its graph
-        taken from ``ahead`` when the last round built it (``block`` ``None``: the drafter's proposal
-        in it is computed with it). With ``lookahead`` the next round's verify is built while this
-        one runs on the device (``workers.lookahead``). Returns the logits rows, for drafters that
-        need them the hidden states, and the next round's verify if built."""
+        taken from ``ahead`` when the last round built it. ``block`` ``None``: its drafts are
+        ``proposal`` (``[1, K]``, not evaluated), computed with the verify in one evaluation. With
+        ``lookahead`` the next round's verify is built while this one runs on the device
+        (``workers.lookahead``). Returns the logits rows, for drafters that need them the hidden
+        states, and the next round's verify if built."""
         solo = block is not None and len(block) == 1
         scope = self._classic(level, "verify") if solo else self.host.pinned(level, "verify")
         hidden, nxt = None, None
         with scope:
             if ahead is not None:
                 logits, hidden = ahead.logits, ahead.hidden
-            elif self.drafter is not None and self.drafter.needs_hidden:
-                logits, hidden = self.host.counted.with_hidden(mx.array([block]), b.cache)
             else:
-                logits = self.host.counted(mx.array([block]), cache=b.cache)
-            outs = [a for a in (logits, hidden, None if ahead is None else ahead.drafts) if a is not None]
+                if block is not None:
+                    inputs = mx.array([block])
+                else:
+                    assert proposal is not None
+                    inputs = mx.concatenate([mx.array([[b.pending]], dtype=proposal.dtype), proposal], axis=1)
+                if self.drafter is not None and self.drafter.needs_hidden:
+                    logits, hidden = self.host.counted.with_hidden(inputs, b.cache)
+                else:
+                    logits = self.host.counted(inputs, cache=b.cache)
+            outs = [a for a in (logits, hidden, proposal) if a is not None]
             if lookahead:
                 mx.async_eval(*outs)
-                drafts = ahead.drafts if block is None and ahead is not None else block
                 assert self.drafter is not None
+                drafts = block if block is not None else proposal
                 nxt = build_next(self.host.counted, self.drafter, self.settings.k, b, drafts, level, logits, hidden)
             mx.eval(*outs)
         return logits[0], hidden, nxt
@@ -288,13 +301,19 @@ class BurstRunner:
         block: list[int] | None = None  # for a round built on the drafter's outputs: known after its verify
         draft = Draft([])
         proposal = None
+        lazy = getattr(self.drafter, "propose_lazy", None) if self.settings.draft_in_verify else None
         try:
-            if ahead is None or ahead.block is not None:
-                draft = self.drafter.propose(self.settings.k, b.sampler)
-                block = [b.pending, *draft.tokens]
-            else:
+            if ahead is not None and ahead.block is None:
                 proposal = self.drafter.take_prepared()  # type: ignore[attr-defined]
                 assert proposal is ahead.drafts
+            elif ahead is None and lazy is not None and not audit and self.settings.k >= 1:
+                # Queued now, so the device drafts while the host builds the verify on the drafts.
+                proposal = lazy(self.settings.k)
+                mx.async_eval(proposal)
+                self.counters.fused += 1
+            else:
+                draft = self.drafter.propose(self.settings.k, b.sampler)
+                block = [b.pending, *draft.tokens]
         except Exception:
             log.exception("drafter failed mid-burst; sequence %d decodes classic", s.job.seq)
             s.no_burst = "drafter_error"
@@ -320,7 +339,7 @@ class BurstRunner:
             and plain(b.cache)
         )
         lookahead = can_build_ahead and self.adaptive.build_ahead()
-        logits, hidden, nxt = self._verify(b, block, level, ahead, lookahead)
+        logits, hidden, nxt = self._verify(b, block, proposal, level, ahead, lookahead)
         if proposal is not None:  # the drafter's proposal built ahead, computed with this verify
             draft = Draft(token_list(proposal))
             block = [b.pending, *draft.tokens]
@@ -413,6 +432,7 @@ class BurstRunner:
             "audits": self.counters.audits,
             "audit_failures": self.counters.audit_failures,
             "ahead_rounds": self.counters.ahead,
+            "fused_rounds": self.counters.fused,
             "round_seconds": self.counters.round_seconds,
             "revoked": dict(self.revoked),
             "speedup_estimate": self.adaptive.speedup,

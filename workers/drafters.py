@@ -229,13 +229,18 @@ class MTPDrafter:
         self._next = ctx[1:]
 
     def propose(self, k: int, sampler: SeededSampler | None) -> Draft:
+        return Draft(token_list(self.propose_lazy(k)))
+
+    def propose_lazy(self, k: int) -> mx.array:
+        """``propose``'s drafts as a graph not yet evaluated (``[1, k]`` int32), for a round that builds
+        its verify on them so that one evaluation computes both (``BurstSettings.draft_in_verify``)."""
         if self._prepared is not None and self._prepared.shape[1] == k:
             ready, self._prepared = self._prepared, None
-            return Draft(token_list(ready))
+            return ready
         assert self._hidden is not None
         drafted = self.head.draft(self._hidden, mx.array([self._next]), self._cache, k)
         self._drafted = k
-        return Draft(token_list(drafted))
+        return drafted
 
     def prepare(self, hidden: mx.array, drafts: list[int] | mx.array, bonus: mx.array, k: int) -> mx.array:
         """The next proposal if this round keeps every draft, built (not evaluated) on the verify's

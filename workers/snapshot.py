@@ -102,6 +102,8 @@ class BurstSummary(TypedDict):
     audit_failures: int
     #: Rounds whose verify was built while the previous round ran (``workers.lookahead``).
     ahead_rounds: int
+    #: Rounds whose drafts were computed with the verify in one evaluation (``draft_in_verify``).
+    fused_rounds: int
     #: Wall seconds of all rounds, drafting to emitting.
     round_seconds: float
     revoked: dict[str, str]

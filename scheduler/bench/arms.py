@@ -168,6 +168,8 @@ def burst_counts(client: Any) -> dict[str, float]:
     b = client.stats()["engine"].get("bursts", {})
     counts: dict[str, float] = {k: int(b.get(k, 0)) for k in BURST_COUNTS}
     counts["round_seconds"] = float(b.get("round_seconds", 0.0))
+    counts["ahead_rounds"] = int(b.get("ahead_rounds", 0))
+    counts["fused_rounds"] = int(b.get("fused_rounds", 0))
     counts.update({f"declined:{reason}": int(n) for reason, n in (b.get("declined") or {}).items()})
     return counts
 

@@ -355,7 +355,10 @@ def _main(args: argparse.Namespace) -> int:
                             # (a kernel compiled mid-run, say) shows in the run it slowed.
                             "bursts": None
                             if before_bursts is None or after_bursts is None
-                            else {k: after_bursts[k] - before_bursts[k] for k in ("rounds", "round_seconds")},
+                            else {
+                                k: after_bursts[k] - before_bursts[k]
+                                for k in ("rounds", "round_seconds", "ahead_rounds", "fused_rounds")
+                            },
                         }
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory

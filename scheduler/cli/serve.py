@@ -145,6 +145,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="build a burst round's verify while the previous round runs: auto (time rounds each way, "
         "keep the faster), on (whenever it can), off",
     )
+    p.add_argument(
+        "--draft-in-verify",
+        choices=("on", "off"),
+        default="on",
+        help="a drafter that drafts on the device (MTP) has its drafts computed with the verify in one "
+        "evaluation (on), or evaluated before the verify is built (off)",
+    )
     p.add_argument("--max-queued", type=positive_int, default=1024, help="requests waiting for a slot before `busy`")
     p.add_argument("--tenants", default=None, help="tenants TOML file (keys, weights, limits); reloaded on SIGHUP")
     p.add_argument("--curve-secret", default=None, help="the daemon's CURVE secret key file")
@@ -228,6 +235,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
             audit_fraction=args.audit_fraction,
             lookahead=args.lookahead != "off",
             lookahead_choice=args.lookahead == "auto",
+            draft_in_verify=args.draft_in_verify == "on",
         ),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         rank_timeout_s=args.rank_timeout,

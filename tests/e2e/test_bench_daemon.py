@@ -89,7 +89,9 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     # each engine-driven run's step counters: at least one decode step per token after the first
     for r in runs:
         assert (r["bursts"] is not None) == r["arm"].startswith("bursts:"), r
-        assert r["bursts"] is None or r["bursts"] == {"rounds": 0, "round_seconds": 0.0}  # declined: no round
+        assert r["bursts"] is None or r["bursts"] == dict.fromkeys(
+            ("rounds", "round_seconds", "ahead_rounds", "fused_rounds"), 0
+        )  # declined: no round
         steps = r["engine_steps"]
         if r["arm"] == "raw":
             assert steps is None

@@ -167,16 +167,16 @@ def test_a_burst_that_ends_with_a_round_built_ahead_keeps_its_last_rounds_kv(tar
 # --------------------------------------------------------------------------- the MTP head
 
 
-def _demo_engine(demo: Any, lookahead: bool | None, choice: bool = False) -> Engine:
+def _demo_engine(demo: Any, lookahead: bool | None, choice: bool = False, fused: bool = True) -> Engine:
     """The shipped pair's target; with ``lookahead`` not ``None``, the shipped MTP head drafting,
     its verdict given as the CPU's (exact at ``wide``, as tests/engine/test_probe.py measures);
-    ``choice``: ``BurstSettings.lookahead_choice``."""
+    ``choice``: ``BurstSettings.lookahead_choice``; ``fused``: ``BurstSettings.draft_in_verify``."""
     from workers.drafters import load_mtp_drafter
     from workers.probe import Verdict
 
     engine = Engine(demo.model, eos_token_ids=demo.info.eos_token_ids, vocab_size=demo.info.vocab_size)
     if lookahead is not None:
-        settings = replace(EXACT_FOREVER, lookahead=lookahead, lookahead_choice=choice)
+        settings = replace(EXACT_FOREVER, lookahead=lookahead, lookahead_choice=choice, draft_in_verify=fused)
         engine.configure_bursts(load_mtp_drafter("demo", demo.model), settings, "demo+mtp")
         engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact", [], 0.0)
     return engine
@@ -201,6 +201,27 @@ def test_mtp_rounds_built_on_the_verifys_outputs_emit_classic_decodes_tokens(dem
         assert c.accepted == c.drafted and c.ahead == c.rounds - 1
     else:
         assert c.accepted < c.drafted and 0 < c.ahead < c.rounds - 1
+
+
+@pytest.mark.parametrize("prompt", ["def fibonacci(n):", "x = ["])
+def test_mtp_drafts_computed_with_the_verify_emit_classic_decodes_tokens(demo: Any, prompt: str) -> None:
+    """``draft_in_verify``: the head's drafts are built into the verify's graph and computed with it
+    in one evaluation. Tokens and logprob bytes equal classic decode's and those of rounds whose
+    drafts were evaluated first, with the same rounds and kept drafts; every round not built ahead
+    was fused (with building ahead too: the first round, and those after a round that did not keep
+    every draft), none with it off."""
+    j = job(0, demo.tokenizer.encode(prompt), 48, logprobs=True)
+    want = _emitted(_demo_engine(demo, None), [j])[0]
+    first = _demo_engine(demo, lookahead=False, fused=False)
+    assert _emitted(first, [j])[0] == want
+    fused = _demo_engine(demo, lookahead=False)
+    assert _emitted(fused, [j])[0] == want
+    both = _demo_engine(demo, lookahead=True)
+    assert _emitted(both, [j])[0] == want
+    f, c, a = first.runner.counters, fused.runner.counters, both.runner.counters
+    assert (c.rounds, c.accepted) == (f.rounds, f.accepted) == (a.rounds, a.accepted) and c.rounds > 3
+    assert (f.fused, c.fused, a.fused) == (0, c.rounds, a.rounds - a.ahead) and a.ahead > 0
+    assert fused.runner.summary()["fused_rounds"] == c.rounds
 
 
 def test_an_mtp_burst_interrupted_with_a_round_built_ahead_stays_exact(demo: Any) -> None:

@@ -100,6 +100,7 @@ def stats_snapshot(
                 "audits": 2,
                 "audit_failures": 0,
                 "ahead_rounds": 0,
+                "fused_rounds": 0,
                 "round_seconds": 0.25,
                 "revoked": {},
                 "speedup_estimate": None,
