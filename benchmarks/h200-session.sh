@@ -57,6 +57,9 @@
 #   list, e.g. AHEAD="auto on off"); each run takes ~190 s on the H200 (start, probe, 20 timed runs).
 # PART=dp: part dt's bench (2 repeats, --lookahead auto) with every daemon's engine thread under cProfile: where a
 #   round's time goes in the daemon (5.2-6.5 ms in section 26) against ~3.8 ms forced in-process (lookahead_probe).
+# PART=df: the demo pair's MTP bursts with the drafts computed in the verify's evaluation (the default) against
+#   evaluated first (--draft-in-verify off): lookahead_probe in-process (its 4 arms), then the daemon on demo
+#   prompts, lookahead off with each, then --lookahead auto, then the first again (the lease's drift).
 # PART=dd: `mlx-batchd demo` alone (the four concurrent requests' time to first token after the warm-up).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
@@ -142,6 +145,18 @@ elif [ "$PART" = dt ]; then
     args=(--daemon-args="--lookahead $ahead")
     step "demo-text-$ahead" 210 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$ahead"
+  done
+elif [ "$PART" = df ]; then
+  step lookahead-mtp 80 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
+    --repeats 3 --out "$R/lookahead-mtp.json"
+  for arm in fused first auto fused2; do
+    case $arm in
+      fused*) args=(--daemon-args="--lookahead off") ;;
+      first) args=(--daemon-args="--lookahead off --draft-in-verify off") ;;
+      auto) args=(--daemon-args="--lookahead auto") ;;
+    esac
+    step "demo-text-$arm" 150 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
+      --prompts demo --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-text-$arm"
   done
 elif [ "$PART" = dp ]; then
   MLX_BATCHD_PROFILE_DIR="$R/demo-prof" step demo-prof 200 python3 -m scheduler bench --model demo --batch-sizes 1 \
