@@ -69,8 +69,17 @@ class BurstCounters:
     declined: dict[str, int] = field(default_factory=dict)
 
 
-#: Rounds timed each way (next round built ahead, and not) before ``Adaptive.build_ahead`` chooses.
-EXPLORE_ROUNDS = 8
+#: Rounds an exploration starts with, built ahead and timed for neither way: both ways' graphs are
+#: built in them for the first time (a first use compiles kernels).
+WARM_ROUNDS = 4
+#: Rounds of one way in a row while exploring; a block's first round is not timed (it follows a round
+#: of the other way: after a round built ahead, the next finds its verify already built).
+BLOCK_ROUNDS = 4
+#: The ways of the exploration's blocks, built ahead (``True``) or not: the Thue-Morse order, so that a
+#: host that drifts during exploration slows both ways alike (ABBA BAAB: equal mean positions).
+EXPLORE_BLOCKS = (True, False, False, True, False, True, True, False)
+#: Rounds one exploration takes (``Adaptive.build_ahead``): 12 timed each way.
+EXPLORE_ROUNDS = WARM_ROUNDS + BLOCK_ROUNDS * len(EXPLORE_BLOCKS)
 #: Rounds after which both ways are timed afresh.
 REEXPLORE_ROUNDS = 512
 
@@ -93,7 +102,7 @@ class Adaptive:
 
     settings: BurstSettings
     rounds: int = 0
-    #: Rounds since both ways of building were last timed afresh (``build_ahead``).
+    #: Rounds that could build ahead since both ways were last timed afresh (``build_ahead``).
     rounds_since_explore: int = 0
     paused_until: float = 0.0
     #: What the estimate read when it last paused bursting (``after_round``), kept after it forgets
@@ -104,16 +113,24 @@ class Adaptive:
     _tokens: deque[int] = field(default_factory=deque, repr=False)
     #: Round seconds by whether the round built the next one ahead (``build_ahead``).
     _ways: dict[bool, deque[float]] = field(default_factory=dict, repr=False)
+    #: Whether the latest round was an exploration's (``exploring``).
+    _explored_last: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         n = max(self.settings.min_rounds, self.settings.profile_steps, 1)
         self._classic, self._round_s, self._tokens = deque(maxlen=n), deque(maxlen=n), deque(maxlen=n)
-        self._ways = {True: deque(maxlen=2 * EXPLORE_ROUNDS), False: deque(maxlen=2 * EXPLORE_ROUNDS)}
+        self._ways = {True: deque(maxlen=EXPLORE_ROUNDS), False: deque(maxlen=EXPLORE_ROUNDS)}
 
     def build_ahead(self) -> bool:
-        """Whether a round that can build the next round's verify ahead does: first
-        ``EXPLORE_ROUNDS`` rounds built ahead, then as many not, then the way whose median round was
-        shorter; both are timed afresh every ``REEXPLORE_ROUNDS`` rounds and after a pause.
+        """Whether a round that can build the next round's verify ahead does: an exploration first
+        (``WARM_ROUNDS`` built ahead and not timed, then ``EXPLORE_BLOCKS`` of ``BLOCK_ROUNDS``, each
+        block's first round not timed), then the way whose median round was shorter; both are timed
+        afresh every ``REEXPLORE_ROUNDS`` rounds and after a pause.
+
+        Why interleaved, after a warm-up: timed one way after the other from a daemon's first bursts,
+        the way timed first took its first uses and the host's moment (through the daemon on the
+        H200 the demo pair's rounds built ahead read 6.5-8.0 ms against 4.8-5.0 not, while forced
+        in-process on the same machine they were the faster way, docs/benchmarks.md section 27).
 
         Why measured and not fixed: on the H200 the demo pair's forced bursts ran at 1.628x classic
         without building ahead and 1.190x with it on one lease, 1.247x and 1.379x on the next
@@ -123,12 +140,18 @@ class Adaptive:
             return False
         if not self.settings.lookahead_choice:
             return True
-        on, off = self._ways[True], self._ways[False]
-        if len(on) < EXPLORE_ROUNDS:
+        i = self.rounds_since_explore
+        if i < WARM_ROUNDS:
             return True
-        if len(off) < EXPLORE_ROUNDS:
-            return False
+        if i < EXPLORE_ROUNDS:
+            return EXPLORE_BLOCKS[(i - WARM_ROUNDS) // BLOCK_ROUNDS]
+        on, off = self._ways[True], self._ways[False]
         return statistics.median(on) <= statistics.median(off)
+
+    @property
+    def exploring(self) -> bool:
+        """Whether the latest round was one of an exploration (``build_ahead``) not yet finished."""
+        return self._explored_last and self.settings.lookahead_choice and self.rounds_since_explore < EXPLORE_ROUNDS
 
     def ahead_medians(self) -> dict[str, float | None]:
         """Median round seconds built ahead (``on``) and not (``off``), as last timed."""
@@ -148,7 +171,7 @@ class Adaptive:
         """Median seconds of the latest rounds; where rounds were timed built ahead and not
         (``build_ahead``), the faster way's: the way bursting goes on with once both are timed, so
         that the rounds spent timing the slower way do not pause bursting that pays."""
-        timed = [statistics.median(w) for w in self._ways.values() if len(w) >= EXPLORE_ROUNDS]
+        timed = [statistics.median(w) for w in self._ways.values() if w]
         return min(timed) if timed else _median(self._round_s)
 
     @property
@@ -164,8 +187,12 @@ class Adaptive:
         self._round_s.append(seconds)
         self._tokens.append(tokens)
         self.rounds += 1
+        self._explored_last = False
         if ahead is not None:
-            self._ways[ahead].append(seconds)
+            i = self.rounds_since_explore
+            self._explored_last = i < EXPLORE_ROUNDS
+            if i >= EXPLORE_ROUNDS or (i >= WARM_ROUNDS and (i - WARM_ROUNDS) % BLOCK_ROUNDS):
+                self._ways[ahead].append(seconds)
             self.rounds_since_explore += 1
             if self.rounds_since_explore >= REEXPLORE_ROUNDS:
                 self._forget_ways()
@@ -191,8 +218,12 @@ class Adaptive:
         return None
 
     def after_round(self, now: float) -> bool:
-        """Whether to keep bursting; pauses (and forgets the measurements) when it does not pay."""
+        """Whether to keep bursting; pauses (and forgets the measurements) when it does not pay. Not
+        during an exploration (``exploring``, at most ``EXPLORE_ROUNDS`` rounds): its estimate is
+        the faster way's once both are timed, and a way half timed is not yet a verdict on either."""
         s = self.speedup
+        if self.exploring:
+            return True
         if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
             self.paused_until = now + self.settings.reprofile_after_s
             self.last_pause = {

@@ -3,7 +3,17 @@ is arithmetic on timings, fed here the way the engine feeds it)."""
 
 from __future__ import annotations
 
-from workers.burst import EXPLORE_ROUNDS, REEXPLORE_ROUNDS, Adaptive, BurstSettings
+from collections.abc import Callable
+
+from workers.burst import (
+    BLOCK_ROUNDS,
+    EXPLORE_BLOCKS,
+    EXPLORE_ROUNDS,
+    REEXPLORE_ROUNDS,
+    WARM_ROUNDS,
+    Adaptive,
+    BurstSettings,
+)
 
 SETTINGS = BurstSettings(k=4, profile_steps=3, min_rounds=16, reprofile_after_s=30.0)
 
@@ -70,13 +80,20 @@ def test_a_slow_classic_step_does_not_make_rounds_look_faster() -> None:
     assert not kept
 
 
-def _rounds_by_way(gate: Adaptive, seconds: dict[bool, float], n: int) -> list[bool]:
-    """``n`` rounds that can build ahead, each taking ``seconds[way]`` for the way the gate chose."""
+#: The ways an exploration takes, round by round: the warm-up built ahead, then the blocks.
+EXPLORATION = [True] * WARM_ROUNDS + [way for way in EXPLORE_BLOCKS for _ in range(BLOCK_ROUNDS)]
+
+
+def _rounds_by_way(
+    gate: Adaptive, seconds: dict[bool, float] | Callable[[int, bool], float], n: int, start: int = 0
+) -> list[bool]:
+    """``n`` rounds that can build ahead, each taking ``seconds[way]`` (or ``seconds(i, way)``, ``i``
+    counted from ``start``) for the way the gate chose."""
     ways = []
-    for i in range(n):
+    for i in range(start, start + n):
         way = gate.build_ahead()
         ways.append(way)
-        gate.observe_round(seconds[way], 5, way)
+        gate.observe_round(seconds(i, way) if callable(seconds) else seconds[way], 5, way)
         assert gate.after_round(float(i))
     return ways
 
@@ -85,10 +102,38 @@ def test_building_ahead_is_timed_both_ways_and_the_faster_kept() -> None:
     for faster in (True, False):
         gate = _profiled()
         seconds = {faster: 0.010, not faster: 0.014}
-        ways = _rounds_by_way(gate, seconds, 40)
-        assert ways[: 2 * EXPLORE_ROUNDS] == [True] * EXPLORE_ROUNDS + [False] * EXPLORE_ROUNDS
-        assert set(ways[2 * EXPLORE_ROUNDS :]) == {faster}
+        ways = _rounds_by_way(gate, seconds, EXPLORE_ROUNDS + 20)
+        assert len(EXPLORATION) == EXPLORE_ROUNDS and ways[:EXPLORE_ROUNDS] == EXPLORATION
+        assert set(ways[EXPLORE_ROUNDS:]) == {faster}
         assert gate.ahead_medians() == {"on": seconds[True], "off": seconds[False]}
+
+
+def test_first_rounds_and_a_drifting_host_do_not_decide_the_way() -> None:
+    """The warm-up's rounds (first uses: kernels compiled, seconds each) are timed for neither way,
+    and a host that slows down steadily while the ways are timed slows both alike: not building ahead
+    is 5 % faster here, under first rounds of a second and a round time that grows 3 % a round. Timed
+    one way after the other, the way timed first would win on both counts."""
+    gate = _profiled()
+
+    def seconds(i: int, way: bool) -> float:
+        return 1.0 if i < WARM_ROUNDS else (0.010 if way else 0.0095) * (1 + 0.03 * i)
+
+    ways = _rounds_by_way(gate, seconds, WARM_ROUNDS)
+    assert gate.ahead_medians() == {"on": None, "off": None}  # the warm-up: timed for neither way
+    ways += _rounds_by_way(gate, seconds, EXPLORE_ROUNDS + 1 - WARM_ROUNDS, start=WARM_ROUNDS)
+    assert ways[:EXPLORE_ROUNDS] == EXPLORATION and ways[EXPLORE_ROUNDS] is False
+
+
+def test_bursting_is_not_paused_while_the_ways_are_timed() -> None:
+    """Rounds of neither way pay (5 tokens in 10 classic steps): bursting goes on through the
+    exploration (bounded: ``EXPLORE_ROUNDS``) and pauses at the round that completes it."""
+    gate = _profiled()
+    for i in range(EXPLORE_ROUNDS - 1):
+        way = gate.build_ahead()
+        gate.observe_round(0.1, 5, way)
+        assert gate.after_round(float(i))
+    gate.observe_round(0.1, 5, gate.build_ahead())
+    assert not gate.after_round(float(EXPLORE_ROUNDS))
 
 
 def test_building_ahead_is_timed_afresh_once_the_host_changes() -> None:
@@ -96,10 +141,10 @@ def test_building_ahead_is_timed_afresh_once_the_host_changes() -> None:
     got faster (the host changed), rounds stop being built ahead."""
     gate = _profiled()
     ways = _rounds_by_way(gate, {True: 0.010, False: 0.014}, REEXPLORE_ROUNDS)
-    assert set(ways[2 * EXPLORE_ROUNDS :]) == {True}
-    ways = _rounds_by_way(gate, {True: 0.010, False: 0.006}, 3 * EXPLORE_ROUNDS)
-    assert ways[: 2 * EXPLORE_ROUNDS] == [True] * EXPLORE_ROUNDS + [False] * EXPLORE_ROUNDS
-    assert set(ways[2 * EXPLORE_ROUNDS :]) == {False}
+    assert set(ways[EXPLORE_ROUNDS:]) == {True}
+    ways = _rounds_by_way(gate, {True: 0.010, False: 0.006}, 2 * EXPLORE_ROUNDS)
+    assert ways[:EXPLORE_ROUNDS] == EXPLORATION
+    assert set(ways[EXPLORE_ROUNDS:]) == {False}
 
 
 def test_rounds_that_cannot_build_ahead_leave_the_choice_alone() -> None:
@@ -123,6 +168,6 @@ def test_timing_the_slower_way_does_not_pause_bursting_that_pays() -> None:
     10): the 8 rounds spent timing the slower way leave the gate's estimate on the faster one (a
     median over both ways' rounds would read 0.8x and pause)."""
     gate = _profiled()
-    ways = _rounds_by_way(gate, {True: 0.025, False: 0.100}, 4 * EXPLORE_ROUNDS)
-    assert False in ways and set(ways[2 * EXPLORE_ROUNDS :]) == {True}
+    ways = _rounds_by_way(gate, {True: 0.025, False: 0.100}, 2 * EXPLORE_ROUNDS)
+    assert False in ways and set(ways[EXPLORE_ROUNDS:]) == {True}
     assert gate.speedup is not None and abs(gate.speedup - 2.0) < 1e-9
