@@ -157,3 +157,9 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     }
     assert ways == {"auto": (True, True), "on": (True, False), "off": (False, False)}
     assert engine_settings(build_parser().parse_args(["serve"])).bursts.lookahead_choice is True
+    fused = {
+        way: engine_settings(build_parser().parse_args(["serve", "--draft-in-verify", way])).bursts.draft_in_verify
+        for way in ("on", "off")
+    }
+    assert fused == {"on": True, "off": False}
+    assert engine_settings(build_parser().parse_args(["serve"])).bursts.draft_in_verify is True
