@@ -159,17 +159,22 @@ def drafter_args(spec: str) -> list[str]:
     return ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
 
 
-BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens")
+BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens", "ahead_rounds", "fused_rounds")
+#: What each timed run's record keeps of a drafter arm's counters (``burst_counts``, after minus before).
+RUN_BURST_KEYS = ("rounds", "round_seconds", "ahead_rounds", "fused_rounds")
 
 
-def burst_counts(client: Any) -> dict[str, float]:
-    """The daemon's burst counters (``BURST_COUNTS``), the seconds its rounds took (``round_seconds``)
-    and its declined bursts by reason, as ``declined:<reason>`` (so an arm where no round ran can say why)."""
-    b = client.stats()["engine"].get("bursts", {})
+def daemon_bursts(client: Any) -> dict[str, Any]:
+    """The daemon's ``bursts`` stats (empty where it reports none)."""
+    return client.stats()["engine"].get("bursts") or {}
+
+
+def burst_counts(b: dict[str, Any]) -> dict[str, float]:
+    """A daemon's burst counters (``BURST_COUNTS``) from its ``bursts`` stats (``daemon_bursts``), the
+    seconds its rounds took (``round_seconds``) and its declined bursts by reason, as
+    ``declined:<reason>`` (so an arm where no round ran can say why)."""
     counts: dict[str, float] = {k: int(b.get(k, 0)) for k in BURST_COUNTS}
     counts["round_seconds"] = float(b.get("round_seconds", 0.0))
-    counts["ahead_rounds"] = int(b.get("ahead_rounds", 0))
-    counts["fused_rounds"] = int(b.get("fused_rounds", 0))
     counts.update({f"declined:{reason}": int(n) for reason, n in (b.get("declined") or {}).items()})
     return counts
 

@@ -48,8 +48,10 @@ from typing import Any, cast
 
 from scheduler.bench.arms import (
     HTTP_ARMS,
+    RUN_BURST_KEYS,
     STEP_COUNTERS,
     burst_counts,
+    daemon_bursts,
     drafter_args,
     free_port,
     memory_gib,
@@ -302,16 +304,15 @@ def _main(args: argparse.Namespace) -> int:
                 wait_idle(clients)
                 run(arm, shape, args.tokens)
                 mx.clear_cache()
-        before = {name: burst_counts(clients[name]) for name in b1_arms}
+        before = {name: burst_counts(daemon_bursts(clients[name])) for name in b1_arms}
 
         def b1_state() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
             """Each drafter arm's burst counters since B = 1's timed runs began, and its daemon's
             burst stats (what its gate read when it last paused, how its rounds timed each way)."""
+            gates = {name: daemon_bursts(clients[name]) for name in b1_arms}
             counts = {
-                name: {k: v - before[name].get(k, 0) for k, v in burst_counts(clients[name]).items()}
-                for name in b1_arms
+                name: {k: v - before[name].get(k, 0) for k, v in burst_counts(gates[name]).items()} for name in b1_arms
             }
-            gates = {name: clients[name].stats()["engine"].get("bursts") or {} for name in b1_arms}
             return counts, gates
 
         total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
@@ -330,10 +331,10 @@ def _main(args: argparse.Namespace) -> int:
                 for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
                     wait_idle(clients)
                     before_steps = counters(arm)
-                    before_bursts = burst_counts(clients[arm]) if arm in b1_arms else None
+                    before_bursts = burst_counts(daemon_bursts(clients[arm])) if arm in b1_arms else None
                     n, wall = run(arm, prompts, args.tokens)
                     after_steps = counters(arm)
-                    after_bursts = burst_counts(clients[arm]) if arm in b1_arms else None
+                    after_bursts = burst_counts(daemon_bursts(clients[arm])) if arm in b1_arms else None
                     samples.setdefault((arm, b), []).append(n / wall)
                     runs.append(
                         {
@@ -355,10 +356,7 @@ def _main(args: argparse.Namespace) -> int:
                             # (a kernel compiled mid-run, say) shows in the run it slowed.
                             "bursts": None
                             if before_bursts is None or after_bursts is None
-                            else {
-                                k: after_bursts[k] - before_bursts[k]
-                                for k in ("rounds", "round_seconds", "ahead_rounds", "fused_rounds")
-                            },
+                            else {k: after_bursts[k] - before_bursts[k] for k in RUN_BURST_KEYS},
                         }
                     )
                     mx.clear_cache()  # MLX keeps freed buffers; on one GPU the daemons need that memory
