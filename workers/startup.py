@@ -105,8 +105,8 @@ def warm_up(engine: Engine) -> None:
     (a lone sequence's prefill and decode), then two of different lengths together (a prefill wave
     with padding, masked batched decode, a batch that shrinks). Those run different kernels, and MLX
     CUDA compiles each kernel at its first use on a machine. On the H200 the demo command's first
-    four concurrent requests, after a lone one, waited 8.5 s for their first tokens (docs/benchmarks.md
-    section 26); that this warm-up removes the wait is not yet measured."""
+    four concurrent requests, after a lone one, waited 8.5 s for their first tokens with the lone
+    warm-up only, 0.046 s with this one (docs/benchmarks.md sections 26 and 27)."""
     for jobs in (
         [Job(seq=-1, prompt=[0, 0], max_tokens=2)],
         [Job(seq=-2, prompt=[0, 0], max_tokens=2), Job(seq=-3, prompt=[0, 0, 0], max_tokens=3)],
