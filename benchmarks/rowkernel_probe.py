@@ -250,6 +250,7 @@ def whole_model(
     blocks: tuple[int, ...] = (1, 5, 9),
     outs: tuple[int, ...] = WHOLE_OUTS,
     chained: bool = False,
+    only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     prompt = mx.array([[(7 * i) % (vocab - 10) + 5 for i in range(context)]])
 
@@ -306,6 +307,8 @@ def whole_model(
         runs.insert(1, ("per-query-1", Level.PER_QUERY_1, VARIANTS[0]))
         runs += [(f"rowwise-R{v[0]}V{v[1]}", Level.ROWWISE, v) for v in VARIANTS[1:]]
     for name, level, variant in runs:
+        if only and name != "wide" and not name.startswith(only):
+            continue
         use(variant)
         out[name] = {}
         with unfused(name.endswith("-unfused")), kernel_plans(model, name.startswith("wide-kernel")):
@@ -368,7 +371,7 @@ def best_per_warp(whole: dict[str, Any], blocks: tuple[int, ...], outs: tuple[in
         ms = {
             r: whole[f"wide-kernel-R{r}U{MIRRORED[0][1]}"][key] + whole[f"mirrored-R{r}U{MIRRORED[0][1]}"][key]
             for r in outs
-            if r
+            if r and f"mirrored-R{r}U{MIRRORED[0][1]}" in whole and f"wide-kernel-R{r}U{MIRRORED[0][1]}" in whole
         }
         if not ms:
             continue
@@ -392,6 +395,7 @@ def main() -> None:
         "--chained", action="store_true", help="also each forward chained as decode steps it (not wide-kernel)"
     )
     ap.add_argument("--profile-build", type=int, default=0, help="profile building steps and blocks: top N")
+    ap.add_argument("--only", default="", help="whole-model rungs whose names start so (comma-separated; wide always)")
     ap.add_argument("--per-warp-out", help="write the fastest outputs per warp by rows here (MLX_BATCHD_QMV_PER_WARP)")
     a = ap.parse_args()
     install()
@@ -403,7 +407,13 @@ def main() -> None:
     blocks = tuple(int(t) for t in a.blocks.split(","))
     outs = tuple(int(r) for r in a.outs.split(","))
     report["whole_model"] = whole_model(
-        loaded.model, loaded.info.vocab_size, quick=a.quick, blocks=blocks, outs=outs, chained=a.chained
+        loaded.model,
+        loaded.info.vocab_size,
+        quick=a.quick,
+        blocks=blocks,
+        outs=outs,
+        chained=a.chained,
+        only=tuple(x for x in a.only.split(",") if x),
     )
     if a.profile_build:
         report["build_profile"] = build_profile(loaded.model, loaded.info.vocab_size, a.profile_build)
