@@ -61,9 +61,6 @@
 #   evaluated first (--draft-in-verify off): lookahead_probe in-process (its 4 arms), then the daemon on demo
 #   prompts, lookahead off with each, then --lookahead auto, then the first again (the lease's drift).
 # PART=dd: `mlx-batchd demo` alone (the four concurrent requests' time to first token after the warm-up).
-# PART=sk: the row-exact kernel with each output's K split over a block's warps (benchmarks/splitk_probe.py:
-#   per layer shape against MLX, the one-warp row-exact kernel and the mirrored kernel), then whole forwards
-#   at wide and at rowwise with it (MLX_BATCHD_ROWKERNEL_SPLIT=${SPLIT:-4}).
 # PART=da: the demo pair's MTP bursts through the daemon, --lookahead auto and off alternating (AHEAD overrides
 #   the list), 15 repeats each: the adaptive gate's exploration against a fixed way, on one lease.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
@@ -145,10 +142,6 @@ elif [ "$PART" = dl ]; then
     step "demo-mtp-$ahead" 200 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --tokens 256 --repeats 5 --raw-max-batch 1 "${args[@]}" --out "$R/demo-mtp-$ahead"
   done
-elif [ "$PART" = sk ]; then
-  step split 200 python3 benchmarks/splitk_probe.py --out "$R/split.json"
-  MLX_BATCHD_ROWKERNEL_SPLIT=${SPLIT:-4} step whole-split 200 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b \
-    --whole-only --blocks 1,5 --chained --only rowwise-R4V1 --out "$R/whole-split.json"
 elif [ "$PART" = da ]; then
   for arm in ${AHEAD:-auto off auto off}; do
     n=$((${n:-0} + 1))

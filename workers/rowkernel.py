@@ -43,13 +43,6 @@ OUTS_PER_WARP = 4
 VECTOR_WORDS = 1
 #: Threads per block (four warps).
 BLOCK = 128
-#: Warps per block that share each output's K in the quantized kernel (``_SPLIT_SOURCE``); 0: one warp
-#: takes a whole output (``_QUANT_SOURCE``). Part of the order of a row's sums: fixed for the process.
-SPLIT_WARPS = int(os.environ.get("MLX_BATCHD_ROWKERNEL_SPLIT", "0") or 0)
-#: Outputs per block of the split kernel by rows per call (others: ``SPLIT_OUTS_DEFAULT``); only the
-#: speed depends on it, not a byte.
-SPLIT_OUTS: dict[int, int] = {1: 2}
-SPLIT_OUTS_DEFAULT = 4
 
 _HEADER = """
 #include <cuda_bf16.h>
@@ -62,30 +55,6 @@ template <typename T> __device__ __forceinline__ T rk_to(float v);
 template <> __device__ __forceinline__ float rk_to<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 rk_to<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half rk_to<__half>(float v) { return __float2half_rn(v); }
-
-// PER x values at p as fp32: 16-byte loads where ``wide`` (the caller checked the alignment), else one
-// element at a time. Only how the bytes arrive differs, never a value.
-template <int PER, typename T>
-__device__ __forceinline__ void rk_xload(const T* p, float (&o)[PER], bool wide) {
-  if constexpr (sizeof(T) == 2 && PER == 8) {
-    if (wide) {
-      const uint4 v = *reinterpret_cast<const uint4*>(p);
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        T lo, hi;
-        const uint16_t a = static_cast<uint16_t>(u[i] & 0xffffu), bb = static_cast<uint16_t>(u[i] >> 16);
-        memcpy(&lo, &a, 2);
-        memcpy(&hi, &bb, 2);
-        o[2 * i] = rk_f(lo);
-        o[2 * i + 1] = rk_f(hi);
-      }
-      return;
-    }
-  }
-  #pragma unroll
-  for (int i = 0; i < PER; ++i) o[i] = rk_f(p[i]);
-}
 """
 
 #: Shared by both kernels: each warp takes R consecutive outputs and keeps M x R fp32 sums ...
@@ -209,88 +178,6 @@ _DENSE_SOURCE = (
     + _REDUCE_AND_WRITE
 )
 
-#: Quantized (affine), split: the same sums as ``_QUANT_SOURCE`` with each output's K shared by the W
-#: warps of a block (``SPLIT_WARPS``), so that a projection keeps the whole device busy: one block per
-#: R outputs, each thread taking 128-bit weight chunks ``tid, tid + 32 W, ...`` of every one of them
-#: (x read as 128-bit loads where aligned). A thread's sums run over its chunks in order; then each
-#: warp's butterfly, then the W warps' partials added in warp order. Nothing in that order depends on
-#: M or R (R, the outputs sharing a block's x loads, may differ by row count): row ``m`` of a call is
-#: the one-row call on that row. A weight's value is converted by the exponent trick (exact for
-#: integers below 2^23), not ``I2F``, which runs at a quarter of the fused multiply-add's rate.
-_SPLIT_SOURCE = """\
-
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr int PER_CHUNK = 4 * PER_WORD;
-  constexpr int THREADS = 32 * W;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  const int K = static_cast<int>(x_shape[1]);
-  const int N = static_cast<int>(w_shape[0]);
-  const int WORDS = K / PER_WORD;
-  const int CHUNKS = WORDS / 4;
-  const int GROUPS = K / GS;
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int n0 = blockIdx.x * R;
-  const bool wide = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (K % 8) == 0;
-  float acc[M][R];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-  }
-  for (int c = tid; c < CHUNKS; c += THREADS) {
-    uint4 q[R];
-    float s[R];
-    float b[R];
-    const int g = (c * PER_CHUNK) / GS;
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int n = n0 + r < N ? n0 + r : N - 1;
-      q[r] = reinterpret_cast<const uint4*>(w + (size_t)n * WORDS)[c];
-      s[r] = rk_f(scales[(size_t)n * GROUPS + g]);
-      b[r] = rk_f(biases[(size_t)n * GROUPS + g]);
-    }
-    #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      float xs[M][PER_WORD];
-      const size_t base = (size_t)(c * 4 + t) * PER_WORD;
-      #pragma unroll
-      for (int m = 0; m < M; ++m) rk_xload<PER_WORD>(x + (size_t)m * K + base, xs[m], wide);
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint32_t word = t == 0 ? q[r].x : t == 1 ? q[r].y : t == 2 ? q[r].z : q[r].w;
-        #pragma unroll
-        for (int j = 0; j < PER_WORD; ++j) {
-          const float qf = __uint_as_float(0x4B000000u | ((word >> (BITS * j)) & MASK)) - 8388608.0f;
-          const float wd = __fmaf_rn(qf, s[r], b[r]);
-          #pragma unroll
-          for (int m = 0; m < M; ++m) acc[m][r] = __fmaf_rn(xs[m][j], wd, acc[m][r]);
-        }
-      }
-    }
-  }
-  __shared__ float red[W][M * R];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0) red[warp][m * R + r] = v;
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < M * R; i += THREADS) {
-    const int n = n0 + i % R;
-    float v = red[0][i];
-    #pragma unroll
-    for (int k = 1; k < W; ++k) v += red[k][i];
-    if (n < N) out[(size_t)(i / R) * N + n] = rk_to<T>(v);
-  }
-"""
-
 _kernels: dict[str, Any] = {}
 #: The CUDA kernel's start-up check (``usable``): ``None`` until run.
 _checked: bool | None = None
@@ -352,38 +239,19 @@ def self_check(seed: int = 0) -> bool:
 
 def _kernel(kind: str) -> Any:
     if kind not in _kernels:
-        quant = kind != "dense"
+        quant = kind == "quant"
         _kernels[kind] = mx.fast.cuda_kernel(
             name=f"mlx_batchd_rowwise_{kind}",
             input_names=["x", "w", "scales", "biases"] if quant else ["x", "w"],
             output_names=["out"],
-            source={"quant": _QUANT_SOURCE, "split": _SPLIT_SOURCE}.get(kind, _DENSE_SOURCE),
+            source=_QUANT_SOURCE if quant else _DENSE_SOURCE,
             header=_HEADER,
         )
     return _kernels[kind]
 
 
-def _splits(words: int, extra: dict[str, int]) -> bool:
-    """Whether the split kernel takes a quantized layer of ``words`` 32-bit words a row: on, whole
-    128-bit chunks a row, each chunk within one quantization group (a property of the shape, so one
-    layer's calls all take the same kernel whatever their rows)."""
-    per_chunk = 4 * 32 // extra["BITS"]
-    return SPLIT_WARPS > 0 and words % 4 == 0 and extra["GS"] % per_chunk == 0
-
-
 def _launch(kind: str, inputs: list[mx.array], m: int, n: int, extra: dict[str, int]) -> mx.array:
     x = inputs[0]
-    if kind == "quant" and _splits(inputs[1].shape[1], extra):
-        r = SPLIT_OUTS.get(m, SPLIT_OUTS_DEFAULT)
-        out = _kernel("split")(
-            inputs=inputs,
-            template=[("T", x.dtype), ("M", m), ("R", r), ("W", SPLIT_WARPS), *extra.items()],
-            grid=(-(-n // r) * 32 * SPLIT_WARPS, 1, 1),
-            threadgroup=(32 * SPLIT_WARPS, 1, 1),
-            output_shapes=[(m, n)],
-            output_dtypes=[x.dtype],
-        )
-        return out[0]
     warps = -(-n // OUTS_PER_WARP)
     template: list[tuple[str, Any]] = [("T", x.dtype), ("M", m), ("R", OUTS_PER_WARP), *extra.items()]
     if kind == "quant":

@@ -367,24 +367,6 @@ def project_cases():
                         ),
                     )
                 )
-    for bits in (4, 8):
-        for m in (1, 5, 8):
-            for r, w in ((1, 4), (2, 4), (4, 4), (4, 8)):
-                tmpl = [("T", bf), ("M", m), ("R", r), ("W", w), ("BITS", bits), ("GS", 64)]
-                cases.append(
-                    (
-                        f"rowkernel split BITS={bits} M={m} R={r} W={w}",
-                        dict(
-                            name="mlx_batchd_rowwise_split",
-                            inputs=q_ins,
-                            output_names=["out"],
-                            output_dtypes=[bf],
-                            source=rowkernel._SPLIT_SOURCE,
-                            header=rowkernel._HEADER,
-                            template=tmpl,
-                        ),
-                    )
-                )
     for m in (1, 5, 8):
         tmpl = [("T", bf), ("M", m), ("R", rowkernel.OUTS_PER_WARP)]
         cases.append(
