@@ -78,6 +78,9 @@ class BurstRunner:
         self._stop_asked = False
         #: The next round's verify, guessed and built on the burst's caches (``workers.lookahead``).
         self._ahead: Ahead | None = None
+        #: The last step, timed to the next step's start (``cycle_ended``): its start, the tokens of
+        #: a round (0: a classic step of the lone sequence) and whether the round built ahead.
+        self._cycle: tuple[float, int, bool | None] | None = None
 
     def configure(self, drafter: Drafter, settings: BurstSettings, pairing: str) -> None:
         """Enable B = 1 bursts with ``drafter``; they run once ``pairing`` has a usable verdict."""
@@ -129,9 +132,28 @@ class BurstRunner:
         self._note_decline(self.current.seq, "contention")
         return held + self._rejoin()
 
-    def observe_classic(self, seconds: float) -> None:
-        """A classic B = 1 decode step's time, for the adaptive gate."""
-        self.adaptive.observe_classic(seconds)
+    def classic_began(self, tic: float) -> None:
+        """A classic decode step of the lone sequence began at ``tic`` (``time.perf_counter``)."""
+        self._cycle = (tic, 0, None)
+
+    def cycle_ended(self, now: float | None) -> None:
+        """Hand the adaptive gate the last step's wall time, from its start to ``now`` (the next step's
+        start): a classic step or a round, each with everything the engine's loop does for it
+        (emitting its tokens, handing them to the front end). ``None``: the loop had no work after
+        the step and waited, which is no part of it.
+
+        Why to the next start: timed inside the step, a classic step left out the loop's work for its
+        one token, which a round pays once for its four or five. On the H200 the demo pair's classic
+        steps timed 1.07-1.09 ms inside against 1.55 ms a token through the daemon, and the gate
+        paused bursts that ran at 1.55x as if they did not pay (0.98x; docs/benchmarks.md section 28)."""
+        cycle, self._cycle = self._cycle, None
+        if cycle is None or now is None:
+            return
+        tic, tokens, ahead = cycle
+        if tokens:
+            self.adaptive.observe_round(now - tic, tokens, ahead)
+        else:
+            self.adaptive.observe_classic(now - tic)
 
     def _verdict_level(self) -> tuple[Level | None, str | None]:
         """The verify level, or why there is none."""
@@ -397,7 +419,7 @@ class BurstRunner:
             return events + self._rejoin()
         elapsed = time.perf_counter() - tic
         self.counters.round_seconds += elapsed
-        self.adaptive.observe_round(elapsed, len(candidates), lookahead if can_build_ahead else None)
+        self._cycle = (tic, len(candidates), lookahead if can_build_ahead else None)
         events.append(StepInfo(StepKind.BURST_ROUND, elapsed, 1))
         # The policy reads the clock, so its "stop" is carried out at the next step's decision
         # (``Gate.stop``), which across ranks is rank 0's: the same step on every rank.

@@ -290,7 +290,10 @@ class Engine:
         A failure inside the step leaves the generator's state unknown, so every sequence in
         it ends with ``engine_error`` and a fresh generator takes over; the engine lives on.
         In ``lockstep`` the failure is raised instead: the other ranks' generators went on.
+
+        The last step is timed for the burst gate from its start to this one's (``cycle_ended``).
         """
+        self.runner.cycle_ended(time.perf_counter())
         try:
             live = self.live()  # paused sequences do not contend
             if self.runner.wants(live, gate):  # burst the lone sequence
@@ -310,6 +313,9 @@ class Engine:
             self.runner.end()
             self._gen = self._new_generator()
             return events
+        finally:
+            if not self.has_work:  # the loop waits for work now: no part of this step
+                self.runner.cycle_ended(None)
 
     def _step(self) -> list[Event]:
         tic = time.perf_counter()
@@ -335,7 +341,7 @@ class Engine:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic
             if solo and not prompt_responses:
-                self.runner.observe_classic(time.perf_counter() - tic)
+                self.runner.classic_began(tic)
         self.counters.prefill_steps += bool(prompt_responses)
         self.counters.finish_steps += any(r.finish_reason is not None for r in gen_responses)
         for pr in prompt_responses:

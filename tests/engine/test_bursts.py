@@ -7,6 +7,7 @@ so say it in their names.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,25 @@ def test_adaptive_policy_stops_bursts_that_do_not_pay(paths: dict[str, Path], ta
     assert run(engine, [j]) == classic(target, [j])
     assert engine.adaptive.paused_until > 0  # a 1-layer stranger as drafter never pays
     assert engine.bursts.declined.get("profiling", 0) >= 1 and engine.bursts.declined.get("adaptive", 0) >= 1
+
+
+def test_the_gate_times_each_step_to_the_next_steps_start(paths: dict[str, Path], target: Any) -> None:
+    """A classic step and a round are each priced with the loop's work after it (here a 30 ms pause
+    between steps, standing for emitting and handing tokens to the front end), so that one token's
+    share and four's are compared alike; the wait of an engine with no work is no step's."""
+    settings = BurstSettings(k=3, audit_fraction=0.0, profile_steps=3, min_rounds=10**9, lookahead_choice=False)
+    engine = make_engine(target, drafters(paths, target)["draft-model-self"](), settings)
+    j = job(0, [5, 6, 7], n=40)
+    assert run(engine, [j], on_step=lambda e, i: time.sleep(0.03)) == classic(target, [j])
+    gate = engine.adaptive
+    assert gate.rounds >= 3 and gate.classic_samples >= 3
+    assert min(gate._classic) >= 0.03 and min(gate._round_s) >= 0.03
+
+    idle = make_engine(target, None)
+    run(idle, [job(1, [5, 6, 7], n=8)])
+    time.sleep(0.3)  # the loop waits for work: no step's time
+    run(idle, [job(2, [9, 9], n=8)])
+    assert idle.adaptive.classic_samples >= 8 and max(idle.adaptive._classic) < 0.3
 
 
 class Sharpened:
