@@ -31,10 +31,18 @@ class BurstSettings:
     audit_fraction: float = 0.02
     #: Classic B = 1 steps timed before the first burst of a pairing, and again after a pause.
     profile_steps: int = 3
-    #: Rounds measured before the adaptive policy may stop bursting; also how many of the latest
-    #: rounds (and classic steps) its estimate reads.
+    #: Rounds measured before the adaptive policy may stop bursting.
     min_rounds: int = 16
-    #: Seconds bursting stays off after the measured speedup fell below 1.
+    #: How many of the latest rounds (and classic steps) the policy's estimate reads (at least
+    #: ``min_rounds``): medians over this many ride out a stretch of slow rounds or low acceptance.
+    window_rounds: int = 64
+    #: Seconds bursting stays off after the measured speedup fell below 1: ``reprofile_first_s`` the
+    #: first time, doubling with each pause that follows without a window that paid in between, at
+    #: most ``reprofile_after_s``. Why not the longest at once: on the H200 a 16-round window paused
+    #: the demo pair's 1.5x bursts at 0.98-0.99x, and 30 s of classic decode cost more than every
+    #: burst had won (docs/benchmarks.md section 28); a pairing that never pays is still retried less
+    #: and less often.
+    reprofile_first_s: float = 1.0
     reprofile_after_s: float = 30.0
     seed: int = 0
     #: Build the next round's verify while this one runs, where the drafter can guess it
@@ -92,7 +100,7 @@ def _median(xs: deque[float]) -> float | None:
 class Adaptive:
     """Measured speedup of bursts over classic B = 1 decode, and the decision it drives.
 
-    The estimate reads the latest ``min_rounds`` rounds and classic steps: the median seconds of
+    The estimate reads the latest ``window_rounds`` rounds and classic steps: the median seconds of
     each (a round whose kernels compiled for a new shape, or a step that waited on the host, is one
     sample among many and not the level every later sample decays from) and the mean tokens a round
     emitted (bounded by K + 1, and what throughput follows). A moving average seeded by its first
@@ -105,6 +113,8 @@ class Adaptive:
     #: Rounds that could build ahead since both ways were last timed afresh (``build_ahead``).
     rounds_since_explore: int = 0
     paused_until: float = 0.0
+    #: Pauses in a row, without a window that paid since (``after_round``: each doubles the next).
+    pauses: int = 0
     #: What the estimate read when it last paused bursting (``after_round``), kept after it forgets
     #: its samples: speedup, classic step and round seconds (medians), tokens a round (mean), rounds.
     last_pause: dict[str, float] | None = None
@@ -117,7 +127,7 @@ class Adaptive:
     _explored_last: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        n = max(self.settings.min_rounds, self.settings.profile_steps, 1)
+        n = max(self.settings.window_rounds, self.settings.min_rounds, self.settings.profile_steps, 1)
         self._classic, self._round_s, self._tokens = deque(maxlen=n), deque(maxlen=n), deque(maxlen=n)
         self._ways = {True: deque(maxlen=EXPLORE_ROUNDS), False: deque(maxlen=EXPLORE_ROUNDS)}
 
@@ -224,8 +234,12 @@ class Adaptive:
         s = self.speedup
         if self.exploring:
             return True
+        if self.rounds >= self.settings.min_rounds and s is not None and s >= 1.0:
+            self.pauses = 0
         if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
-            self.paused_until = now + self.settings.reprofile_after_s
+            first, longest = self.settings.reprofile_first_s, self.settings.reprofile_after_s
+            self.paused_until = now + min(longest, first * 2.0**self.pauses)
+            self.pauses += 1
             self.last_pause = {
                 "speedup": s,
                 "classic_step_s": self.classic_step_s or 0.0,

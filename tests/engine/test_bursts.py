@@ -229,7 +229,9 @@ def test_a_drafter_failing_to_start_loses_no_token(paths: dict[str, Path], targe
 
 
 def test_adaptive_policy_stops_bursts_that_do_not_pay(paths: dict[str, Path], target: Any) -> None:
-    settings = BurstSettings(k=4, audit_fraction=0.0, profile_steps=2, min_rounds=3, reprofile_after_s=3600)
+    settings = BurstSettings(
+        k=4, audit_fraction=0.0, profile_steps=2, min_rounds=3, reprofile_first_s=3600, reprofile_after_s=3600
+    )
     engine = make_engine(target, drafters(paths, target)["draft-model-other"](), settings)
     j = job(0, [5, 6, 7], n=60)
     assert run(engine, [j]) == classic(target, [j])

@@ -47,9 +47,36 @@ def test_rounds_that_do_not_pay_pause_bursts_and_forget_them() -> None:
         assert gate.after_round(float(i)), "paused before min_rounds rounds were measured"
     gate.observe_round(0.030, 2)
     assert not gate.after_round(10.0)
-    assert gate.refusal(10.0 + SETTINGS.reprofile_after_s / 2) == "adaptive"
-    assert gate.refusal(10.0 + SETTINGS.reprofile_after_s + 1) == "profiling"  # measured afresh
+    assert gate.refusal(10.0 + SETTINGS.reprofile_first_s / 2) == "adaptive"
+    assert gate.refusal(10.0 + SETTINGS.reprofile_first_s + 0.01) == "profiling"  # measured afresh
     assert (gate.rounds, gate.round_s, gate.tokens_per_round, gate.classic_step_s) == (0, None, None, None)
+
+
+def _pause_after(gate: Adaptive, now: float, seconds: float, tokens: int) -> float | None:
+    """Profile, then ``min_rounds`` rounds of ``seconds`` and ``tokens`` from ``now``: how long the
+    gate then paused (``None``: it kept bursting)."""
+    for _ in range(SETTINGS.profile_steps):
+        gate.observe_classic(0.010)
+    for _ in range(SETTINGS.min_rounds):
+        gate.observe_round(seconds, tokens)
+        if not gate.after_round(now):
+            return gate.paused_until - now
+    return None
+
+
+def test_pauses_double_while_bursts_do_not_pay_and_start_short_again_after_a_window_that_paid() -> None:
+    """A pause that a noisy window caused costs a second, not the longest pause; a pairing that
+    never pays is retried less and less often, up to ``reprofile_after_s``."""
+    gate = Adaptive(SETTINGS)
+    lengths = [_pause_after(gate, 1000.0 * i, 0.030, 2) for i in range(7)]
+    first, longest = SETTINGS.reprofile_first_s, SETTINGS.reprofile_after_s
+    assert lengths == [min(longest, first * 2**i) for i in range(7)]
+    assert _pause_after(gate, 8000.0, 0.020, 5) is None  # 2x: pays, and the next pause is short
+    for _ in range(SETTINGS.window_rounds):
+        gate.observe_round(0.030, 1)
+        if not gate.after_round(9000.0):
+            break
+    assert gate.paused_until == 9000.0 + first
 
 
 def test_the_estimate_reads_the_latest_rounds() -> None:
@@ -60,12 +87,24 @@ def test_the_estimate_reads_the_latest_rounds() -> None:
         gate.observe_round(0.020, 5)
         assert gate.after_round(float(i))
     paused_at = None
-    for i in range(SETTINGS.min_rounds):
+    for i in range(SETTINGS.window_rounds):
         gate.observe_round(0.020, 1)  # 1 token for 2 classic steps
         if not gate.after_round(100.0 + i):
             paused_at = i
             break
-    assert paused_at is not None and paused_at < SETTINGS.min_rounds
+    assert paused_at is not None and paused_at < SETTINGS.window_rounds
+
+
+def test_a_stretch_of_slow_rounds_among_rounds_that_pay_does_not_pause() -> None:
+    """``min_rounds`` rounds that lose (a busy host, a stretch of low acceptance) after rounds that
+    pay 2x: the window reads them among the others and bursting goes on."""
+    gate = _profiled()
+    for i in range(SETTINGS.window_rounds - SETTINGS.min_rounds):
+        gate.observe_round(0.025, 5)
+        assert gate.after_round(float(i))
+    for i in range(SETTINGS.min_rounds):
+        gate.observe_round(0.040, 3)  # 0.75x on its own
+        assert gate.after_round(100.0 + i), f"paused after {i + 1} slow rounds (speedup {gate.speedup})"
 
 
 def test_a_slow_classic_step_does_not_make_rounds_look_faster() -> None:
