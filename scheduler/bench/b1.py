@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.bench.output import save_png, write_whole
-from scheduler.bench.spreads import ratio_spread, spread
+from scheduler.bench.spreads import paired_ratio, ratio_spread, spread
 
 
 def b1_status(verdict: dict[str, Any], rounds: int, declined: dict[str, int] | None = None) -> str:
@@ -33,7 +33,8 @@ def b1_rows(
 ) -> list[dict[str, Any]]:
     """B = 1 through the daemon: classic (no drafter) vs each drafter's bursts, same prompts and repeats.
 
-    ``vs_classic`` is the ratio of medians and ``vs_classic_spread`` its range (``ratio_spread``).
+    ``vs_classic`` is the ratio of medians and ``vs_classic_spread`` its range (``ratio_spread``);
+    ``paired`` the median of each repeat's own ratio and ``paired_spread`` their range (``paired_ratio``).
     ``speedup`` is that ratio only for an arm whose bursts ran; a declined arm (declined verdict,
     or no round ran) has ``speedup`` None, and ``alike`` says whether 1.0 is within its spread
     (an arm that decoded classically must read 1.00, else the arms were not measured alike).
@@ -56,6 +57,8 @@ def b1_rows(
             "tok_s_spread": spread(base),
             "vs_classic": 1.0,
             "vs_classic_spread": ratio_spread(base, base),
+            "paired": None,
+            "paired_spread": None,
             "speedup": None,
             "status": "classic",
             "alike": None,
@@ -79,6 +82,7 @@ def b1_rows(
         status = b1_status(v, rounds, declined)
         round_s = c.get("round_seconds", 0.0) / rounds if rounds else None
         lo, hi = ratio_spread(xs, base)
+        pair = paired_ratio(xs, base)
         rows.append(
             {
                 "drafter": arm.removeprefix("bursts:"),
@@ -86,6 +90,8 @@ def b1_rows(
                 "tok_s_spread": spread(xs),
                 "vs_classic": rate / classic,
                 "vs_classic_spread": [lo, hi],
+                "paired": None if pair is None else pair[0],
+                "paired_spread": None if pair is None else pair[1],
                 "speedup": rate / classic if status == "bursts" else None,
                 "status": status,
                 "alike": None if status == "bursts" else lo <= 1.0 <= hi,
@@ -118,6 +124,13 @@ def _round_cell(r: dict[str, Any]) -> str:
     return f"{r['round_ms']:.2f} ({r['round_steps']:.2f})"
 
 
+def _paired_cell(r: dict[str, Any]) -> str:
+    if r.get("paired") is None:
+        return "-"
+    lo, hi = r["paired_spread"]
+    return f"{r['paired']:.3f} ({lo:.3f}-{hi:.3f})"
+
+
 def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -> str:
     """The B = 1 table: every arm's median and spread, its ratio to classic and that ratio's spread."""
 
@@ -126,10 +139,10 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
 
     roof = any(r["of_limit"] is not None for r in rows)
     head = (
-        "| drafter | tok/s | spread (min-max) | vs classic | spread of the ratio | rounds | acceptance | tokens/round "
-        "| ms / round (classic steps) | verdict |"
+        "| drafter | tok/s | spread (min-max) | vs classic | spread of the ratio | paired by repeat (min-max) | rounds "
+        "| acceptance | tokens/round | ms / round (classic steps) | verdict |"
     )
-    rule = "|---|---|---|---|---|---|---|---|---|---|"
+    rule = "|---|---|---|---|---|---|---|---|---|---|---|"
     if roof:
         head += " tok/s / physical limit |"
         rule += "---|"
@@ -139,7 +152,7 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
         rlo, rhi = r["vs_classic_spread"]
         line = (
             f"| {r['drafter']} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
-            f"| {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
+            f"| {_paired_cell(r)} | {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
             f"| {_round_cell(r)} | {r['verdict']} |"
         )
         if roof:

@@ -46,7 +46,17 @@ def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
     # 25 ms a round; classic's median, 100 tok/s, is 10 ms a step
     assert pl["round_ms"] == pytest.approx(25.0) and pl["round_steps"] == pytest.approx(2.5)
     md = b1_markdown(rows)
-    assert "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 10 | 0.750 | 4.00 | 25.00 (2.50) | wide |" in md
+    # each repeat's own ratio: 150/100, 160/90, 140/110
+    assert pl["paired"] == pytest.approx(1.5) and pl["paired_spread"] == pytest.approx([140 / 110, 160 / 90])
+    assert classic["paired"] is None
+    assert (
+        "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 1.500 (1.273-1.778) | 10 | 0.750 | 4.00 | 25.00 (2.50) "
+        "| wide |" in md
+    )
+    drift = {("daemon", 1): [100.0, 50.0, 80.0], ("bursts:pl", 1): [130.0, 65.0, 104.0]}  # 1.3x in every repeat
+    (_, drifted) = b1_rows(drift, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}})
+    assert drifted["paired"] == pytest.approx(1.3) and drifted["paired_spread"] == pytest.approx([1.3, 1.3])
+    assert drifted["vs_classic_spread"] == pytest.approx([65 / 100, 130 / 50])
 
 
 @pytest.mark.parametrize(
