@@ -39,9 +39,9 @@ class BurstSettings:
     #: Seconds bursting stays off after the measured speedup fell below 1: ``reprofile_first_s`` the
     #: first time, doubling with each pause that follows without a window that paid in between, at
     #: most ``reprofile_after_s``. Why not the longest at once: on the H200 a 16-round window paused
-    #: the demo pair's 1.5x bursts at 0.98-0.99x, and 30 s of classic decode cost more than every
-    #: burst had won (docs/benchmarks.md section 28); a pairing that never pays is still retried less
-    #: and less often.
+    #: the demo pair's bursts at 0.98-0.99x (unpaused: 1.17-1.55x), and 30 s of classic decode cost
+    #: more than every burst had won (docs/benchmarks.md section 28); a pairing that never pays is
+    #: still retried less and less often.
     reprofile_first_s: float = 1.0
     reprofile_after_s: float = 30.0
     seed: int = 0

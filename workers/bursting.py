@@ -144,8 +144,8 @@ class BurstRunner:
 
         Why to the next start: timed inside the step, a classic step left out the loop's work for its
         one token, which a round pays once for its four or five. On the H200 the demo pair's classic
-        steps timed 1.07-1.09 ms inside against 1.55 ms a token through the daemon, and the gate
-        paused bursts that ran at 1.55x as if they did not pay (0.98x; docs/benchmarks.md section 28)."""
+        steps timed 1.07-1.09 ms inside against 1.37-1.67 ms a token through the daemon, and the gate
+        paused bursts at 0.98-0.99x that, unpaused, read 1.17-1.55x (docs/benchmarks.md section 28)."""
         cycle, self._cycle = self._cycle, None
         if cycle is None or now is None:
             return
