@@ -234,26 +234,27 @@ class Adaptive:
         s = self.speedup
         if self.exploring:
             return True
-        if self.rounds >= self.settings.min_rounds and s is not None and s >= 1.0:
+        if self.rounds < self.settings.min_rounds or s is None:
+            return True
+        if s >= 1.0:
             self.pauses = 0
-        if self.rounds >= self.settings.min_rounds and s is not None and s < 1.0:
-            first, longest = self.settings.reprofile_first_s, self.settings.reprofile_after_s
-            self.paused_until = now + min(longest, first * 2.0**self.pauses)
-            self.pauses += 1
-            self.last_pause = {
-                "speedup": s,
-                "classic_step_s": self.classic_step_s or 0.0,
-                "round_s": self.round_s or 0.0,
-                "tokens_per_round": self.tokens_per_round or 0.0,
-                "rounds": float(self.rounds),
-            }
-            self._classic.clear()
-            self._round_s.clear()
-            self._tokens.clear()
-            self._forget_ways()
-            self.rounds = 0
-            return False
-        return True
+            return True
+        first, longest = self.settings.reprofile_first_s, self.settings.reprofile_after_s
+        self.paused_until = now + min(longest, first * 2.0**self.pauses)
+        self.pauses += 1
+        self.last_pause = {
+            "speedup": s,
+            "classic_step_s": self.classic_step_s or 0.0,
+            "round_s": self.round_s or 0.0,
+            "tokens_per_round": self.tokens_per_round or 0.0,
+            "rounds": float(self.rounds),
+        }
+        self._classic.clear()
+        self._round_s.clear()
+        self._tokens.clear()
+        self._forget_ways()
+        self.rounds = 0
+        return False
 
 
 @dataclass(frozen=True)
