@@ -63,6 +63,8 @@
 # PART=dd: `mlx-batchd demo` alone (the four concurrent requests' time to first token after the warm-up).
 # PART=da: the demo pair's MTP bursts through the daemon, --lookahead auto and off alternating (AHEAD overrides
 #   the list), 15 repeats each: the adaptive gate's exploration against a fixed way, on one lease.
+# PART=dk: the demo pair's MTP bursts through the daemon at K = 4, 6, 7 and 8 in one bench (one daemon each,
+#   arms alternating with one classic arm; KDRAFTERS overrides), once per --lookahead setting in AHEAD (auto off).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -147,6 +149,13 @@ elif [ "$PART" = da ]; then
     n=$((${n:-0} + 1))
     step "demo-$arm-$n" 130 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo \
       --prompts demo --tokens 256 --repeats 15 --raw-max-batch 1 --daemon-args="--lookahead $arm" --out "$R/demo-$arm-$n"
+  done
+elif [ "$PART" = dk ]; then
+  for arm in ${AHEAD:-auto off}; do
+    n=$((${n:-0} + 1))
+    step "demo-k-$arm-$n" 250 python3 -m scheduler bench --model demo --batch-sizes 1 \
+      --drafters ${KDRAFTERS:-mtp:demo,mtp:demo@6,mtp:demo@7,mtp:demo@8} --prompts demo --tokens 256 \
+      --repeats ${REPEATS:-12} --raw-max-batch 1 --daemon-args="--lookahead $arm" --out "$R/demo-k-$arm-$n"
   done
 elif [ "$PART" = dt ]; then
   for ahead in ${AHEAD:-auto off}; do

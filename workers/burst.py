@@ -21,12 +21,31 @@ from typing import Any
 
 from workers.jobs import Sequence
 from workers.params import FinishReason
+from workers.qmv_launch import MAX_ROWS
 from workers.sampling import SeededSampler
+
+#: Drafted tokens a round when the operator names none, for drafters other than an MTP head.
+DEFAULT_K = 4
+#: An MTP head's drafted tokens a round when the operator names none: the most whose verify block
+#: (K + 1 rows) is one call of the project's row kernels (``MAX_ROWS``). Its drafts are chained head
+#: steps computed on the device in the verify's evaluation, so a draft more costs a head step (on the
+#: H200 0.3-0.5 ms of a 5 ms round) while its acceptance stays high: the demo pair through the
+#: daemon, K = 4, 6, 7 and 8 alternating in one bench, read paired speedups of 1.21-1.33 at K = 4,
+#: 1.46-1.51 at 6, 1.50-1.51 at 7 and 1.21-1.37 at 8, whose 9-row block is two calls
+#: (docs/benchmarks.md section 29). Other drafters keep ``DEFAULT_K``: prompt lookup's 8B figures were
+#: measured at 4, and a bigger verify block costs a large target more.
+MTP_K = MAX_ROWS - 1
+
+
+def default_k(mtp: bool) -> int:
+    """Drafted tokens a round for a pairing whose drafter is an MTP head (``mtp``) or another."""
+    return MTP_K if mtp else DEFAULT_K
 
 
 @dataclass
 class BurstSettings:
-    k: int = 4
+    #: Drafted tokens a round (the verify block is K + 1 tokens); the CLI's default is ``default_k``.
+    k: int = DEFAULT_K
     #: Fraction of rounds whose first position is re-computed with a single-token forward.
     audit_fraction: float = 0.02
     #: Classic B = 1 steps timed before the first burst of a pairing, and again after a pause.

@@ -11,6 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from scheduler.bench.output import BenchError
+
 
 def random_prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     """``b`` prompts of ``n`` random token ids from ``seed``: every arm of a repeat gets the same ones."""
@@ -155,8 +157,16 @@ HTTP_ARMS = {"http": False, "http_stream": True}
 
 
 def drafter_args(spec: str) -> list[str]:
-    """Daemon flags for one drafter spec: ``mtp:DIR|demo`` is an MTP head, anything else ``--draft``."""
-    return ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
+    """Daemon flags for one drafter spec: ``mtp:DIR|demo`` is an MTP head, anything else ``--draft``;
+    a suffix ``@K`` sets the drafted tokens a round (``-k``), so one bench can run one drafter at
+    several K, its arms alternating with the same classic arm."""
+    spec, at, k = spec.partition("@")
+    flags = ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
+    if at:
+        if not k.isdigit() or int(k) < 1:
+            raise BenchError(f"drafter {spec}@{k}: K after @ must be a positive integer")
+        flags += ["-k", k]
+    return flags
 
 
 BURST_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "emitted_tokens", "ahead_rounds", "fused_rounds")

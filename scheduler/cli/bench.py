@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "--drafters",
         "--draft",
         default="",
-        help="comma list of drafters for the B = 1 burst rows, one daemon each: DIR, demo, prompt-lookup, mtp:DIR|mtp:demo",
+        help="comma list of drafters for the B = 1 burst rows, one daemon each: DIR, demo, prompt-lookup, mtp:DIR|mtp:demo; a suffix @K sets that arm's drafted tokens a round (mtp:demo@8)",
     )
     p.add_argument(
         "--poisson-rate",

@@ -22,7 +22,11 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--model", default="demo")
     p.add_argument("--draft", default="none", help="the drafter of the pairing (part of the verdict's fingerprint)")
     p.add_argument(
-        "-k", type=int_list(1), default="4", help="drafted tokens per round; a comma list probes several (2,3,4)"
+        "-k",
+        type=int_list(1),
+        default=None,
+        help="drafted tokens per round; a comma list probes several (2,3,4); default serve's: 7 for an MTP "
+        "head (--draft mtp:NAME), else 4",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--localize", action="store_true", help="name the first layer/op that diverges")
@@ -48,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
     # so they are part of the verdict's fingerprint and of what the probe measures.
     plan_timing.calibrate(loaded.model, cache_dir() / "kernel-plans")
-    ks = [int(k) for k in args.k.split(",")]  # checked by the parser (int_list)
+    from workers.burst import default_k
+
+    # Checked by the parser (int_list); by default the K serve probes this drafter at.
+    ks = [int(k) for k in args.k.split(",")] if args.k else [default_k(args.draft.startswith("mtp:"))]
     setup = probe_setup(loaded, args.draft, store=not args.no_store)
     pairing = setup.pairing
     report: list[dict[str, Any]] = []

@@ -130,7 +130,10 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--mtp", default=None, help="an MTP head directory (or 'demo') as the drafter")
     p.add_argument(
-        "-k", type=positive_int, default=4, help="drafted tokens per burst round (the verify block is K + 1)"
+        "-k",
+        type=positive_int,
+        default=None,
+        help="drafted tokens per burst round (the verify block is K + 1); default 7 for an MTP head, else 4",
     )
     p.add_argument(
         "--audit-fraction",
@@ -213,7 +216,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """The engine's options from the command line: the same on every rank."""
-    from workers.burst import BurstSettings
+    from workers.burst import BurstSettings, default_k
     from workers.loop import EngineSettings
 
     return EngineSettings(
@@ -231,7 +234,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         draft=args.draft,
         mtp=args.mtp,
         bursts=BurstSettings(
-            k=args.k,
+            k=args.k if args.k is not None else default_k(args.mtp is not None),
             audit_fraction=args.audit_fraction,
             lookahead=args.lookahead != "off",
             lookahead_choice=args.lookahead == "auto",

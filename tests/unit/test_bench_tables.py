@@ -14,6 +14,7 @@ from scheduler.bench.arms import HTTP_ARMS, drafter_args
 from scheduler.bench.b1 import b1_markdown, b1_rows
 from scheduler.bench.batched import Setup, batched_markdown, batched_rows
 from scheduler.bench.matrix import write_tables
+from scheduler.bench.output import BenchError
 from scheduler.bench.prefix import PrefixPlan
 from scheduler.bench.prefix_report import prefix_markdown
 from scheduler.bench.reference import reference_line, reference_tok_s
@@ -29,6 +30,11 @@ def test_drafter_args_map_specs_to_daemon_flags() -> None:
     assert drafter_args("mtp:/m/head") == ["--mtp", "/m/head"]
     assert drafter_args("prompt-lookup") == ["--draft", "prompt-lookup"]
     assert drafter_args("/models/draft") == ["--draft", "/models/draft"]
+    assert drafter_args("mtp:demo@8") == ["--mtp", "demo", "-k", "8"]
+    assert drafter_args("prompt-lookup@2") == ["--draft", "prompt-lookup", "-k", "2"]
+    for bad in ("mtp:demo@", "mtp:demo@0", "mtp:demo@x"):
+        with pytest.raises(BenchError, match="K after @"):
+            drafter_args(bad)
 
 
 def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:

@@ -163,3 +163,19 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     }
     assert fused == {"on": True, "off": False}
     assert engine_settings(build_parser().parse_args(["serve"])).bursts.draft_in_verify is True
+
+
+def test_drafted_tokens_default_by_drafter_kind() -> None:
+    """An MTP head drafts 7 a round unless told (one 8-row call of the row kernels), others 4."""
+    from workers.burst import DEFAULT_K, MTP_K
+    from workers.gemv_rows import MAX_ROWS as DENSE_ROWS
+    from workers.qmv_launch import MAX_ROWS as QUANT_ROWS
+
+    def k(*argv: str) -> int:
+        return engine_settings(build_parser().parse_args(["serve", *argv])).bursts.k
+
+    assert (DEFAULT_K, MTP_K) == (4, 7)
+    assert MTP_K + 1 == DENSE_ROWS == QUANT_ROWS  # the verify block is one call of either kernel
+    assert k("--mtp", "demo") == MTP_K
+    assert k("--draft", "prompt-lookup") == k() == DEFAULT_K
+    assert k("--mtp", "demo", "-k", "3") == k("--draft", "demo", "-k", "3") == 3
