@@ -65,6 +65,8 @@
 #   the list), 15 repeats each: the adaptive gate's exploration against a fixed way, on one lease.
 # PART=dk: the demo pair's MTP bursts through the daemon at K = 4, 6, 7 and 8 in one bench (one daemon each,
 #   arms alternating with one classic arm; KDRAFTERS overrides), once per --lookahead setting in AHEAD (auto off).
+# PART=dv: the demo pair's MTP bursts through the daemon with the default settings (K = 7 for an MTP head)
+#   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -156,6 +158,11 @@ elif [ "$PART" = dk ]; then
     step "demo-k-$arm-$n" 250 python3 -m scheduler bench --model demo --batch-sizes 1 \
       --drafters ${KDRAFTERS:-mtp:demo,mtp:demo@6,mtp:demo@7,mtp:demo@8} --prompts demo --tokens 256 \
       --repeats ${REPEATS:-12} --raw-max-batch 1 --daemon-args="--lookahead $arm" --out "$R/demo-k-$arm-$n"
+  done
+elif [ "$PART" = dv ]; then
+  for n in ${RUNS:-1 2 3}; do
+    step "demo-def-$n" 170 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,mtp:demo@4 \
+      --prompts demo --tokens 256 --repeats 12 --raw-max-batch 1 --out "$R/demo-def-$n"
   done
 elif [ "$PART" = dt ]; then
   for ahead in ${AHEAD:-auto off}; do

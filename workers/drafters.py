@@ -38,6 +38,9 @@ class Drafter(Protocol):
     name: str
     #: Whether ``commit`` needs the target's hidden states from the verify (MTP heads).
     needs_hidden: bool
+    #: Whether every proposal is K tokens, so every verify block K + 1 rows (``verify_warmup``
+    #: builds that length alone); prompt lookup proposes 0..K.
+    fixed_k: bool
 
     def start(self, history: list[int]) -> None: ...
 
@@ -68,6 +71,7 @@ class DraftModel:
     """A small model with the target's vocabulary, drafting autoregressively from its own cache."""
 
     needs_hidden = False
+    fixed_k = True
 
     def __init__(self, model: Any, name: str = "draft-model", prefill_step: int = 2048) -> None:
         self.model = model
@@ -125,6 +129,7 @@ class PromptLookup:
     occurrence that is followed by ``k`` tokens, else the one followed by the most."""
 
     needs_hidden = False
+    fixed_k = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.name = "prompt-lookup"
@@ -205,6 +210,7 @@ class MTPDrafter:
     """
 
     needs_hidden = True
+    fixed_k = True
 
     def __init__(self, head: Any, target: Any, name: str = "mtp", warmup_tokens: int = 512) -> None:
         self.head = head

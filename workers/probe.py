@@ -70,16 +70,16 @@ def probe_steps(
     store: VerdictStore | None = None,
     policy: ProbePolicy = _DEFAULT_POLICY,
     force: bool = False,
-    warm: bool = False,
+    warm: list[int] | None = None,
 ) -> Generator[str, None, Verdict]:
     """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
     the drafter and the backend), from the store when its fingerprint is known, else measured a
     draw per step. Either way the verdict's widths are what narrow and per-query serve with after it.
-    With ``warm`` (a verdict that bursts will serve) the verify's kernels are built at the verdict's
-    level before it is returned (``verify_warmup``)."""
+    With ``warm`` (a verdict that bursts will serve: the block lengths they can run) the verify's
+    kernels are built at the verdict's level for those lengths before it is returned (``verify_warmup``)."""
     verdict = yield from _verdict_steps(model, make_cache, pairing, draws, k, store, policy, force)
     if warm and verdict.level is not None:
-        yield from warm_steps(model, make_cache, Level(verdict.level), k, draws[0].prompt)
+        yield from warm_steps(model, make_cache, Level(verdict.level), warm, draws[0].prompt)
     return verdict
 
 

@@ -42,11 +42,12 @@ class ProbeSetup:
         return make_draws(k, self.vocab_size, self.context_length, self.window)
 
     def steps(
-        self, model: Any, k: int, policy: ProbePolicy, force: bool = False, warm: bool = False
+        self, model: Any, k: int, policy: ProbePolicy, force: bool = False, warm: list[int] | None = None
     ) -> Generator[str, None, Verdict]:
         """The probe as steps (one draw each), ending in the verdict. ``model`` is what the forwards
         run through: the loaded model, or the engine's counted wrapper of it so its pins are tallied.
-        ``warm``: build the verify's kernels at the verdict's level first (a serving engine's probe)."""
+        ``warm``: the block lengths whose verify kernels are built at the verdict's level first (a
+        serving engine's probe: ``verify_warmup.block_lengths``)."""
         return probe_steps(model, self.make_cache, self.pairing, self.draws(k), k, self.store, policy, force, warm)
 
 

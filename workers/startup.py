@@ -25,6 +25,7 @@ from workers.probe_results import Verdict
 from workers.probe_setup import ProbeSetup, probe_setup
 from workers.sharding import check_same
 from workers.verdict_store import VerdictStore
+from workers.verify_warmup import block_lengths
 from workers.world import DistributedError, World
 
 
@@ -163,9 +164,17 @@ class RankZeroStore(VerdictStore):
 
 
 def start_probe(
-    engine: Engine, loaded: LoadedModel, s: EngineSettings, drafter: str, k: int, world: World | None = None
+    engine: Engine,
+    loaded: LoadedModel,
+    s: EngineSettings,
+    drafter: str,
+    k: int,
+    world: World | None = None,
+    fixed_k: bool = False,
 ) -> str:
     """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name.
+    Its verdict lands after the verify is built at every block length the drafter can ask for
+    (``fixed_k``: it always proposes ``k``, ``Drafter.fixed_k``).
 
     Across ranks the verdict is per world: the pairing includes the world size, backend and split,
     rank 0's store answers for every rank (``RankZeroStore``), and only rank 0 fingerprints the
@@ -178,7 +187,7 @@ def start_probe(
         mode = "none" if loaded.shard is None else loaded.shard.mode
         split = {"world_size": world.size, "backend": world.backend, "mode": mode}
         setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
-    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy, warm=True))
+    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy, warm=block_lengths(k, fixed_k)))
     return name
 
 
@@ -209,7 +218,7 @@ def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings, wor
     else:
         assert s.draft is not None
         drafter = load_drafter(s.draft, loaded.model, loaded.info.vocab_size)
-    name = start_probe(engine, loaded, s, drafter.name, s.bursts.k, world)
+    name = start_probe(engine, loaded, s, drafter.name, s.bursts.k, world, drafter.fixed_k)
     engine.configure_bursts(drafter, s.bursts, name)
 
 

@@ -12,7 +12,9 @@ lookup drafts 0..K tokens a round) compiled inside burst rounds: on the 8B echo 
 1.46 s (16 rounds) and 3.1 s (2 rounds) against 15-25 ms, and the adaptive gate stopped the bursts.
 
 So before a verdict reaches the burst runner the engine runs one verify forward of every length
-``2..K + 1`` at the verdict's level (a lone token is verified at the classic level), plus one
+``2..K + 1`` at the verdict's level (of ``K + 1`` alone for a drafter that always proposes K tokens:
+an MTP head or a draft model, whose blocks are all that long; on the H200 the demo pair's blocks of
+2..8 rows took 29-40 s to build on a fresh machine) (a lone token is verified at the classic level), plus one
 classic step when the level pins the chain too, on a scratch cache: one length per probe step, so
 serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
 On the CPU nothing is compiled and the forwards cost a few milliseconds.
@@ -40,22 +42,22 @@ log = logging.getLogger("mlx_batchd.verify_warmup")
 PURPOSE = "warm"
 
 
-def block_lengths(k: int) -> list[int]:
-    """The verify block lengths a burst with ``k`` drafts a round can run at its level."""
-    return list(range(2, k + 2))
+def block_lengths(k: int, fixed: bool = False) -> list[int]:
+    """The verify block lengths a burst with ``k`` drafts a round can run at its level: ``k + 1``
+    alone where the drafter always proposes ``k`` (``Drafter.fixed_k``)."""
+    return [k + 1] if fixed else list(range(2, k + 2))
 
 
 def warm_steps(
-    model: Any, make_cache: MakeCache, level: Level, k: int, prompt: list[int]
+    model: Any, make_cache: MakeCache, level: Level, lengths: list[int], prompt: list[int]
 ) -> Generator[str, None, list[int]]:
-    """One verify forward per block length at ``level`` on a cache prefilled with ``prompt``, a
-    length per step; returns the lengths run. The cache is trimmed back after each block, so every
-    block sees the same short context."""
+    """One verify forward per block length in ``lengths`` at ``level`` on a cache prefilled with
+    ``prompt``, a length per step; returns the lengths run. The cache is trimmed back after each
+    block, so every block sees the same short context."""
     tic = time.perf_counter()
     cache = make_cache()
     stabilize_layout(cache)  # as a burst's caches grow
     prefill(model, cache, prompt)
-    lengths = block_lengths(k)
     for n in lengths:
         tokens = [prompt[i % len(prompt)] for i in range(n)]
         with unpinned(PURPOSE), scoped(level):

@@ -33,9 +33,11 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("warm") / "m", PRESETS["tiny-llama"], seed=5)
 
 
-def _probe(engine: Engine, level: Level, store: VerdictStore, warm: bool = True) -> tuple[object, list[str]]:
-    """The engine's probe for one pairing pinned to ``level``, run to its verdict; returns the
-    verdict and the steps' labels."""
+def _probe(
+    engine: Engine, level: Level, store: VerdictStore, warm: list[int] | None = None
+) -> tuple[object, list[str]]:
+    """The engine's probe for one pairing pinned to ``level``, run to its verdict, building the
+    verify at ``warm``'s block lengths; returns the verdict and the steps' labels."""
     model = engine.counted
     draws = make_draws(K, VOCAB, 4096, None)[:2]
     policy = ProbePolicy(pinned_level=level)
@@ -59,11 +61,11 @@ def test_every_block_length_runs_at_the_verdicts_level_before_it_lands(
 ) -> None:
     engine = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
     store = VerdictStore(tmp_path / "verdicts")
-    verdict, labels = _probe(engine, level, store)
-    assert verdict is not None and verdict.level == level.value and not verdict.from_cache
     chain = 1 if level.pins_chain else 0
     lengths = block_lengths(K)
     assert lengths == [2, 3, 4]
+    verdict, labels = _probe(engine, level, store, lengths)
+    assert verdict is not None and verdict.level == level.value and not verdict.from_cache
     assert _warm(engine) == [
         {"level": level.value, "purpose": PURPOSE, "forwards": K + chain, "rows": sum(lengths) + chain, "seconds": 0.0}
     ]
@@ -73,7 +75,7 @@ def test_every_block_length_runs_at_the_verdicts_level_before_it_lands(
 
     # A verdict from the store runs no draw, and still builds every length.
     again = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
-    cached, labels = _probe(again, level, store)
+    cached, labels = _probe(again, level, store, lengths)
     assert cached is not None and cached.from_cache and cached.level == level.value
     assert _warm(again)[0]["forwards"] == K + chain
     assert len(labels) == K + chain
@@ -81,6 +83,39 @@ def test_every_block_length_runs_at_the_verdicts_level_before_it_lands(
 
 def test_a_probe_without_warm_up_runs_none(model_path: Path, tmp_path: Path) -> None:
     engine = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
-    verdict, _ = _probe(engine, Level.MIRRORED, VerdictStore(tmp_path / "v"), warm=False)
+    verdict, _ = _probe(engine, Level.MIRRORED, VerdictStore(tmp_path / "v"))
     assert verdict is not None and verdict.level == Level.MIRRORED.value
     assert _warm(engine) == []
+
+
+def test_a_drafter_that_always_proposes_k_builds_that_block_alone(model_path: Path, tmp_path: Path) -> None:
+    """An MTP head or a draft model verifies K + 1 rows every round: the other lengths are not built."""
+    from workers.drafters import DraftModel, MTPDrafter, PromptLookup
+
+    assert (MTPDrafter.fixed_k, DraftModel.fixed_k, PromptLookup.fixed_k) == (True, True, False)
+    assert block_lengths(K, fixed=True) == [K + 1]
+    engine = Engine(load_measured(model_path), eos_token_ids=(0,), vocab_size=VOCAB)
+    verdict, labels = _probe(engine, Level.MIRRORED, VerdictStore(tmp_path / "v"), block_lengths(K, fixed=True))
+    assert verdict is not None and verdict.level == Level.MIRRORED.value
+    assert _warm(engine) == [{"level": "mirrored", "purpose": PURPOSE, "forwards": 1, "rows": K + 1, "seconds": 0.0}]
+    assert labels[-1] == f"warm-up: verify of {K + 1} rows at mirrored"
+
+
+@pytest.mark.parametrize(("flag", "spec", "lengths"), [("mtp", "demo", [K + 1]), ("draft", "prompt-lookup", [2, 3, 4])])
+def test_serving_start_up_builds_what_its_drafter_can_ask_for(flag: str, spec: str, lengths: list[int]) -> None:
+    """Through the engine's start-up (``configure_bursts``) on the demo target: the MTP head's
+    verdict lands after one block length is built, prompt lookup's after every one."""
+    from workers.burst import BurstSettings
+    from workers.models import load
+    from workers.startup import EngineSettings, configure_bursts
+
+    loaded = load("demo")
+    engine = Engine(loaded.model, eos_token_ids=(0,), vocab_size=loaded.info.vocab_size)
+    configure_bursts(engine, loaded, EngineSettings(**{flag: spec}, bursts=BurstSettings(k=K)))
+    labels: list[str] = []
+    while engine.probing:
+        engine.probe_step()
+        labels += [v["at"] for v in engine.verdict_summary().values() if v.get("at")]
+    warm = [r for r in labels if r.startswith("warm-up")]
+    assert [int(w.split()[3]) for w in warm] == lengths
+    assert [r["rows"] for r in _warm(engine)] == [sum(lengths)]
