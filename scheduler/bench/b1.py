@@ -43,7 +43,8 @@ def b1_rows(
     ``gates``: each arm's daemon's ``bursts`` stats, of which ``last_pause`` (what its adaptive gate
     measured when it last paused bursting: why an arm declined with "adaptive" did) is kept as
     ``gate_pause``, and ``ahead_round_s`` (median rounds built ahead and not, as its gate last timed
-    them: which way ``--lookahead auto`` went)."""
+    them: which way ``--lookahead auto`` went), and ``k``, the drafted tokens a round it served with
+    (its default depends on the drafter: ``workers.burst.default_k``)."""
     base = samples[("daemon", 1)]
     classic = statistics.median(base)
 
@@ -71,6 +72,7 @@ def b1_rows(
             "of_limit": of_limit(classic),
             "gate_pause": None,
             "ahead_round_s": None,
+            "k": None,
         }
     ]
     for arm, c in counts.items():
@@ -104,6 +106,7 @@ def b1_rows(
                 "of_limit": of_limit(rate),
                 "gate_pause": (gates or {}).get(arm, {}).get("last_pause"),
                 "ahead_round_s": (gates or {}).get(arm, {}).get("ahead_round_s"),
+                "k": (gates or {}).get(arm, {}).get("k"),
             }
         )
     return rows
@@ -150,8 +153,9 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
     for r in rows:
         lo, hi = r["tok_s_spread"]
         rlo, rhi = r["vs_classic_spread"]
+        name = r["drafter"] if r.get("k") is None else f"{r['drafter']} (K = {r['k']})"
         line = (
-            f"| {r['drafter']} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
+            f"| {name} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
             f"| {_paired_cell(r)} | {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
             f"| {_round_cell(r)} | {r['verdict']} |"
         )

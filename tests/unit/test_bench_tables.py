@@ -59,6 +59,11 @@ def test_b1_rows_give_every_arm_its_median_spread_and_ratio_spread() -> None:
         "| pl | 150.0 | 140.0-160.0 | 1.500x | 1.273-1.778 | 1.500 (1.273-1.778) | 10 | 0.750 | 4.00 | 25.00 (2.50) "
         "| wide |" in md
     )
+    assert pl["k"] is None  # no daemon stats: no K to name
+    # With its daemon's stats, the arm's drafted tokens a round are named (they differ by drafter).
+    gates = {"bursts:pl": {"k": 7}}
+    named = b1_rows(samples, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}}, None, gates)
+    assert named[1]["k"] == 7 and "| pl (K = 7) | 150.0 |" in b1_markdown(named)
     drift = {("daemon", 1): [100.0, 50.0, 80.0], ("bursts:pl", 1): [130.0, 65.0, 104.0]}  # 1.3x in every repeat
     (_, drifted) = b1_rows(drift, {"bursts:pl": COUNTS}, {"bursts:pl": {"level": "wide", "exact": True}})
     assert drifted["paired"] == pytest.approx(1.3) and drifted["paired_spread"] == pytest.approx([1.3, 1.3])
