@@ -12,11 +12,11 @@ lookup drafts 0..K tokens a round) compiled inside burst rounds: on the 8B echo 
 1.46 s (16 rounds) and 3.1 s (2 rounds) against 15-25 ms, and the adaptive gate stopped the bursts.
 
 So before a verdict reaches the burst runner the engine runs one verify forward of every length
-``2..K + 1`` at the verdict's level (of ``K + 1`` alone for a drafter that always proposes K tokens:
-an MTP head or a draft model, whose blocks are all that long; on the H200 the demo pair's blocks of
-2..8 rows took 29-40 s to build on a fresh machine) (a lone token is verified at the classic level), plus one
-classic step when the level pins the chain too, on a scratch cache: one length per probe step, so
-serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
+``2..K + 1`` at the verdict's level, or of ``K + 1`` alone for a drafter that always proposes K
+tokens (an MTP head, a draft model: every block it asks for is that long; on the H200 the demo
+pair's blocks of 2..8 rows took 29-40 s to build on a fresh machine); a lone token is verified at
+the classic level. Plus one classic step when the level pins the chain too, on a scratch cache: one
+length per probe step, so serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
 On the CPU nothing is compiled and the forwards cost a few milliseconds.
 """
 
