@@ -18,6 +18,7 @@ from tests.engine.test_bursts import clean_kernel_state as clean_kernel_state
 from tests.engine.test_bursts import demo as demo
 from tests.engine.test_bursts import paths as paths
 from tests.engine.test_bursts import target as target
+from workers.burst import MTP_K
 from workers.drafters import Draft
 from workers.engine import Engine, Job, Tokens
 from workers.sampling import SeededSampler
@@ -167,16 +168,19 @@ def test_a_burst_that_ends_with_a_round_built_ahead_keeps_its_last_rounds_kv(tar
 # --------------------------------------------------------------------------- the MTP head
 
 
-def _demo_engine(demo: Any, lookahead: bool | None, choice: bool = False, fused: bool = True) -> Engine:
-    """The shipped pair's target; with ``lookahead`` not ``None``, the shipped MTP head drafting,
-    its verdict given as the CPU's (exact at ``wide``, as tests/engine/test_probe.py measures);
-    ``choice``: ``BurstSettings.lookahead_choice``; ``fused``: ``BurstSettings.draft_in_verify``."""
+def _demo_engine(
+    demo: Any, lookahead: bool | None, choice: bool = False, fused: bool = True, k: int = EXACT_FOREVER.k
+) -> Engine:
+    """The shipped pair's target; with ``lookahead`` not ``None``, the shipped MTP head drafting
+    ``k`` tokens a round, its verdict given as the CPU's (exact at ``wide``, as
+    tests/engine/test_probe.py measures); ``choice``: ``BurstSettings.lookahead_choice``; ``fused``:
+    ``BurstSettings.draft_in_verify``."""
     from workers.drafters import load_mtp_drafter
     from workers.probe import Verdict
 
     engine = Engine(demo.model, eos_token_ids=demo.info.eos_token_ids, vocab_size=demo.info.vocab_size)
     if lookahead is not None:
-        settings = replace(EXACT_FOREVER, lookahead=lookahead, lookahead_choice=choice, draft_in_verify=fused)
+        settings = replace(EXACT_FOREVER, lookahead=lookahead, lookahead_choice=choice, draft_in_verify=fused, k=k)
         engine.configure_bursts(load_mtp_drafter("demo", demo.model), settings, "demo+mtp")
         engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact", [], 0.0)
     return engine
@@ -203,20 +207,21 @@ def test_mtp_rounds_built_on_the_verifys_outputs_emit_classic_decodes_tokens(dem
         assert c.accepted < c.drafted and 0 < c.ahead < c.rounds - 1
 
 
+@pytest.mark.parametrize("k", [EXACT_FOREVER.k, MTP_K])
 @pytest.mark.parametrize("prompt", ["def fibonacci(n):", "x = ["])
-def test_mtp_drafts_computed_with_the_verify_emit_classic_decodes_tokens(demo: Any, prompt: str) -> None:
+def test_mtp_drafts_computed_with_the_verify_emit_classic_decodes_tokens(demo: Any, prompt: str, k: int) -> None:
     """``draft_in_verify``: the head's drafts are built into the verify's graph and computed with it
     in one evaluation. Tokens and logprob bytes equal classic decode's and those of rounds whose
     drafts were evaluated first, with the same rounds and kept drafts; every round not built ahead
     was fused (with building ahead too: the first round, and those after a round that did not keep
-    every draft), none with it off."""
+    every draft), none with it off. At 3 drafts a round and at the 7 ``serve --mtp`` drafts unless told."""
     j = job(0, demo.tokenizer.encode(prompt), 48, logprobs=True)
     want = _emitted(_demo_engine(demo, None), [j])[0]
-    first = _demo_engine(demo, lookahead=False, fused=False)
+    first = _demo_engine(demo, lookahead=False, fused=False, k=k)
     assert _emitted(first, [j])[0] == want
-    fused = _demo_engine(demo, lookahead=False)
+    fused = _demo_engine(demo, lookahead=False, k=k)
     assert _emitted(fused, [j])[0] == want
-    both = _demo_engine(demo, lookahead=True)
+    both = _demo_engine(demo, lookahead=True, k=k)
     assert _emitted(both, [j])[0] == want
     f, c, a = first.runner.counters, fused.runner.counters, both.runner.counters
     assert (c.rounds, c.accepted) == (f.rounds, f.accepted) == (a.rounds, a.accepted) and c.rounds > 3
