@@ -112,6 +112,11 @@ def b1_rows(
     return rows
 
 
+def _label(r: dict[str, Any]) -> str:
+    """An arm's name, with the drafted tokens a round it served with where its daemon said."""
+    return r["drafter"] if r.get("k") is None else f"{r['drafter']} (K = {r['k']})"
+
+
 def _vs_classic_cell(r: dict[str, Any]) -> str:
     """A speedup only where bursts ran; a declined arm's ratio is labelled as such."""
     if r["status"] == "classic":
@@ -153,9 +158,8 @@ def b1_markdown(rows: list[dict[str, Any]], reference_line: str | None = None) -
     for r in rows:
         lo, hi = r["tok_s_spread"]
         rlo, rhi = r["vs_classic_spread"]
-        name = r["drafter"] if r.get("k") is None else f"{r['drafter']} (K = {r['k']})"
         line = (
-            f"| {name} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
+            f"| {_label(r)} | {r['tok_s']:.1f} | {lo:.1f}-{hi:.1f} | {_vs_classic_cell(r)} | {rlo:.3f}-{rhi:.3f} "
             f"| {_paired_cell(r)} | {cell(r['rounds'], 'd')} | {cell(r['acceptance'], '.3f')} | {cell(r['tokens_per_round'], '.2f')} "
             f"| {_round_cell(r)} | {r['verdict']} |"
         )
@@ -215,7 +219,7 @@ def write_b1(
         [t - r["tok_s_spread"][0] for t, r in zip(tok_s, rows)],
         [r["tok_s_spread"][1] - t for t, r in zip(tok_s, rows)],
     ]
-    ax.barh([r["drafter"] for r in rows], tok_s, xerr=errors, capsize=4)
+    ax.barh([_label(r) for r in rows], tok_s, xerr=errors, capsize=4)
     ax.set(
         xlabel="generated tokens / s at B = 1 (daemon, client over ipc; bars: median, whiskers: min-max)",
         title=f"{meta['model']} on {meta['device']}",
