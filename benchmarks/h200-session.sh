@@ -65,6 +65,8 @@
 #   the list), 15 repeats each: the adaptive gate's exploration against a fixed way, on one lease.
 # PART=dk: the demo pair's MTP bursts through the daemon at K = 4, 6, 7 and 8 in one bench (one daemon each,
 #   arms alternating with one classic arm; KDRAFTERS overrides), once per --lookahead setting in AHEAD (auto off).
+# PART=ek: part e's prompt lookup at K = 4 (its default) and 7 in one bench (KDRAFTERS overrides): whether
+#   prompt lookup should draft as many as an MTP head (an 8-row verify of the 8B costs more than a 5-row one).
 # PART=dv: the demo pair's MTP bursts through the daemon with the default settings (K = 7 for an MTP head)
 #   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
@@ -200,6 +202,11 @@ elif [ "$PART" = e ]; then
   [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
   step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \
     --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/echo-b1"
+elif [ "$PART" = ek ]; then
+  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
+  step echo-k 420 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 \
+    --drafters ${KDRAFTERS:-prompt-lookup,prompt-lookup@7} --tokens 512 --repeats ${REPEATS:-3} --raw-max-batch 1 \
+    --out "$R/echo-k"
 fi
 done
 finish
