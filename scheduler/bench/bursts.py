@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from scheduler.bench.b1 import b1_status
 from scheduler.bench.output import progress, save_png, write_whole
 from scheduler.bench.spreads import ratio_spread, rotated, spread
-from workers.burst import BurstSettings
+from workers.burst import BurstSettings, default_k
 from workers.drafters import Drafter, load_drafter, load_mtp_drafter
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.kernels import Level, set_process_level
@@ -154,15 +154,16 @@ def b1_row(
 
 
 def b1_rows(
-    loaded: LoadedModel, drafters: dict[str, Drafter], k: int, tokens: int, prompt_len: int, repeats: int
+    loaded: LoadedModel, drafters: dict[str, Drafter], ks: dict[str, int], tokens: int, prompt_len: int, repeats: int
 ) -> list[dict[str, Any]]:
-    """Classic and one engine per drafter, each repeat on the same prompt, in an order rotated each repeat."""
+    """Classic and one engine per drafter (drafting ``ks[name]`` a round), each repeat on the same
+    prompt, in an order rotated each repeat."""
     vocab = loaded.info.vocab_size
     prompts = [_prompt(prompt_len, vocab, 100 + r) for r in range(repeats)]
-    engines = {"classic (no drafter)": _engine(loaded, None, k)}
+    engines = {"classic (no drafter)": _engine(loaded, None, 1)}
     for name, drafter in drafters.items():
-        progress(f"bench-bursts: probing {name}")
-        engines[name] = _engine(loaded, drafter, k)
+        progress(f"bench-bursts: probing {name} at K = {ks[name]}")
+        engines[name] = _engine(loaded, drafter, ks[name])
     for engine in engines.values():
         _drive(engine, [Job(seq=-1, prompt=prompts[0], max_tokens=8)])
     before = {name: dict(vars(e.bursts)) for name, e in engines.items()}
@@ -313,7 +314,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _markdown(report: dict[str, Any], args: argparse.Namespace) -> str:
-    md = f"Model {args.model} on {report['device']} {report['device_name']}; K = {args.k}; context {args.context} for verify costs.\n"
+    k = ", ".join(f"{name} {k}" for name, k in report.get("k", {}).items()) or "-"
+    md = f"Model {args.model} on {report['device']} {report['device_name']}; K: {k}; context {args.context} for verify costs.\n"
     if report.get("verify_cost"):
         md += "\nVerify block cost in classic B = 1 steps, per level:\n\n" + _table(report["verify_cost"], {})
     if report.get("b1"):
@@ -346,6 +348,8 @@ def main(args: argparse.Namespace) -> int:
         drafters[spec] = load_drafter(spec, loaded.model, loaded.info.vocab_size)
     if args.mtp:
         drafters[f"mtp:{args.mtp}"] = load_mtp_drafter(args.mtp, loaded.model)
+    # As serve: K as given, else the drafter's default (``workers.burst.default_k``).
+    report_k = {name: args.k or default_k(name.startswith("mtp:")) for name in drafters}
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.batch_sizes.split(",")]
     out = Path(args.out)
@@ -354,17 +358,18 @@ def main(args: argparse.Namespace) -> int:
         "model": args.model,
         "device": str(mx.default_device()),
         "device_name": mx.device_info().get("device_name", "") if hasattr(mx, "device_info") else "",
+        "k": report_k,
     }
     progress(f"bench-bursts: verify cost per level, K = {args.ks}")
     report["verify_cost"] = verify_costs(loaded, ks, args.context)
     write(report, args, out)
-    report["b1"] = b1_rows(loaded, drafters, args.k, args.tokens, args.prompt_tokens, args.repeats)
+    report["b1"] = b1_rows(loaded, drafters, report_k, args.tokens, args.prompt_tokens, args.repeats)
     write(report, args, out)
-    first = next(iter(drafters.values()), None)
+    first = next(iter(drafters), None)
     report["batched"] = batched_rows(
         loaded,
-        first,
-        args.k,
+        None if first is None else drafters[first],
+        report_k[first] if first is not None else 1,
         batches,
         args.batched_tokens,
         args.prompt_tokens,

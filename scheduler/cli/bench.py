@@ -24,7 +24,9 @@ def add_bursts_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "--draft", action="append", default=[], help="drafter spec (repeatable): directory, demo, prompt-lookup"
     )
     p.add_argument("--mtp", default=None)
-    p.add_argument("-k", type=positive_int, default=4)
+    p.add_argument(
+        "-k", type=positive_int, default=None, help="drafted tokens a round; default serve's: 7 for an MTP head, else 4"
+    )
     p.add_argument("--ks", type=int_list(1), default="2,3,4,5,6,7,8", help="K values for the verify-cost table")
     p.add_argument("--batch-sizes", type=int_list(1), default="2,4,8,16,32")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens per B = 1 request")

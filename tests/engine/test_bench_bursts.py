@@ -44,6 +44,29 @@ def test_bench_bursts_runs_every_table_with_spreads(
     assert lo <= row["bursts configured / plain"] <= hi
     md = (out / "bursts.md").read_text()
     assert "| prompt-lookup |" in md and "| 2 |" in md and (out / "bursts.png").stat().st_size > 0
+    assert report["k"] == {"prompt-lookup": 2} and "K: prompt-lookup 2;" in md
+
+
+def test_bench_bursts_drafts_as_serve_does_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without -k each drafter drafts what ``serve`` would give it: 7 for an MTP head, 4 for prompt
+    lookup (the tables themselves are left out here: what each engine is built with is the point)."""
+    seen: dict[str, int] = {}
+
+    def b1_rows(loaded: Any, drafters: Any, ks: dict[str, int], *rest: Any) -> list[dict[str, Any]]:
+        seen.update(ks)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bursts, "verify_costs", lambda *a: [])
+    monkeypatch.setattr(bursts, "b1_rows", b1_rows)
+    args = build_parser().parse_args(
+        ["bench-bursts", "--model", "demo", "--mtp", "demo", "--draft", "prompt-lookup", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 130
+    assert seen == {"prompt-lookup": 4, "mtp:demo": 7}
+    told = build_parser().parse_args(
+        ["bench-bursts", "--model", "demo", "--mtp", "demo", "-k", "3", "--out", str(tmp_path)]
+    )
+    assert told.func(told) == 130 and seen["mtp:demo"] == 3
 
 
 def test_bench_bursts_keeps_the_tables_it_finished(
