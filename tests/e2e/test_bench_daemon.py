@@ -113,7 +113,9 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     assert declined["status"] == "declined: verdict" and declined["rounds"] == 0 and declined["speedup"] is None
     assert len(declined["vs_classic_spread"]) == 2 and isinstance(declined["alike"], bool)
     md = (out / "b1_bursts.md").read_text()
-    assert "| prompt-lookup |" in md and "declined: verdict (ratio" in md and "physical limit at B = 1" in md
+    # the arm's K as its daemon served (prompt lookup's default), in the JSON and the table
+    assert declined["k"] == 4 and "| prompt-lookup (K = 4) |" in md
+    assert "declined: verdict (ratio" in md and "physical limit at B = 1" in md
     poisson = json.loads((out / "poisson.json").read_text())["result"]
     assert poisson["requests"] == 4 and poisson["daemon"] == "bursts:prompt-lookup"
     assert 0 < poisson["ttft_p50"] <= poisson["ttft_p99"]
