@@ -163,7 +163,7 @@ def drafter_args(spec: str) -> list[str]:
     spec, at, k = spec.partition("@")
     flags = ["--mtp", spec.split(":", 1)[1]] if spec.startswith("mtp:") else ["--draft", spec]
     if at:
-        if not k.isdigit() or int(k) < 1:
+        if not k.isascii() or not k.isdigit() or int(k) < 1:  # "²" is a digit that int() refuses
             raise BenchError(f"drafter {spec}@{k}: K after @ must be a positive integer")
         flags += ["-k", k]
     return flags

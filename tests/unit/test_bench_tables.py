@@ -32,7 +32,7 @@ def test_drafter_args_map_specs_to_daemon_flags() -> None:
     assert drafter_args("/models/draft") == ["--draft", "/models/draft"]
     assert drafter_args("mtp:demo@8") == ["--mtp", "demo", "-k", "8"]
     assert drafter_args("prompt-lookup@2") == ["--draft", "prompt-lookup", "-k", "2"]
-    for bad in ("mtp:demo@", "mtp:demo@0", "mtp:demo@x"):
+    for bad in ("mtp:demo@", "mtp:demo@0", "mtp:demo@x", "mtp:demo@²", "mtp:demo@-3"):
         with pytest.raises(BenchError, match="K after @"):
             drafter_args(bad)
 
