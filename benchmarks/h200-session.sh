@@ -69,6 +69,8 @@
 #   prompt lookup should draft as many as an MTP head (an 8-row verify of the 8B costs more than a 5-row one).
 # PART=dv: the demo pair's MTP bursts through the daemon with the default settings (K = 7 for an MTP head)
 #   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats.
+# PART=cl: batched decode with the decoder layers compiled around attention against plain, one engine, arms
+#   alternating (benchmarks/compiled_layers_probe.py: engine steps, sync forwards and their build, logits bytes).
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -112,6 +114,9 @@ elif [ "$PART" = qv ]; then
   fi
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
+elif [ "$PART" = cl ]; then
+  step compiled 300 python3 benchmarks/compiled_layers_probe.py --model /tmp/m8b --batches "${BATCHES:-2,4,8,16,32}" \
+    --out "$R/compiled.json"
 elif [ "$PART" = a ]; then
   step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then
@@ -128,7 +133,7 @@ elif [ "$PART" = c ]; then
       --batch-sizes 1 --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/b1-copies$copies"
   done
 elif [ "$PART" = m ]; then
-  step matrix 560 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
+  step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
     --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --out "$R/matrix"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import mlx.core as mx
@@ -249,6 +250,11 @@ def _growing(cache: Any, views: Views) -> bool:
     return isinstance(cache, KVCache) and views.prefixes
 
 
+#: Set while ``compiled_layers`` traces a layer half: the attention call is handed to it (with the entry
+#: point itself first) instead of attending, so the trace can stop at it or stand in for its result.
+stop_at: ContextVar[Callable[..., Any] | None] = ContextVar("mlx_batchd_stop_at", default=None)
+
+
 def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """Wrap one model module's attention entry point: a forward through ``PerQueryCache`` attends
     query by query (in measured groups) over the views its updates returned; any other goes
@@ -257,6 +263,9 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
     def sdpa(
         queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any, **kwargs: Any
     ) -> mx.array:
+        stop = stop_at.get()
+        if stop is not None:
+            return stop(sdpa, queries, keys, values, scale=scale, cache=cache, mask=mask, **kwargs)
         views = cache.views if isinstance(cache, PerQueryCache) else None
         if views is None:
             keys, values = fastpath.attention_inputs(keys, values)

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from workers import fastpath, faults, mlxlm, plan_timing
+from workers import compiled_layers, fastpath, faults, mlxlm, plan_timing
 from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
@@ -109,6 +109,9 @@ class Engine:
         self.kernel_plans = (
             {} if lockstep else fastpath.plans_summary(plan_timing.calibrate(model, cache_dir() / "kernel-plans"))
         )
+        #: Decoder layers run as compiled halves in batched decode steps where the policy says so
+        #: (``compiled_layers``); not in lockstep, whose layers hold the ranks' collectives.
+        self.compiled_layers = 0 if lockstep else compiled_layers.install(model)
 
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""

@@ -8,6 +8,9 @@ backend's fused attention is run-to-run reproducible for a single sequence only 
 projection shape by timing (``plan_timing.calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
 flattened, or padded.
 
+On the same backend a batched decode step's layers also run as compiled halves around attention
+(``compiled_layers``; the policy's ``compiled_layers``): at B <= 8 graph building sets the step.
+
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
 it makes no byte-identity promise beyond what the backend gives (MLX's CPU backend stays row-exact,
 so CPU results are unchanged). The exact levels (``narrow``, ``per-query``) chunk rows themselves and
@@ -54,6 +57,9 @@ class FastPath:
     #: matrix-vector product. Elsewhere it comes after them (unmeasured there; chunks of a measured
     #: width cost the chain nothing).
     padded_first: bool = False
+    #: Run batched decode steps' decoder layers as compiled halves around attention
+    #: (``compiled_layers``): at B <= 8 the host's graph building sets the step.
+    compiled_layers: bool = False
 
 
 OFF = FastPath("off")
@@ -62,7 +68,7 @@ GENERIC = FastPath("generic", flatten=True)
 #: MLX CUDA (measured on an H200, docs/benchmarks.md). Below 8 rows its batched quantized kernel costs
 #: about M matrix-vector products, and which row count is cheapest depends on the shape (a 14336 x 4096
 #: 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8, a 4096 x 14336 one 0.19 and 0.26): calibrated.
-CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True, padded_first=True)
+CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True, padded_first=True, compiled_layers=True)
 
 _POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
 _active: FastPath | None = None
@@ -72,7 +78,7 @@ def detect() -> FastPath:
     """The policy for this process: ``MLX_BATCHD_FASTPATH`` if set, else by the default device;
     ``MLX_BATCHD_CONTIGUOUS_KV=0|1`` overrides its ``contiguous_kv`` (to measure what the copies
     cost and buy: with cuDNN attention off, MLX CUDA's single-query kernel walks a strided view's
-    keys in a fixed order)."""
+    keys in a fixed order); ``MLX_BATCHD_COMPILED_LAYERS=0|1`` its ``compiled_layers``."""
     forced = os.environ.get("MLX_BATCHD_FASTPATH")
     if forced:
         if forced not in _POLICIES:
@@ -85,6 +91,11 @@ def detect() -> FastPath:
         if copies not in ("0", "1"):
             raise SettingError(f"MLX_BATCHD_CONTIGUOUS_KV={copies!r}: expected 0 or 1")
         policy = replace(policy, contiguous_kv=copies == "1")
+    compiled = os.environ.get("MLX_BATCHD_COMPILED_LAYERS")
+    if compiled:
+        if compiled not in ("0", "1"):
+            raise SettingError(f"MLX_BATCHD_COMPILED_LAYERS={compiled!r}: expected 0 or 1")
+        policy = replace(policy, compiled_layers=compiled == "1")
     return policy
 
 

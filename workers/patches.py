@@ -4,8 +4,9 @@
 loaded model module's ``scaled_dot_product_attention`` (``attention.per_query_sdpa``), once; at
 ``wide`` the wrappers call straight through. It also replaces the batches' ``filter`` with one that
 costs one host round trip per finishing step instead of one per layer (``batch_filter``), and has a
-one-row batch decode without a mask, as the sequence's own cache does (``lone_mask``). ``stock``
-takes them all off for a block (the raw peer in benchmarks).
+one-row batch decode without a mask, as the sequence's own cache does (``lone_mask``), and lets the
+decoder layers that ``compiled_layers`` registered run compiled. ``stock`` takes them all off for a
+block (the raw peer in benchmarks).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
-from workers import mlxlm
+from workers import compiled_layers, mlxlm
 from workers.attention import per_query_sdpa
 from workers.batch_filter import filtered
 from workers.lone_mask import lone_make_mask
@@ -42,6 +43,7 @@ def install() -> None:
                 cls.filter = filtered(cls.filter)  # type: ignore[attr-defined]
             batch_cache = _batch_cache_class()
             batch_cache.make_mask = lone_make_mask(batch_cache.make_mask)  # type: ignore[attr-defined]
+            compiled_layers.enabled = True
             _installed = True
         for name, module in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or module is None:
@@ -64,6 +66,7 @@ def stock() -> Iterator[None]:
                 cls.filter = cls.filter.__wrapped__  # type: ignore[attr-defined]
             batch_cache = _batch_cache_class()
             batch_cache.make_mask = batch_cache.make_mask.__wrapped__  # type: ignore[attr-defined]
+            compiled_layers.enabled = False
             _installed = False
         patched = {}
         for name, module in list(sys.modules.items()):

@@ -51,3 +51,19 @@ def test_the_contiguous_kv_copies_can_be_switched_for_a_measurement(
     monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "yes")
     with pytest.raises(ValueError, match="MLX_BATCHD_CONTIGUOUS_KV"):
         fastpath.detect()
+
+
+def test_the_compiled_layers_follow_the_policy_and_can_be_switched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On in the CUDA policy, off elsewhere; ``MLX_BATCHD_COMPILED_LAYERS`` overrides either way and
+    anything but 0 or 1 is refused by name."""
+    assert fastpath.CUDA.compiled_layers and not fastpath.GENERIC.compiled_layers
+    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "cuda")
+    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "0")
+    p = fastpath.detect()
+    assert p.name == "cuda" and p.contiguous_kv and not p.compiled_layers
+    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "generic")
+    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "1")
+    assert fastpath.detect().compiled_layers
+    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "on")
+    with pytest.raises(ValueError, match="MLX_BATCHD_COMPILED_LAYERS"):
+        fastpath.detect()
