@@ -1,11 +1,11 @@
-"""Batched decode's layers as two compiled halves around the attention core.
+"""Decode steps' layers as two compiled halves around the attention core.
 
 At B <= 8 on MLX CUDA a decode step is set by the host, not the device: an 8B 4-bit step reads ~4.5 GB
 (under 1 ms on an H200) while building its graph in Python took 5-7.5 ms at B = 4 (the project's
 per-projection routing included) and MLX's evaluation ~4.5 us an op on top. ``mx.compile`` traces a
 function once per input shape and then replays its graph from C++, fusing elementwise ops, so none of
 that Python runs again. A whole layer cannot be traced once, though: its cache returns keys and
-values that grow by one position a step. So each layer of a batched decode step runs in three parts:
+values that grow by one position a step. So each layer of a decode step runs in three parts:
 
 - **head** (compiled): everything before attention (norm, q/k/v projections, rope at the cache's
   offset, which is an array in a batch cache, so it is an input and not a constant);
@@ -18,18 +18,22 @@ arguments to the tracer instead of attending: the head returns them, the tail su
 attention output for the attention's result. What a half does not need (the tail's q/k/v, the head's
 MLP) is not in its traced graph, so nothing runs twice.
 
-Scope: decode steps (one new token per sequence) of two or more sequences at ``wide``, on mlx-lm
-layer classes of the families in ``FAMILIES`` (each covered by a test that compares the compiled
-step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's ``BatchKVCache``.
-Classic B = 1 decode, prefill, verify blocks and every pinned level run mlx-lm's code unchanged,
-so no exactness promise moves. A layer's halves are traced at a batch size only after one plain
-step at that size (the project's kernels check themselves at first use, which evaluates), and
-traced again whenever the kernel plans or the fast-path policy change (both are read while tracing).
+Scope: decode steps (one new token per sequence) at ``wide``, classic B = 1 decode included
+(``MIN_BATCH``), on mlx-lm layer classes of the families in ``FAMILIES`` (each covered by a test that
+compares the compiled step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's
+``BatchKVCache`` (which the engine's lone sequence decodes on too). Prefill, verify blocks and every
+pinned level run mlx-lm's code unchanged. Classic B = 1 decode is the chain bursts must reproduce: the
+probe measures it as it runs (through the engine's model) and its verdicts are keyed by whether it is
+compiled (``lone``); on the H200 the compiled and plain steps gave the same logits byte for byte at
+B = 1-32. A layer's halves are traced at a batch size only after one plain step at that size (the
+project's kernels check themselves at first use, which evaluates), and traced again whenever the
+kernel plans or the fast-path policy change (both are read while tracing).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -48,6 +52,11 @@ log = logging.getLogger("mlx_batchd")
 #: only there.
 FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
+#: The fewest sequences a compiled step runs: classic B = 1 decode too (on the H200 8B synth its logits
+#: were byte-equal to the plain step's over 12 steps, the step 24 % shorter); ``MLX_BATCHD_COMPILED_LONE=0``
+#: keeps it plain (for measuring). A burst's verdict is measured on the chain that actually runs
+#: (the probe's chain goes through the engine's model) and keyed by this (``lone``).
+MIN_BATCH = 2 if os.environ.get("MLX_BATCHD_COMPILED_LONE") == "0" else 1
 #: False inside ``patches.stock`` (the raw peer in benchmarks runs mlx-lm's code).
 enabled = True
 #: Layer classes whose ``__call__`` is wrapped (class -> its own ``__call__``).
@@ -163,7 +172,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             or type(cache) is not batch_cache
             or x.ndim != 3
             or x.shape[1] != 1
-            or x.shape[0] < 2
+            or x.shape[0] < MIN_BATCH
             or current_level() is not Level.WIDE
             or seam.divergence_seam is not None
             or halves.layer() is not self
@@ -192,7 +201,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install(model: Any) -> int:
-    """Run ``model``'s decoder layers of the ``FAMILIES`` as compiled halves in batched decode steps
+    """Run ``model``'s decoder layers of the ``FAMILIES`` as compiled halves in decode steps
     (when the fast-path policy says so); returns how many layers were registered."""
     count = 0
     with _lock:
@@ -208,3 +217,16 @@ def install(model: Any) -> int:
             _layers[id(layer)] = _Halves(weakref.ref(layer), _patched[cls])
             count += 1
     return count
+
+
+def running(model: Any) -> int:
+    """How many of ``model``'s layers run compiled in decode steps here (0: none; stats)."""
+    if not fastpath.active().compiled_layers:
+        return 0
+    return sum(id(layer) in _layers for layer in getattr(model, "layers", None) or [])
+
+
+def lone(model: Any) -> int:
+    """How many of ``model``'s layers run compiled in classic B = 1 decode here (0: none): part of
+    what a burst verdict depends on, since classic decode is the chain a verify must reproduce."""
+    return 0 if MIN_BATCH > 1 else running(model)

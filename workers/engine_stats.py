@@ -11,6 +11,7 @@ from typing import cast
 
 import mlx.core as mx
 
+from workers import compiled_layers
 from workers.engine import Engine
 from workers.snapshot import (
     AdmissionSnapshot,
@@ -49,4 +50,5 @@ def engine_snapshot(engine: Engine, distributed: DistributedSnapshot, admission:
         "admission": admission,
         "distributed": distributed,
         "kernel_plans": engine.kernel_plans,
+        "compiled_layers": compiled_layers.running(engine.model),
     }

@@ -8,7 +8,7 @@ backend's fused attention is run-to-run reproducible for a single sequence only 
 projection shape by timing (``plan_timing.calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
 flattened, or padded.
 
-On the same backend a batched decode step's layers also run as compiled halves around attention
+On the same backend a decode step's layers also run as compiled halves around attention
 (``compiled_layers``; the policy's ``compiled_layers``): at B <= 8 graph building sets the step.
 
 This is the ``wide`` level as the project drives MLX: batched decode and prefill always use it, and
@@ -57,8 +57,8 @@ class FastPath:
     #: matrix-vector product. Elsewhere it comes after them (unmeasured there; chunks of a measured
     #: width cost the chain nothing).
     padded_first: bool = False
-    #: Run batched decode steps' decoder layers as compiled halves around attention
-    #: (``compiled_layers``): at B <= 8 the host's graph building sets the step.
+    #: Run decode steps' decoder layers as compiled halves around attention (``compiled_layers``): at
+    #: B <= 8 the host's graph building sets the step.
     compiled_layers: bool = False
 
 

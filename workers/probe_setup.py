@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers import fastpath
+from workers import compiled_layers, fastpath
 from workers.models import LoadedModel
 from workers.probe import ProbePolicy, Verdict, make_draws, probe_steps, sliding_window
 from workers.probe_draws import Draw, MakeCache
@@ -72,6 +72,7 @@ def probe_setup(loaded: LoadedModel, drafter: str, *, store: bool = True) -> Pro
             make_cache(),
             root / "probe",
             fastpath.installed(loaded.model),
+            compiled_layers.lone(loaded.model),
         ),
         store=VerdictStore(root / "verdicts") if store else None,
         vocab_size=loaded.info.vocab_size,

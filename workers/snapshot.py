@@ -226,6 +226,8 @@ class EngineSnapshot(CountersSnapshot):
     distributed: DistributedSnapshot
     #: ``fastpath.plans_summary`` of this engine's calibration (empty where the backend has none).
     kernel_plans: dict[str, str]
+    #: How many of the model's decoder layers run as compiled halves in decode steps (``compiled_layers``).
+    compiled_layers: int
 
 
 @final

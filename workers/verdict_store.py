@@ -116,11 +116,13 @@ def serving_pairing(
     cache: list[Any],
     cache_root: Path,
     kernel_plans: dict[str, str] | None = None,
+    compiled_lone: int = 0,
 ) -> dict[str, Any]:
     """Everything that can change a verdict: weights and config, dtype and quantization (both in
     the config and the weights), drafter, the cache types serving builds, backend and versions, how
     attention runs (MLX's cuDNN attention on or off, contiguous K/V copies), and the batched path's
-    kernel plans installed for the model (``fastpath.installed``)."""
+    kernel plans installed for the model (``fastpath.installed``), and how many of its layers classic
+    decode runs compiled (``compiled_layers.lone``)."""
     return {
         "attention": {
             "cudnn": os.environ.get(CUDNN_ATTENTION_ENV, ""),
@@ -133,4 +135,5 @@ def serving_pairing(
         "caches": [type(c).__name__ + (f"({c.max_size})" if hasattr(c, "max_size") else "") for c in cache],
         "backend": backend_fingerprint(),
         "kernel_plans": kernel_plans or {},
+        "compiled_layers": compiled_lone,
     }

@@ -1,6 +1,7 @@
-"""Batched decode's layers as compiled halves around attention (``workers.compiled_layers``): the same
-logits byte for byte as mlx-lm's own layer code for every family it covers, on real models; only
-batched decode steps at ``wide`` take it; it fails closed; the raw peer's ``stock`` block runs without it."""
+"""Decode steps' layers as compiled halves around attention (``workers.compiled_layers``): the same
+logits byte for byte as mlx-lm's own layer code for every family it covers and for a lone sequence, on
+real models; only decode steps at ``wide`` take it; verdicts are keyed by it; it fails closed; the raw
+peer's ``stock`` block runs without it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -19,7 +21,8 @@ from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers import compiled_layers, fastpath, kernels
 from workers.engine import Engine
-from workers.synthetic import build_model, llama_config, qwen3_config
+from workers.engine_stats import engine_snapshot
+from workers.synthetic import build_model, llama_config, qwen3_config, write_model
 
 QWEN2 = {
     "model_type": "qwen2",
@@ -90,13 +93,26 @@ def test_compiled_halves_give_the_plain_layers_logits_byte_for_byte(name: str, p
     assert all(kernels.bytes_equal(p, c) for p, c in zip(plain, compiled, strict=True))
 
 
-def test_only_batched_decode_steps_at_wide_run_compiled(policy: None, calls: list[int]) -> None:
+def test_classic_decode_of_a_lone_sequence_runs_compiled_with_the_same_logits(policy: None, calls: list[int]) -> None:
+    """Classic B = 1 decode is the chain bursts must reproduce: compiled, it keeps its bytes."""
+    kernels.install()
+    model = build_model(CONFIGS["llama-4bit"], seed=3)
+    compiled_layers.install(model)
+    use(False)
+    plain = decode_logits(model, 6, padding=[0])
+    use(True)
+    compiled = decode_logits(model, 6, padding=[0])
+    assert calls == [1] * 2 * 5
+    assert all(kernels.bytes_equal(p, c) for p, c in zip(plain, compiled, strict=True))
+
+
+def test_only_decode_steps_at_wide_run_compiled(
+    policy: None, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     kernels.install()
     model = build_model(CONFIGS["llama"], seed=3)
     compiled_layers.install(model)
     use(True)
-    decode_logits(model, 4, padding=[0])  # classic B = 1 decode: mlx-lm's code
-    assert calls == []
     cache = [BatchKVCache([0, 0]) for _ in model.layers]
     for _ in range(3):  # prefill chunks of several tokens
         mx.eval(model(mx.ones((2, 4), dtype=mx.int32), cache=cache))
@@ -107,8 +123,34 @@ def test_only_batched_decode_steps_at_wide_run_compiled(policy: None, calls: lis
     with kernels.stock():  # the raw peer in benchmarks
         decode_logits(model, 3, padding=[0, 2])
     assert calls == []
+    monkeypatch.setattr(compiled_layers, "MIN_BATCH", 2)  # MLX_BATCHD_COMPILED_LONE=0
+    decode_logits(model, 4, padding=[0])
+    assert calls == []
     decode_logits(model, 3, padding=[0, 2])
     assert calls == [2] * 2 * 2
+
+
+def test_a_verdict_is_keyed_by_whether_classic_decode_runs_compiled(
+    policy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's chain runs through the engine's model, compiled where serving compiles it; a
+    verdict measured on the plain chain (say, by ``mlx-batchd probe`` in a process with no engine)
+    is not reused for the compiled one."""
+    from workers.models import load
+    from workers.probe_setup import probe_setup
+    from workers.verdict_store import pairing_fingerprint
+
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    loaded = load(str(write_model(tmp_path / "m", CONFIGS["llama-4bit"], seed=3)))
+    use(True)
+    plain = probe_setup(loaded, "none", store=False).pairing
+    assert plain["compiled_layers"] == 0  # nothing registered yet
+    compiled_layers.install(loaded.model)
+    compiled = probe_setup(loaded, "none", store=False).pairing
+    assert compiled["compiled_layers"] == 2
+    assert pairing_fingerprint(compiled) != pairing_fingerprint(plain)
+    monkeypatch.setattr(compiled_layers, "MIN_BATCH", 2)
+    assert probe_setup(loaded, "none", store=False).pairing["compiled_layers"] == 0
 
 
 def test_new_plans_trace_the_halves_again(policy: None, calls: list[int]) -> None:
@@ -156,6 +198,10 @@ def test_greedy_tokens_through_the_engine_are_unchanged(policy: None, calls: lis
     assert engine.compiled_layers == 2
     assert greedy_tokens(engine, prompts, 12) == plain
     assert 3 in calls
+    unused: Any = {}
+    assert engine_snapshot(engine, unused, unused)["compiled_layers"] == 2  # stats say so
+    use(False)
+    assert engine_snapshot(engine, unused, unused)["compiled_layers"] == 0
 
 
 def test_a_model_that_goes_away_takes_its_halves_with_it(policy: None, calls: list[int]) -> None:
@@ -170,3 +216,31 @@ def test_a_model_that_goes_away_takes_its_halves_with_it(policy: None, calls: li
     del model
     gc.collect()
     assert gone() is None and not any(i in compiled_layers._layers for i in ids)
+
+
+@pytest.mark.parametrize("kind", ["draft-model-self", "prompt-lookup"])
+def test_bursts_over_compiled_classic_decode_stay_byte_identical(
+    policy: None, calls: list[int], tmp_path: Path, kind: str
+) -> None:
+    """The probe measures the compiled chain, the bursts it allows reproduce it, and it is the plain
+    chain's output too."""
+    from mlx_lm import load
+
+    from tests.engine.test_bursts import EOS, EXACT_FOREVER, PROMPTS, VOCAB, job, run
+    from tests.reference import probed_bursts
+    from workers.drafters import DraftModel, PromptLookup
+
+    target, _ = load(str(write_model(tmp_path / "t", llama_config(hidden=128, layers=2, ffn=256), seed=11)))
+    kernels.measure_widths(target)
+    jobs = [job(i, p, n=30) for i, p in enumerate(PROMPTS[:3])]
+    use(False)
+    want = {j.seq: run(Engine(target, eos_token_ids=EOS, vocab_size=VOCAB, max_batch=8), [j])[j.seq] for j in jobs}
+    assert calls == []
+    use(True)
+    for j in jobs:
+        engine = Engine(target, eos_token_ids=EOS, vocab_size=VOCAB, max_batch=8)
+        drafter = DraftModel(target, name="self") if kind == "draft-model-self" else PromptLookup()
+        probed_bursts(engine, target, drafter, EXACT_FOREVER, f"test+{drafter.name}", VOCAB, draws=4)
+        assert run(engine, [j]) == {j.seq: want[j.seq]}
+        assert engine.bursts.rounds > 0
+    assert 1 in calls

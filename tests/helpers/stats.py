@@ -137,5 +137,6 @@ def stats_snapshot(
             "memory": {"active_bytes": 2**20, "cache_bytes": 0, "peak_bytes": 2**21},
             "admission": {"window_ms": 20.0, "idle_window_ms": 0.0, "held": 2, "delayed": 9},
             "kernel_plans": {},
+            "compiled_layers": 0,
         },
     }
