@@ -202,7 +202,11 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def install(model: Any) -> int:
     """Run ``model``'s decoder layers of the ``FAMILIES`` as compiled halves in decode steps
-    (when the fast-path policy says so); returns how many layers were registered."""
+    (when the fast-path policy says so); returns how many layers were registered. None where MLX's
+    compilation is off (``MLX_DISABLE_COMPILE``): the halves would then run the whole layer's Python
+    twice a step."""
+    if os.environ.get("MLX_DISABLE_COMPILE"):
+        return 0
     count = 0
     with _lock:
         for layer in getattr(model, "layers", None) or []:

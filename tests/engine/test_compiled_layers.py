@@ -244,3 +244,8 @@ def test_bursts_over_compiled_classic_decode_stay_byte_identical(
         assert run(engine, [j]) == {j.seq: want[j.seq]}
         assert engine.bursts.rounds > 0
     assert 1 in calls
+
+
+def test_nothing_is_registered_where_mlx_compiles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_DISABLE_COMPILE", "1")
+    assert compiled_layers.install(build_model(CONFIGS["llama"], seed=3)) == 0
