@@ -64,6 +64,16 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield seen
 
 
+def registered(name: str = "llama", compiled: bool = True) -> nn.Module:
+    """A real model of ``CONFIGS[name]`` with its layers registered, under the CPU policy with the
+    compiled halves on or off."""
+    kernels.install()
+    model = build_model(CONFIGS[name], seed=3)
+    assert compiled_layers.install(model) == 2
+    use(compiled)
+    return model
+
+
 def decode_logits(model: nn.Module, steps: int, padding: list[int] = PADDING) -> list[mx.array]:
     """Greedy decode steps of a batch (one prompt a row, left-padded as ``BatchGenerator`` pads them)."""
     cache = [BatchKVCache(padding) for _ in model.layers]
@@ -80,10 +90,7 @@ def decode_logits(model: nn.Module, steps: int, padding: list[int] = PADDING) ->
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_compiled_halves_give_the_plain_layers_logits_byte_for_byte(name: str, policy: None, calls: list[int]) -> None:
-    kernels.install()
-    model = build_model(CONFIGS[name], seed=3)
-    assert compiled_layers.install(model) == 2
-    use(False)
+    model = registered(name, compiled=False)
     plain = decode_logits(model, 6)
     assert calls == []
     use(True)
@@ -95,10 +102,7 @@ def test_compiled_halves_give_the_plain_layers_logits_byte_for_byte(name: str, p
 
 def test_classic_decode_of_a_lone_sequence_runs_compiled_with_the_same_logits(policy: None, calls: list[int]) -> None:
     """Classic B = 1 decode is the chain bursts must reproduce: compiled, it keeps its bytes."""
-    kernels.install()
-    model = build_model(CONFIGS["llama-4bit"], seed=3)
-    compiled_layers.install(model)
-    use(False)
+    model = registered("llama-4bit", compiled=False)
     plain = decode_logits(model, 6, padding=[0])
     use(True)
     compiled = decode_logits(model, 6, padding=[0])
@@ -109,10 +113,7 @@ def test_classic_decode_of_a_lone_sequence_runs_compiled_with_the_same_logits(po
 def test_only_decode_steps_at_wide_run_compiled(
     policy: None, calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kernels.install()
-    model = build_model(CONFIGS["llama"], seed=3)
-    compiled_layers.install(model)
-    use(True)
+    model = registered()
     cache = [BatchKVCache([0, 0]) for _ in model.layers]
     for _ in range(3):  # prefill chunks of several tokens
         mx.eval(model(mx.ones((2, 4), dtype=mx.int32), cache=cache))
@@ -155,10 +156,7 @@ def test_a_verdict_is_keyed_by_whether_classic_decode_runs_compiled(
 
 def test_new_plans_trace_the_halves_again(policy: None, calls: list[int]) -> None:
     """The halves read the kernel plans while tracing: a new plan must not replay an old trace."""
-    kernels.install()
-    model = build_model(CONFIGS["llama"], seed=3)
-    compiled_layers.install(model)
-    use(True)
+    model = registered()
     decode_logits(model, 3)
     halves = compiled_layers._layers[id(model.layers[0])]
     head = halves.head
@@ -170,10 +168,7 @@ def test_new_plans_trace_the_halves_again(policy: None, calls: list[int]) -> Non
 def test_a_layer_whose_halves_fail_keeps_mlx_lms_code(
     policy: None, calls: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    kernels.install()
-    model = build_model(CONFIGS["llama"], seed=3)
-    compiled_layers.install(model)
-    use(False)
+    model = registered(compiled=False)
     plain = decode_logits(model, 5)
 
     def broken(*_: Any, **__: Any) -> Any:
@@ -205,10 +200,7 @@ def test_greedy_tokens_through_the_engine_are_unchanged(policy: None, calls: lis
 
 
 def test_a_model_that_goes_away_takes_its_halves_with_it(policy: None, calls: list[int]) -> None:
-    kernels.install()
-    model = build_model(CONFIGS["llama"], seed=3)
-    compiled_layers.install(model)
-    use(True)
+    model = registered()
     decode_logits(model, 3)
     ids = [id(layer) for layer in model.layers]
     assert calls and all(i in compiled_layers._layers for i in ids)
