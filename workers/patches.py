@@ -43,7 +43,6 @@ def install() -> None:
                 cls.filter = filtered(cls.filter)  # type: ignore[attr-defined]
             batch_cache = _batch_cache_class()
             batch_cache.make_mask = lone_make_mask(batch_cache.make_mask)  # type: ignore[attr-defined]
-            compiled_layers.enabled = True
             _installed = True
         for name, module in list(sys.modules.items()):
             if not name.startswith("mlx_lm.models.") or module is None:
@@ -66,8 +65,8 @@ def stock() -> Iterator[None]:
                 cls.filter = cls.filter.__wrapped__  # type: ignore[attr-defined]
             batch_cache = _batch_cache_class()
             batch_cache.make_mask = batch_cache.make_mask.__wrapped__  # type: ignore[attr-defined]
-            compiled_layers.enabled = False
             _installed = False
+        compiled, compiled_layers.enabled = compiled_layers.enabled, False
         patched = {}
         for name, module in list(sys.modules.items()):
             fn = getattr(module, "scaled_dot_product_attention", None) if name.startswith("mlx_lm.models.") else None
@@ -80,6 +79,7 @@ def stock() -> Iterator[None]:
         with _install_lock:
             for name, fn in patched.items():
                 sys.modules[name].scaled_dot_product_attention = fn  # type: ignore[attr-defined]
+            compiled_layers.enabled = compiled
         if was:
             install()
 
