@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     row-exact widths measured at load."""
     from tqdm import tqdm
 
-    from workers import plan_timing
+    from workers import compiled_layers, plan_timing
     from workers.demo import cache_dir
     from workers.models import load
     from workers.probe import drive
@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
     # so they are part of the verdict's fingerprint and of what the probe measures.
     plan_timing.calibrate(loaded.model, cache_dir() / "kernel-plans")
+    # Classic decode as serving runs it (compiled where the policy compiles it): the same chain,
+    # the same fingerprint, so the verdict stored here is the one a daemon reads.
+    compiled_layers.install(loaded.model)
     from workers.burst import default_k
 
     # Checked by the parser (int_list); by default the K serve probes this drafter at.

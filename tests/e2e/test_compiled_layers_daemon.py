@@ -5,6 +5,8 @@ pair as one that does not: the same text byte for byte, a lone request through t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,3 +49,25 @@ def test_a_daemon_with_compiled_layers_serves_the_plain_daemons_text(
     assert compiled["verdict"]["exact"] and not compiled["verdict"]["from_cache"]  # measured on its own chain
     assert compiled["rounds"] > 0 and compiled["peak"] > 1
     assert compiled["texts"] == plain["texts"]
+
+
+def test_the_cli_probes_verdict_serves_a_daemon_that_compiles_the_same_chain(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mlx-batchd probe`` runs classic decode as serving does, so a daemon that compiles it reads the
+    CLI's verdict from the store; one that does not measures its own."""
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "1")
+    cmd = [sys.executable, "-m", "scheduler", "probe", "--model", str(tiny_model), "-k", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    found = {}
+    for compiled in ("1", "0"):
+        monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", compiled)
+        daemon = start_daemon(tiny_model, tmp_path / f"daemon-{compiled}", "--probe-k", "2")
+        try:
+            with Client(daemon.address, timeout=120) as c:
+                found[compiled] = wait_for_verdict(c)["from_cache"]
+        finally:
+            assert daemon.stop() == 0, daemon.log()
+    assert found == {"1": True, "0": False}

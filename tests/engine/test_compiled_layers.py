@@ -135,8 +135,7 @@ def test_a_verdict_is_keyed_by_whether_classic_decode_runs_compiled(
     policy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The probe's chain runs through the engine's model, compiled where serving compiles it; a
-    verdict measured on the plain chain (say, by ``mlx-batchd probe`` in a process with no engine)
-    is not reused for the compiled one."""
+    verdict measured on the plain chain is not reused for the compiled one."""
     from workers.models import load
     from workers.probe_setup import probe_setup
     from workers.verdict_store import pairing_fingerprint
