@@ -109,8 +109,9 @@ class Engine:
         self.kernel_plans = (
             {} if lockstep else fastpath.plans_summary(plan_timing.calibrate(model, cache_dir() / "kernel-plans"))
         )
-        #: Decoder layers run as compiled halves in decode steps where the policy says so
-        #: (``compiled_layers``); not in lockstep, whose layers hold the ranks' collectives.
+        #: Decoder layers registered to run as compiled halves in decode steps, which they do where the
+        #: policy says so (``compiled_layers.running``); none in lockstep, whose layers hold the ranks'
+        #: collectives.
         self.compiled_layers = 0 if lockstep else compiled_layers.install(model)
 
     def reset_counters(self) -> None:

@@ -138,7 +138,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
-    from workers import fastpath, qmv_launch
+    from workers import compiled_layers, fastpath, qmv_launch
     from workers.backend import configure_attention
     from workers.engine import Engine
     from workers.models import load
@@ -272,6 +272,10 @@ def _main(args: argparse.Namespace) -> int:
         plans = {"engine": engine.kernel_plans}
         plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
         meta["kernel_plans"] = plans
+        # Decoder layers each arm runs compiled around attention (workers.compiled_layers; 0: none).
+        meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
+            name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()
+        }
         differ = [name for name in clients if plans[name] != engine.kernel_plans]
         if differ:
             progress(f"bench: note: {', '.join(differ)} chose other row-count plans than the engine alone (meta)")

@@ -102,6 +102,9 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])
     assert any(k.startswith("daemon_process_pin") for k in batched["meta"]["probe_seconds"])
+    # compiled layers: off under the CPU's policy, in the engine alone and in every daemon alike
+    assert set(batched["meta"]["compiled_layers"].values()) == {0}
+    assert set(batched["meta"]["compiled_layers"]) >= {"engine", "daemon", "daemon_process_pin"}
     codes = batched["meta"]["daemon_exit_codes"]  # every daemon shut down cleanly on SIGTERM
     assert set(codes) >= {"daemon", "daemon_process_pin", "bursts:prompt-lookup"} and set(codes.values()) == {0}
     b1 = json.loads((out / "b1_bursts.json").read_text())
