@@ -18,8 +18,8 @@ arguments to the tracer instead of attending: the head returns them, the tail su
 attention output for the attention's result. What a half does not need (the tail's q/k/v, the head's
 MLP) is not in its traced graph, so nothing runs twice.
 
-Scope: decode steps (one new token per sequence) at ``wide``, classic B = 1 decode included
-(``MIN_BATCH``), on mlx-lm layer classes of the families in ``FAMILIES`` (each covered by a test that
+Scope: decode steps (one new token per sequence) at ``wide``, classic B = 1 decode included (the
+policy's ``compiled_lone``; ``MLX_BATCHD_COMPILED_LONE=0`` keeps it plain, for measuring), on mlx-lm layer classes of the families in ``FAMILIES`` (each covered by a test that
 compares the compiled step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's
 ``BatchKVCache`` (which the engine's lone sequence decodes on too). Prefill, verify blocks and every
 pinned level run mlx-lm's code unchanged. Classic B = 1 decode is the chain bursts must reproduce: the
@@ -52,11 +52,6 @@ log = logging.getLogger("mlx_batchd")
 #: only there.
 FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
-#: The fewest sequences a compiled step runs: classic B = 1 decode too (on the H200 8B synth its logits
-#: were byte-equal to the plain step's over 12 steps, the step 24 % shorter); ``MLX_BATCHD_COMPILED_LONE=0``
-#: keeps it plain (for measuring). A burst's verdict is measured on the chain that actually runs
-#: (the probe's chain goes through the engine's model) and keyed by this (``lone``).
-MIN_BATCH = 2 if os.environ.get("MLX_BATCHD_COMPILED_LONE") == "0" else 1
 #: False inside ``patches.stock`` (the raw peer in benchmarks runs mlx-lm's code).
 enabled = True
 #: Layer classes whose ``__call__`` is wrapped (class -> its own ``__call__``).
@@ -164,21 +159,22 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def call(self: Any, x: mx.array, mask: Any = None, cache: Any = None, **kwargs: Any) -> Any:
         halves = _layers.get(id(self))
+        policy = fastpath.active()
         if (
             halves is None
-            or not fastpath.active().compiled_layers
+            or not policy.compiled_layers
             or kwargs
             or not enabled
             or type(cache) is not batch_cache
             or x.ndim != 3
             or x.shape[1] != 1
-            or x.shape[0] < MIN_BATCH
+            or x.shape[0] < (1 if policy.compiled_lone else 2)
             or current_level() is not Level.WIDE
             or seam.divergence_seam is not None
             or halves.layer() is not self
         ):
             return original(self, x, mask, cache=cache, **kwargs)
-        key = (fastpath.generation, fastpath.active())
+        key = (fastpath.generation, policy)
         if halves.key != key:
             halves.build(key)
         b = x.shape[0]
@@ -233,4 +229,4 @@ def running(model: Any) -> int:
 def lone(model: Any) -> int:
     """How many of ``model``'s layers run compiled in classic B = 1 decode here (0: none): part of
     what a burst verdict depends on, since classic decode is the chain a verify must reproduce."""
-    return 0 if MIN_BATCH > 1 else running(model)
+    return running(model) if fastpath.active().compiled_lone else 0

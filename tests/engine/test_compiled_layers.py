@@ -46,8 +46,8 @@ CONFIGS = {
 PADDING = [3, 0, 1]
 
 
-def use(compiled: bool) -> None:
-    fastpath.set_active(replace(fastpath.GENERIC, compiled_layers=compiled))
+def use(compiled: bool, lone: bool = True) -> None:
+    fastpath.set_active(replace(fastpath.GENERIC, compiled_layers=compiled, compiled_lone=lone))
 
 
 @pytest.fixture()
@@ -110,9 +110,7 @@ def test_classic_decode_of_a_lone_sequence_runs_compiled_with_the_same_logits(po
     assert all(kernels.bytes_equal(p, c) for p, c in zip(plain, compiled, strict=True))
 
 
-def test_only_decode_steps_at_wide_run_compiled(
-    policy: None, calls: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_only_decode_steps_at_wide_run_compiled(policy: None, calls: list[int]) -> None:
     model = registered()
     cache = [BatchKVCache([0, 0]) for _ in model.layers]
     for _ in range(3):  # prefill chunks of several tokens
@@ -124,7 +122,7 @@ def test_only_decode_steps_at_wide_run_compiled(
     with kernels.stock():  # the raw peer in benchmarks
         decode_logits(model, 3, padding=[0, 2])
     assert calls == []
-    monkeypatch.setattr(compiled_layers, "MIN_BATCH", 2)  # MLX_BATCHD_COMPILED_LONE=0
+    use(True, lone=False)  # MLX_BATCHD_COMPILED_LONE=0
     decode_logits(model, 4, padding=[0])
     assert calls == []
     decode_logits(model, 3, padding=[0, 2])
@@ -149,7 +147,7 @@ def test_a_verdict_is_keyed_by_whether_classic_decode_runs_compiled(
     compiled = probe_setup(loaded, "none", store=False).pairing
     assert compiled["compiled_layers"] == 2
     assert pairing_fingerprint(compiled) != pairing_fingerprint(plain)
-    monkeypatch.setattr(compiled_layers, "MIN_BATCH", 2)
+    use(True, lone=False)
     assert probe_setup(loaded, "none", store=False).pairing["compiled_layers"] == 0
 
 

@@ -53,17 +53,27 @@ def test_the_contiguous_kv_copies_can_be_switched_for_a_measurement(
         fastpath.detect()
 
 
-def test_the_compiled_layers_follow_the_policy_and_can_be_switched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On in the CUDA policy, off elsewhere; ``MLX_BATCHD_COMPILED_LAYERS`` overrides either way and
-    anything but 0 or 1 is refused by name."""
-    assert fastpath.CUDA.compiled_layers and not fastpath.GENERIC.compiled_layers
+@pytest.mark.parametrize(
+    ("env", "field"), [("MLX_BATCHD_COMPILED_LAYERS", "compiled_layers"), ("MLX_BATCHD_COMPILED_LONE", "compiled_lone")]
+)
+def test_the_compiled_layers_switches_override_the_policy(
+    monkeypatch: pytest.MonkeyPatch, env: str, field: str
+) -> None:
+    """Each overrides its field either way and keeps the rest of the policy; anything but 0 or 1 is
+    refused by name (an operator's typo is an error, not a silent default)."""
     monkeypatch.setenv("MLX_BATCHD_FASTPATH", "cuda")
-    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "0")
+    monkeypatch.setenv(env, "0")
     p = fastpath.detect()
-    assert p.name == "cuda" and p.contiguous_kv and not p.compiled_layers
+    assert p.name == "cuda" and p.contiguous_kv and not getattr(p, field)
     monkeypatch.setenv("MLX_BATCHD_FASTPATH", "generic")
-    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "1")
-    assert fastpath.detect().compiled_layers
-    monkeypatch.setenv("MLX_BATCHD_COMPILED_LAYERS", "on")
-    with pytest.raises(ValueError, match="MLX_BATCHD_COMPILED_LAYERS"):
+    monkeypatch.setenv(env, "1")
+    assert getattr(fastpath.detect(), field)
+    monkeypatch.setenv(env, "on")
+    with pytest.raises(ValueError, match=env):
         fastpath.detect()
+
+
+def test_the_compiled_layers_are_on_in_the_cuda_policy_only() -> None:
+    """And with them classic B = 1 decode, wherever they are on."""
+    assert fastpath.CUDA.compiled_layers and not fastpath.GENERIC.compiled_layers
+    assert fastpath.CUDA.compiled_lone
