@@ -1,15 +1,19 @@
-"""Where a lone request's time goes through a daemon: its first token, the gaps between tokens, and
-the wall time outside the engine's own steps.
+"""Where a request's time goes through a daemon: its first token, the gaps between tokens, the
+engine's own account of it, and the wall time outside the engine's steps.
 
     python benchmarks/b1_timeline.py --model demo --tokens 128 --repeats 6 --out timeline.json
+    python benchmarks/b1_timeline.py --model /tmp/m8b --batches 1,8 --out timeline.json
     python benchmarks/b1_timeline.py --model demo --daemon-args=--engine-thread --out thread.json
 
-One daemon (``mlx-batchd serve``, its defaults unless ``--daemon-args``), one client streaming one
-request at a time. For each repeat: milliseconds to the first token event and to the end, the
-median and largest gap between token events, and the engine's step counters over the request
-(``stats``: steps, their seconds, decode steps and theirs). ``outside_steps_ms`` is the wall time
-the engine's steps do not account for (admission, the hops between processes, the loop's own work
-between steps): what a daemon adds to the engine alone for one request.
+One daemon (``mlx-batchd serve``, its defaults unless ``--daemon-args``), B requests at a time, each
+streamed from its own thread through one client (as ``mlx-batchd bench``'s daemon arm sends them).
+For each repeat and request: milliseconds to the first token event and to the end, the median and
+largest gap between token events, and the engine's timings from the end event (``queue_s``: from the
+engine's submit to its prefill, the admission window included; ``total_s``: submit to end). Per
+repeat, the engine's step counters (``stats``) give ``outside_steps_ms``: the wall time of the
+repeat that the engine's steps do not account for (admission, the hops between processes, the
+loop's own work between steps). ``hops_ms`` (client wall minus the engine's ``total_s``) is the part
+spent between the client and the engine thread, both ways.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +38,50 @@ from scheduler.spawn import DaemonProcess  # noqa: E402
 COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps")
 
 
-def one(client: Client, prompt: list[int], tokens: int) -> dict[str, Any]:
-    before = client.stats()["engine"]
+def one(client: Client, prompt: list[int], tokens: int, start: float) -> dict[str, Any]:
+    """One streamed request; times from ``start`` (the repeat's start) and from its own send."""
     tic = time.perf_counter()
     arrivals: list[float] = []
+    timings: dict[str, Any] = {}
     for event in client.stream(tokens=prompt, max_tokens=tokens):
         if getattr(event, "tokens", None):
             arrivals.append(time.perf_counter() - tic)
+        elif hasattr(event, "timings"):
+            timings = dict(event.timings)
     end = time.perf_counter() - tic
-    after = client.stats()["engine"]
-    steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])] or [0.0]
+    total = timings.get("total_s") or 0.0
     return {
+        "sent_ms": 1e3 * (tic - start),
         "first_token_ms": 1e3 * arrivals[0],
         "end_ms": 1e3 * end,
         "gap_median_ms": 1e3 * statistics.median(gaps),
         "gap_max_ms": 1e3 * max(gaps),
-        "engine": steps,
-        "outside_steps_ms": 1e3 * (end - steps["step_seconds"]),
+        "queue_ms": 1e3 * (timings.get("queue_s") or 0.0),
+        "engine_ttft_ms": 1e3 * (timings.get("ttft_s") or 0.0),
+        "engine_total_ms": 1e3 * total,
+        "hops_ms": 1e3 * (end - total),
     }
+
+
+def repeat(client: Client, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    before = client.stats()["engine"]
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        requests = list(pool.map(lambda p: one(client, p, tokens, tic), prompts))
+    wall = time.perf_counter() - tic
+    after = client.stats()["engine"]
+    steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+    return {
+        "batch": len(prompts),
+        "wall_ms": 1e3 * wall,
+        "engine": steps,
+        "outside_steps_ms": 1e3 * (wall - steps["step_seconds"]),
+        "requests": requests,
+    }
+
+
+REQUEST_KEYS = ("sent_ms", "first_token_ms", "end_ms", "gap_median_ms", "queue_ms", "engine_total_ms", "hops_ms")
 
 
 def main() -> int:
@@ -59,33 +89,44 @@ def main() -> int:
     p.add_argument("--model", default="demo")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1", help="requests at a time, comma-separated (each gets --repeats)")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--daemon-args", default="", help="extra `serve` options, after '='")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     folder = tempfile.mkdtemp(prefix="mlx-batchd-timeline-")
     rows = []
+    batches = [int(b) for b in a.batches.split(",")]
     with (
         DaemonProcess(a.model, f"ipc://{folder}/d.sock", *shlex.split(a.daemon_args)) as proc,
         Client(proc.address, timeout=600) as client,
     ):
-        vocab = int(client.wait_ready(timeout=60).get("vocab_size", 256) or 256)
-        for rep, prompt in enumerate(random_prompts(a.repeats, a.prompt_tokens, vocab, seed=1)):
-            row = one(client, prompt, a.tokens)
-            rows.append(row)
-            e = row["engine"]
-            print(
-                f"repeat {rep + 1}/{a.repeats}: first token {row['first_token_ms']:.1f} ms, end {row['end_ms']:.1f} ms, "
-                f"gap median {row['gap_median_ms']:.2f} ms (max {row['gap_max_ms']:.1f}); engine {e['steps']} steps "
-                f"in {1e3 * e['step_seconds']:.1f} ms ({e['decode_steps']} decode, {1e3 * e['decode_seconds']:.1f} ms); "
-                f"outside the steps {row['outside_steps_ms']:.1f} ms",
-                flush=True,
-            )
+        vocab = int(client.wait_ready(timeout=120).get("vocab_size", 256) or 256)
+        for b in batches:
+            repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=99), 8)  # this B's first steps, untimed
+            for rep in range(a.repeats):
+                row = repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=1 + rep), a.tokens)
+                rows.append(row)
+                e, med = row["engine"], {k: statistics.median(r[k] for r in row["requests"]) for k in REQUEST_KEYS}
+                print(
+                    f"B={b} repeat {rep + 1}/{a.repeats}: wall {row['wall_ms']:.1f} ms; engine {e['steps']} steps in "
+                    f"{1e3 * e['step_seconds']:.1f} ms ({e['decode_steps']} decode, "
+                    f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each); outside the steps "
+                    f"{row['outside_steps_ms']:.1f} ms; a request (median): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in med.items()),
+                    flush=True,
+                )
     summary = {
-        k: statistics.median(r[k] for r in rows)
-        for k in ("first_token_ms", "end_ms", "gap_median_ms", "outside_steps_ms")
+        str(b): {
+            k: statistics.median(r[k] for r in rows if r["batch"] == b) for k in ("wall_ms", "outside_steps_ms")
+        }
+        | {
+            k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"])
+            for k in REQUEST_KEYS
+        }
+        for b in batches
     }
-    print("medians:", json.dumps({k: round(v, 2) for k, v in summary.items()}))
+    print("medians:", json.dumps({b: {k: round(v, 2) for k, v in s.items()} for b, s in summary.items()}))
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "medians": summary}, indent=2))
     return 0
