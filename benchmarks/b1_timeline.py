@@ -117,13 +117,8 @@ def main() -> int:
                     flush=True,
                 )
     summary = {
-        str(b): {
-            k: statistics.median(r[k] for r in rows if r["batch"] == b) for k in ("wall_ms", "outside_steps_ms")
-        }
-        | {
-            k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"])
-            for k in REQUEST_KEYS
-        }
+        str(b): {k: statistics.median(r[k] for r in rows if r["batch"] == b) for k in ("wall_ms", "outside_steps_ms")}
+        | {k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"]) for k in REQUEST_KEYS}
         for b in batches
     }
     print("medians:", json.dumps({b: {k: round(v, 2) for k, v in s.items()} for b, s in summary.items()}))
