@@ -13,13 +13,18 @@ engine's submit to its prefill, the admission window included; ``total_s``: subm
 repeat, the engine's step counters (``stats``) give ``outside_steps_ms``: the wall time of the
 repeat that the engine's steps do not account for (admission, the hops between processes, the
 loop's own work between steps). ``hops_ms`` (client wall minus the engine's ``total_s``) is the part
-spent between the client and the engine thread, both ways.
+spent between the client and the engine thread, both ways; ``emit_ms`` (``stats.engine.loop``) is
+the engine thread's time handing each step's events to the front end, inside ``outside_steps_ms``.
+On Linux each repeat also reads the CPU time (``/proc``) of the daemon's front end process, its
+engine process and this client process, per generated token: what the daemon's Python costs next to
+the engine's own work.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -32,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients import Client  # noqa: E402
+from clients.events import EndEvent  # noqa: E402
 from scheduler.bench.arms import random_prompts  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
 
@@ -43,15 +49,18 @@ def one(client: Client, prompt: list[int], tokens: int, start: float) -> dict[st
     tic = time.perf_counter()
     arrivals: list[float] = []
     timings: dict[str, Any] = {}
+    produced = 0
     for event in client.stream(tokens=prompt, max_tokens=tokens):
-        if getattr(event, "tokens", None):
-            arrivals.append(time.perf_counter() - tic)
-        elif hasattr(event, "timings"):
+        if isinstance(event, EndEvent):
             timings = dict(event.timings)
+        elif event.tokens:
+            arrivals.append(time.perf_counter() - tic)
+            produced += len(event.tokens)
     end = time.perf_counter() - tic
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])] or [0.0]
     total = timings.get("total_s") or 0.0
     return {
+        "tokens": produced,
         "sent_ms": 1e3 * (tic - start),
         "first_token_ms": 1e3 * arrivals[0],
         "end_ms": 1e3 * end,
@@ -64,19 +73,50 @@ def one(client: Client, prompt: list[int], tokens: int, start: float) -> dict[st
     }
 
 
-def repeat(client: Client, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processes(daemon_pid: int) -> dict[str, int]:
+    """The front end (the daemon), its engine process (its one child, where it has one) and this client."""
+    found = {"front_end": daemon_pid, "client": os.getpid()}
+    try:
+        kids = Path(f"/proc/{daemon_pid}/task/{daemon_pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    if kids:
+        found["engine_process"] = int(kids[0])
+    return found
+
+
+def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str, int]) -> dict[str, Any]:
     before = client.stats()["engine"]
+    cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()}
     tic = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         requests = list(pool.map(lambda p: one(client, p, tokens, tic), prompts))
     wall = time.perf_counter() - tic
+    cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()}
     after = client.stats()["engine"]
     steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+    loop = {k: after["loop"][k] - before["loop"][k] for k in ("iterations", "emit_seconds")}
     return {
         "batch": len(prompts),
         "wall_ms": 1e3 * wall,
         "engine": steps,
         "outside_steps_ms": 1e3 * (wall - steps["step_seconds"]),
+        "loop_iterations": loop["iterations"],
+        "emit_ms": 1e3 * loop["emit_seconds"],
+        "cpu_ms_per_token": {
+            k: 1e3 * (b - a) / max(1, sum(r["tokens"] for r in requests))
+            for k, (a, b) in ((k, (cpu_before[k], cpu_after[k])) for k in pids)
+            if a is not None and b is not None
+        },
         "requests": requests,
     }
 
@@ -102,22 +142,29 @@ def main() -> int:
         Client(proc.address, timeout=600) as client,
     ):
         vocab = int(client.wait_ready(timeout=120).get("vocab_size", 256) or 256)
+        pids = processes(proc.proc.pid)
         for b in batches:
-            repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=99), 8)  # this B's first steps, untimed
+            repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=99), 8, pids)  # first steps at B, untimed
             for rep in range(a.repeats):
-                row = repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=1 + rep), a.tokens)
+                row = repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=1 + rep), a.tokens, pids)
                 rows.append(row)
                 e, med = row["engine"], {k: statistics.median(r[k] for r in row["requests"]) for k in REQUEST_KEYS}
                 print(
                     f"B={b} repeat {rep + 1}/{a.repeats}: wall {row['wall_ms']:.1f} ms; engine {e['steps']} steps in "
                     f"{1e3 * e['step_seconds']:.1f} ms ({e['decode_steps']} decode, "
                     f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each); outside the steps "
-                    f"{row['outside_steps_ms']:.1f} ms; a request (median): "
+                    f"{row['outside_steps_ms']:.1f} ms, of which handing events over {row['emit_ms']:.1f} ms in "
+                    f"{row['loop_iterations']} loop iterations; CPU ms a token: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in row["cpu_ms_per_token"].items())
+                    + "; a request (median): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in med.items()),
                     flush=True,
                 )
     summary = {
-        str(b): {k: statistics.median(r[k] for r in rows if r["batch"] == b) for k in ("wall_ms", "outside_steps_ms")}
+        str(b): {
+            k: statistics.median(r[k] for r in rows if r["batch"] == b)
+            for k in ("wall_ms", "outside_steps_ms", "emit_ms")
+        }
         | {k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"]) for k in REQUEST_KEYS}
         for b in batches
     }

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
-from scheduler.event_pipe import PipeWriter, open_pipe, read_messages
+from scheduler.event_pipe import PipeWriter, Receiver, open_pipe
 from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
 from workers.commands import job_to_plain as job_to_wire
@@ -183,7 +183,6 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._snapshot: dict[str, Any] = {}
         self._proc: subprocess.Popen[bytes] | None = None
-        self._receiver = threading.Thread(target=self._receive, name="mlx-batchd-engine-events", daemon=True)
         self._tokenizer: Any = None
         self._tokenizer_error: BaseException | None = None
         self._tokenizer_loader = threading.Thread(target=self._load_tokenizer, name="mlx-batchd-tokenizer", daemon=True)
@@ -193,6 +192,7 @@ class EngineProcess:
         self._cmd.setsockopt(zmq.SNDHWM, 0)
         self._cmd.bind(f"ipc://{self._folder / 'commands'}")
         self._events, self._events_w = open_pipe()
+        self._receiver = Receiver(self._events, self._on_message, self._on_end, "mlx-batchd-engine-events")
 
     def start(self) -> None:
         self._tokenizer_loader.start()
@@ -213,10 +213,12 @@ class EngineProcess:
         assert self._proc.stdin is not None
         self._proc.stdin.write(pack(spec))
         self._proc.stdin.close()
-        self._receiver.start()
+        # Events are read once the tokenizer is loaded (``ready`` needs it): in the daemon's event
+        # loop when this is called from it, else on a thread.
+        self._receiver.start(after=self._tokenizer_loader)
 
     def join(self, timeout: float | None = None) -> None:
-        self._receiver.join(timeout)
+        self._receiver.done.wait(timeout)
         if self._proc is not None:
             try:
                 self._proc.wait(timeout)
@@ -224,11 +226,11 @@ class EngineProcess:
                 log.error("the engine process did not exit in %s s; killing it", timeout)
                 self._proc.kill()
                 self._proc.wait()
-            self._receiver.join(REAP_S)  # a killed child's pipe ends: the receiver is done
+            self._receiver.done.wait(REAP_S)  # a killed child's pipe ends: the receiver is done
         self._close()
 
     def is_alive(self) -> bool:
-        return self._receiver.is_alive()
+        return not self._receiver.done.is_set()
 
     def snapshot(self) -> EnginePart:
         """The child's last engine snapshot (msgpack gives it back as the map the child built)."""
@@ -269,27 +271,27 @@ class EngineProcess:
             self._tokenizer_error = exc
 
     def _tokenizer_for(self, info: ModelInfo) -> Any:
-        self._tokenizer_loader.join()
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
         return self._tokenizer
 
-    def _receive(self) -> None:
-        """Events to ``emit`` until the final one; a child gone without it is ``dead``."""
+    def _on_message(self, msg: dict[str, Any]) -> bool:
+        """One message's events to ``emit``; ``True`` for the final one."""
+        if "snapshot" in msg:
+            self._snapshot = msg["snapshot"]
+        try:
+            signals = [signal_from_wire(d, self._tokenizer_for) for d in msg["events"]]
+        except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
+            self.shutdown()
+            signals = [Dead(f"cannot load the tokenizer: {exc}")]
+        if signals:
+            self._emit(signals)
+        return any(isinstance(s, (Stopped, Dead)) for s in signals)
+
+    def _on_end(self) -> None:
+        """The pipe ended without a final word: the child is gone (this may wait to reap it)."""
         assert self._proc is not None
-        for msg in read_messages(self._events):
-            if "snapshot" in msg:
-                self._snapshot = msg["snapshot"]
-            try:
-                signals = [signal_from_wire(d, self._tokenizer_for) for d in msg["events"]]
-            except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
-                self.shutdown()
-                signals = [Dead(f"cannot load the tokenizer: {exc}")]
-            if signals:
-                self._emit(signals)
-            if any(isinstance(s, (Stopped, Dead)) for s in signals):
-                return
-        try:  # the pipe ended without a final word: the child is gone
+        try:
             code: int | str = self._proc.wait(REAP_S)
         except subprocess.TimeoutExpired:
             code = "unknown (it closed its event pipe but did not exit)"
@@ -298,7 +300,7 @@ class EngineProcess:
     def _close(self) -> None:
         with self._lock:
             self._cmd.close(linger=0)
-        if not self._receiver.is_alive():  # never close a descriptor another thread reads
+        if self._receiver.done.is_set():  # never close a descriptor another thread reads
             os.close(self._events)
         self._ctx.term()
         shutil.rmtree(self._folder, ignore_errors=True)

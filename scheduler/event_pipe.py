@@ -14,10 +14,11 @@ then waits for the front end instead of queueing without bound. The buffer is ra
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -71,13 +72,91 @@ class PipeWriter:
                 pass
 
 
+def _unpacker() -> msgpack.Unpacker:
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
+
+
 def read_messages(fd: int) -> Iterator[dict[str, Any]]:
     """The messages written to the pipe whose read end is ``fd``, in order, until every write end
     is closed. A message split across reads is joined; a read waits without holding the GIL."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
+    unpacker = _unpacker()
     while True:
         data = os.read(fd, READ_BYTES)
         if not data:
             return
         unpacker.feed(data)
         yield from unpacker
+
+
+class Receiver:
+    """Hands each message of the pipe ``fd`` to ``on_message`` (which returns ``True`` for the last
+    one) and, if the pipe ends before that, calls ``on_end`` on a thread of its own (it may wait for
+    the writer's process). Reading starts once ``after`` (a thread) has ended.
+
+    Started from a thread that runs an asyncio event loop (the daemon's), it reads in that loop
+    (``add_reader``): each step's message then wakes the loop alone, where a reader thread woke
+    itself and then the loop (a second wake and a GIL hand-over per step). Elsewhere it reads on
+    a thread of its own."""
+
+    def __init__(
+        self, fd: int, on_message: Callable[[dict[str, Any]], bool], on_end: Callable[[], None], name: str
+    ) -> None:
+        self._fd = fd
+        self._on_message = on_message
+        self._on_end = on_end
+        self._name = name
+        self._unpacker = _unpacker()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Set once the last message was handed over or ``on_end`` returned: the descriptor is free.
+        self.done = threading.Event()
+
+    def start(self, after: threading.Thread) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        threading.Thread(target=self._begin, args=(after,), name=self._name, daemon=True).start()
+
+    def _begin(self, after: threading.Thread) -> None:
+        after.join()
+        loop = self._loop
+        if loop is None:
+            self._read_here()
+            return
+        try:
+            loop.call_soon_threadsafe(self._attach, loop)
+        except RuntimeError:  # the loop closed meanwhile: nobody is left to hand messages to
+            self.done.set()
+
+    def _read_here(self) -> None:
+        for msg in read_messages(self._fd):
+            if self._on_message(msg):
+                self.done.set()
+                return
+        self._ended()
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        os.set_blocking(self._fd, False)
+        loop.add_reader(self._fd, self._readable, loop)
+
+    def _readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            data = os.read(self._fd, READ_BYTES)
+        except BlockingIOError:
+            return
+        if not data:
+            loop.remove_reader(self._fd)
+            threading.Thread(target=self._ended, name=self._name, daemon=True).start()
+            return
+        self._unpacker.feed(data)
+        for msg in self._unpacker:
+            if self._on_message(msg):
+                loop.remove_reader(self._fd)
+                self.done.set()
+                return
+
+    def _ended(self) -> None:
+        try:
+            self._on_end()
+        finally:
+            self.done.set()

@@ -233,6 +233,12 @@ def _engine_families(engine: EngineSnapshot | None) -> Iterator[Metric]:
         "Requests held past the engine iteration that took them, to join the batch in one prefill wave",
         value=0 if admission is None else admission["delayed"],
     )
+    loop = None if engine is None else engine["loop"]
+    yield CounterMetricFamily(
+        f"{PREFIX}_engine_emit_seconds",
+        "Seconds the engine thread spent handing its events to the front end",
+        value=0.0 if loop is None else loop["emit_seconds"],
+    )
     yield GaugeMetricFamily(
         f"{PREFIX}_admission_held",
         "Requests held for the next prefill wave now",

@@ -18,6 +18,7 @@ from workers.snapshot import (
     BurstSummary,
     DistributedSnapshot,
     EngineSnapshot,
+    LoopSnapshot,
     PinsSnapshot,
     PinTax,
     PrefixCacheSnapshot,
@@ -26,9 +27,11 @@ from workers.snapshot import (
 )
 
 
-def engine_snapshot(engine: Engine, distributed: DistributedSnapshot, admission: AdmissionSnapshot) -> EngineSnapshot:
+def engine_snapshot(
+    engine: Engine, distributed: DistributedSnapshot, admission: AdmissionSnapshot, loop: LoopSnapshot
+) -> EngineSnapshot:
     """``engine``'s counters and gauges, with ``distributed`` (which ranks serve it), the loop's
-    ``admission`` waves and MLX's memory."""
+    ``admission`` waves and its own account (``loop``), and MLX's memory."""
     return {
         **engine.counters.snapshot(),
         "active_sequences": engine.active,
@@ -48,6 +51,7 @@ def engine_snapshot(engine: Engine, distributed: DistributedSnapshot, admission:
             "peak_bytes": mx.get_peak_memory(),
         },
         "admission": admission,
+        "loop": loop,
         "distributed": distributed,
         "kernel_plans": engine.kernel_plans,
         "compiled_layers": compiled_layers.running(engine.model),

@@ -62,7 +62,14 @@ from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
 from workers.prefill_wave import most_prompts
 from workers.profiling import profiled
-from workers.snapshot import AdmissionSnapshot, DistributedSnapshot, EngineNotReady, EnginePart, EngineSnapshot
+from workers.snapshot import (
+    AdmissionSnapshot,
+    DistributedSnapshot,
+    EngineNotReady,
+    EnginePart,
+    EngineSnapshot,
+    LoopSnapshot,
+)
 from workers.startup import EngineSettings as EngineSettings
 from workers.startup import (
     buffer_cache_limit,
@@ -125,6 +132,9 @@ class EngineThread:
         self._digest = b""
         #: When the iteration in progress began (``None`` while rank 0 waits for commands).
         self._busy_since: float | None = None
+        #: Iterations of the loop, and the seconds its ``emit`` calls took (``loop_snapshot``).
+        self._iterations = 0
+        self._emit_seconds = 0.0
         #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
         s = self._settings
         self._admission = AdmissionWaves(
@@ -372,8 +382,11 @@ class EngineThread:
             self._cache_dirty = True
             refusal, stop = plan.decisions["gate"]
             events += engine.step(Gate(refusal, stop))
+        self._iterations += 1
         if events:
+            tic = time.perf_counter()
             self._emit(events)
+            self._emit_seconds += time.perf_counter() - tic
             if self.world.distributed:
                 self._note(events)
         # The probe runs a draw at a time, only while the engine is idle, so serving never
@@ -449,8 +462,13 @@ class EngineThread:
         before the engine is ready (``workers.engine_stats`` says why no lock is taken)."""
         engine = self._engine
         return (
-            None if engine is None else engine_snapshot(engine, self.distributed_snapshot(), self.admission_snapshot())
+            None
+            if engine is None
+            else engine_snapshot(engine, self.distributed_snapshot(), self.admission_snapshot(), self.loop_snapshot())
         )
+
+    def loop_snapshot(self) -> LoopSnapshot:
+        return {"iterations": self._iterations, "emit_seconds": self._emit_seconds}
 
     def admission_snapshot(self) -> AdmissionSnapshot:
         a = self._admission

@@ -195,6 +195,15 @@ class AdmissionSnapshot(TypedDict):
     delayed: int
 
 
+class LoopSnapshot(TypedDict):
+    """The engine loop's own account (``workers.loop``): its iterations since start and the seconds
+    the engine thread spent handing events to the front end (the part of the loop's time that grows
+    with the steps; the rest of an iteration is microseconds)."""
+
+    iterations: int
+    emit_seconds: float
+
+
 class DistributedSnapshot(TypedDict):
     """Which ranks serve the model (``workers.distributed``): ``world_size`` 1, ``backend``
     ``single`` and ``mode`` ``none`` for one process; else the ``mx.distributed`` backend (ring,
@@ -223,6 +232,7 @@ class EngineSnapshot(CountersSnapshot):
     prefix_cache: PrefixCacheSnapshot
     memory: MemorySnapshot
     admission: AdmissionSnapshot
+    loop: LoopSnapshot
     distributed: DistributedSnapshot
     #: ``fastpath.plans_summary`` of this engine's calibration (empty where the backend has none).
     kernel_plans: dict[str, str]

@@ -191,9 +191,9 @@ def test_greedy_tokens_through_the_engine_are_unchanged(policy: None, calls: lis
     assert greedy_tokens(engine, prompts, 12) == plain
     assert 3 in calls
     unused: Any = {}
-    assert engine_snapshot(engine, unused, unused)["compiled_layers"] == 2  # stats say so
+    assert engine_snapshot(engine, unused, unused, unused)["compiled_layers"] == 2  # stats say so
     use(False)
-    assert engine_snapshot(engine, unused, unused)["compiled_layers"] == 0
+    assert engine_snapshot(engine, unused, unused, unused)["compiled_layers"] == 0
 
 
 def test_a_model_that_goes_away_takes_its_halves_with_it(policy: None, calls: list[int]) -> None:

@@ -85,7 +85,7 @@ def test_an_engine_reports_the_plans_its_calibration_chose(tiny_model: Path, pol
     plans = engine.kernel_plans
     assert plans and all(line.startswith("2:") and " 3:" in line for line in plans.values())
     unused: Any = {}
-    assert engine_snapshot(engine, unused, unused)["kernel_plans"] == plans
+    assert engine_snapshot(engine, unused, unused, unused)["kernel_plans"] == plans
     fastpath.set_active(fastpath.GENERIC)  # a policy that does not calibrate: nothing to report
     assert Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size).kernel_plans == {}
 

@@ -57,3 +57,65 @@ def test_the_stream_ends_when_the_last_write_end_closes() -> None:
     writer.close()
     assert list(read_messages(r)) == [{"n": 1}]
     os.close(r)
+
+
+def _receive_all(in_loop: bool, final_at: int | None) -> tuple[list[int], bool, list[str]]:
+    """Writes 50 messages (and closes) after a gate thread ends; a Receiver started in an event loop
+    or outside one hands them over. Returns what arrived, whether ``on_end`` ran, and on which
+    threads the messages were handled."""
+    import asyncio
+
+    from scheduler.event_pipe import Receiver
+
+    r, w = open_pipe()
+    got: list[int] = []
+    ended: list[bool] = []
+    threads: list[str] = []
+
+    def on_message(msg: dict[str, object]) -> bool:
+        got.append(int(msg["i"]))  # type: ignore[call-overload]
+        threads.append(threading.current_thread().name)
+        return msg["i"] == final_at
+
+    receiver = Receiver(r, on_message, lambda: ended.append(True), "test-events")
+    gate = threading.Thread(target=lambda: None)
+
+    def write() -> None:
+        writer = PipeWriter(w)
+        for i in range(50):
+            writer.send({"i": i, "pad": "y" * (i * 997)})
+        writer.close()
+
+    writer = threading.Thread(target=write, daemon=True)  # the pipe holds less than all 50
+
+    async def in_a_loop() -> None:
+        receiver.start(after=gate)
+        writer.start()
+        for _ in range(3000):
+            if receiver.done.is_set():
+                return
+            await asyncio.sleep(0.01)
+
+    gate.start()
+    if in_loop:
+        asyncio.run(in_a_loop())
+    else:
+        receiver.start(after=gate)
+        writer.start()
+    assert receiver.done.wait(30)
+    os.close(r)
+    return got, bool(ended), threads
+
+
+def test_a_receiver_in_an_event_loop_reads_there_and_sees_the_end() -> None:
+    got, ended, threads = _receive_all(in_loop=True, final_at=None)
+    assert got == list(range(50)) and ended
+    assert set(threads) == {"MainThread"}  # the loop's thread, no reader thread
+
+
+def test_a_receiver_outside_a_loop_reads_on_its_thread_and_stops_at_the_final_message() -> None:
+    got, ended, threads = _receive_all(in_loop=False, final_at=20)
+    assert got == list(range(21)) and not ended
+    assert set(threads) == {"test-events"}
+    got, ended, _ = _receive_all(in_loop=True, final_at=20)
+    assert got == list(range(21)) and not ended

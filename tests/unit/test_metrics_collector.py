@@ -39,6 +39,7 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
     assert not any(name == "mlx_batchd_pin_tax_ratio" for name, _ in got)  # none measured yet
     assert got[("mlx_batchd_admission_delayed_total", ())] == engine["admission"]["delayed"] == 9
     assert got[("mlx_batchd_admission_held", ())] == 2
+    assert got[("mlx_batchd_engine_emit_seconds_total", ())] == engine["loop"]["emit_seconds"] == 0.004
 
     loading = _collect({**stats, "engine": {}})
     assert loading[("mlx_batchd_requests_in_flight", ())] == stats["requests_in_flight"]
@@ -50,6 +51,7 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
         ("mlx_batchd_burst_rounds_total", (("drafter", "none"),)),
         ("mlx_batchd_pin_collateral_forwards_total", ()),
         ("mlx_batchd_admission_delayed_total", ()),
+        ("mlx_batchd_engine_emit_seconds_total", ()),
     ]:
         assert loading[key] == 0, key
     assert not any(name in ("mlx_batchd_verdict_exact", "mlx_batchd_pinned_forwards_total") for name, _ in loading)
