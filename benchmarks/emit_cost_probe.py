@@ -59,7 +59,7 @@ def timed(name: str, fn: Callable[[], Any], n: int, gap_s: float) -> dict[str, f
     took.sort()
     row = {"median_us": 1e6 * took[n // 2], "p90_us": 1e6 * took[int(0.9 * n)], "max_us": 1e6 * took[-1]}
     print(
-        f"{name:34s} median {row['median_us']:8.1f} us  p90 {row['p90_us']:8.1f}  max {row['max_us']:8.1f}", flush=True
+        f"{name:36s} median {row['median_us']:8.1f} us  p90 {row['p90_us']:8.1f}  max {row['max_us']:8.1f}", flush=True
     )
     return row
 
@@ -90,8 +90,8 @@ def main() -> int:
     msg = {"events": [signal_to_wire(s) for s in step]}
     rows = {
         "snapshot": timed("engine snapshot", engine.snapshot, n, gap),
-        "pack_snapshot": timed("pack the snapshot", lambda: pack(engine.snapshot()), n, gap),
-        "pack_events": timed("a B = 1 step's events to wire + pack", lambda: pack(msg), n, gap),
+        "pack_snapshot": timed("build and pack the snapshot", lambda: pack(engine.snapshot()), n, gap),
+        "pack_events": timed("pack a B = 1 step's events", lambda: pack(msg), n, gap),
     }
     frame = pack(msg)
     with tempfile.TemporaryDirectory() as folder:
