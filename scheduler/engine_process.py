@@ -18,9 +18,10 @@ causes landing between decode steps. Here the engine runs in a child process (th
   parent is gone shuts its engine down and exits.
 
 The command socket lives in a private (0700) temporary folder and the event pipe has no name, so
-no other local user can reach the engine. Nothing is pickled: the child gets its settings as a msgpack map on stdin.
+no other local user can reach the engine. Nothing is pickled: the child gets its settings as a
+msgpack map on stdin.
 
-At about 425 lines it is over the ~400 of the other modules because its one idea is one protocol
+At about 440 lines it is over the ~400 of the other modules because its one idea is one protocol
 across a process boundary: its conversions, the parent's handle and the child's main are kept
 together so both ends of every message read side by side.
 """
