@@ -84,7 +84,9 @@ def test_a_dead_rank_makes_the_other_exit_non_zero(serving: Ranks, dead: int) ->
     os.kill(serving.result(dead)["pid"], signal.SIGKILL)
     code = serving.wait(survivor, DEATH_TIMEOUT)
     assert code != 0, serving.output()
-    assert serving.result(survivor)["kind"] in ("PeerLost", "RuntimeError"), serving.output()
+    # PeerLost / RuntimeError: the survivor's collective failed; RankTimeout: it waited in MLX's ring
+    # for good and the serve loop's watchdog ended it (the daemon's ``--rank-timeout`` does the same).
+    assert serving.result(survivor)["kind"] in ("PeerLost", "RuntimeError", "RankTimeout"), serving.output()
 
 
 def test_sigterm_of_rank_0_stops_every_rank_cleanly(serving: Ranks) -> None:
@@ -201,3 +203,4 @@ def test_a_rank_whose_peers_never_join_stops_at_the_join_timeout(
         raise AssertionError(f"a rank alone still waits {DEATH_TIMEOUT} s later") from None
     finally:
         _kill_group(alone)
+

@@ -13,12 +13,15 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 #: Seconds a whole 2-rank run may take on a loaded 2-core machine before the test fails (never hangs).
 RUN_TIMEOUT = 240
+#: A serve loop's ranks apply a plan every ~0.05 s; this long without one, a rank stops (``_serve``).
+SERVE_WATCH_S = 20.0
 MAX_TOKENS = 24
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 200, 31, 64], [72, 101, 108, 108, 111, 44, 32], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
@@ -167,12 +170,27 @@ def _serve(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     lockstep = Lockstep(world)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    last = [time.monotonic()]
 
     def forward(_plan: Any = None) -> None:
         mx.eval(model(mx.array([[1, 2, 3]])))
+        last[0] = time.monotonic()
+
+    def watch() -> None:
+        """As the daemon's rank watchdog (``EngineThread._watch``): MLX's ring can wait for good in a
+        collective whose peer died mid-transfer (seen once in about ten CI runs, rank 0 SIGKILLed),
+        and a serve loop must end on its own all the same."""
+        while True:
+            time.sleep(1.0)
+            if time.monotonic() - last[0] > SERVE_WATCH_S:
+                why = f"rank {world.rank}: no plan applied for {SERVE_WATCH_S:g} s; a peer is gone"
+                print(f"mlx-batchd: {why}", file=sys.stderr, flush=True)
+                _write(out, world.rank, {"error": why, "kind": "RankTimeout"})
+                os._exit(1)
 
     forward()
     _write(out, world.rank, {"ready": True, "pid": os.getpid()})
+    threading.Thread(target=watch, daemon=True).start()
     applied = 0
     if world.leader:
         deadline = time.monotonic() + RUN_TIMEOUT
