@@ -203,4 +203,3 @@ def test_a_rank_whose_peers_never_join_stops_at_the_join_timeout(
         raise AssertionError(f"a rank alone still waits {DEATH_TIMEOUT} s later") from None
     finally:
         _kill_group(alone)
-
