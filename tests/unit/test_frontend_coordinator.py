@@ -4,6 +4,7 @@ limits, cancel, disconnect, pausing, tenant reload, engine events and in-process
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,37 @@ def test_engine_events_become_messages_and_a_stop_ends_the_rest() -> None:
         assert events.done.is_set() and events.exit_code == 0 and len(p.flight.requests) == 0
         events.dispatch([Ready(INFO, _Tokenizer())])  # after the end nothing more is handled
         assert len(ready) == 1
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_steps_that_arrive_while_the_loop_is_busy_are_handled_as_one_in_order() -> None:
+    """The engine's thread emits three steps before the reading task runs: one dispatch takes all
+    three, in order; a later emit (here from the loop's own thread) wakes the task again."""
+
+    async def main() -> None:
+        p = _Parts()
+        events = EngineEvents(p.flight, p.transport, lambda sig: None)
+        batches: list[list[Any]] = []
+        events.dispatch = batches.append  # type: ignore[method-assign,assignment]
+
+        def three_steps() -> None:
+            for i in range(3):
+                events.emit([Tokens(7, [i])])
+
+        engine_thread = threading.Thread(target=three_steps)
+        engine_thread.start()
+        engine_thread.join()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(events.consume)
+            with anyio.fail_after(10):
+                while not batches:
+                    await anyio.sleep(0.001)
+                events.emit([Tokens(7, [9])])
+                while len(batches) < 2:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        assert [[sig.tokens for sig in batch] for batch in batches] == [[[0], [1], [2]], [[9]]]
 
     anyio.run(main, backend="asyncio")
 
