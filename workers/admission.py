@@ -16,7 +16,8 @@ The trade is TGI's ``max_waiting_tokens``: a bounded wait before the first token
 arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`` turns it off.
 
 An idle engine holds arrivals until none has come for ``idle_window_s`` (the engine's default is
-10 ms; 0: not at all), and never past ``IDLE_HOLD_MAX`` windows from the first held one. Clients that
+10 ms; 0: not at all), and never past ``IDLE_HOLD_MAX`` windows (at least ``IDLE_HOLD_S``) from the
+first held one. Clients that
 start together reach an idle engine some milliseconds apart, and the first then starts a prefill
 wave of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client
 threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
@@ -25,7 +26,10 @@ on the development CPU, B = 8 made two waves, and one with an idle window of 10-
 window counted from the first arrival still split larger groups: 64 client threads reached the H200
 daemon in 2-3 waves (192-196 decode steps for 192 tokens, the engine alone 192), and the development
 CPU's B = 64 in 2 waves every repeat; so the window is a quiet gap that each arrival restarts. The
-cost is one window on a lone request's first token, at most ``IDLE_HOLD_MAX`` windows on any. On the
+cost is one window on a lone request's first token, at most the cap on any (50 ms at the default
+window; a shorter window keeps that cap, so it costs a lone request less without splitting a group whose
+arrivals come closer together than the window: measured on the H200, 8 client threads' requests
+reached the engine 0.2-1.2 ms apart, a lone request paying 10.5 ms of its ~990, section 31). On the
 development CPU that did not remove the second wave (64 threads of one client: 36 + 28 and 42 + 22
 against 3 + 56 + 5 and 3 + 61 before): its front end took ~1.4 ms a request, so the 64 spanned more
 than the cap. Not yet measured on the H200.
@@ -38,8 +42,10 @@ from dataclasses import dataclass, field
 from workers.commands import Command, Submit
 
 #: The longest an idle engine holds an arrival, in idle windows (a steady trickle of arrivals less
-#: than a window apart would otherwise hold the first of them indefinitely).
+#: than a window apart would otherwise hold the first of them indefinitely), and at least this many
+#: seconds whatever the window.
 IDLE_HOLD_MAX = 5
+IDLE_HOLD_S = 0.05
 
 
 @dataclass
@@ -77,11 +83,12 @@ class AdmissionWaves:
 
     def _due(self, busy: bool) -> float:
         """When the held arrivals go in: ``window_s`` after the first while the engine has work; while
-        it is idle, ``idle_window_s`` after the latest, at most ``IDLE_HOLD_MAX`` windows after the first."""
+        it is idle, ``idle_window_s`` after the latest, at most the cap after the first."""
         assert self.since is not None and self.last is not None
         if busy:
             return self.since + self.window_s
-        return min(self.last + self.idle_window_s, self.since + IDLE_HOLD_MAX * self.idle_window_s)
+        cap = max(IDLE_HOLD_S, IDLE_HOLD_MAX * self.idle_window_s)
+        return min(self.last + self.idle_window_s, self.since + cap)
 
     def wait_s(self, now: float) -> float | None:
         """How long an idle engine's loop may wait for more arrivals before the held ones are due

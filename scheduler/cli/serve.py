@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         type=float_in(0.0, 1_000.0),
         default=10.0,
         help="arrivals that find the engine idle wait until none has come for this long (at most 5 times "
-        "it), so that clients starting together join in one prefill wave (0 = at once)",
+        "it, and at least 50 ms), so that clients starting together join in one prefill wave (0 = at once)",
     )
     p.add_argument(
         "--cudnn-attention",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.admission import IDLE_HOLD_MAX, AdmissionWaves
+from workers.admission import IDLE_HOLD_MAX, IDLE_HOLD_S, AdmissionWaves
 from workers.commands import Cancel, Command, Shutdown, Submit
 from workers.jobs import Job
 
@@ -98,3 +98,19 @@ def test_an_idle_engine_holds_arrivals_until_a_quiet_window_passes_and_never_pas
     assert i == 7 and seqs(out) == list(range(10, 18))  # 2.048 < 2.0 + 5 windows <= 2.056
     assert IDLE_HOLD_MAX == 5
     assert a.wait_s(3.0) is None
+
+
+def test_a_short_idle_window_keeps_the_cap_of_the_default_one() -> None:
+    """A 2 ms quiet window lets a lone arrival in after 2 ms, and still gathers a group that arrives
+    1.5 ms apart for up to ``IDLE_HOLD_S`` (not 5 short windows)."""
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.002)
+    assert a.take([sub(1)], busy=False, now=1.0) == []
+    assert a.wait_s(1.0) == pytest.approx(0.002)
+    assert seqs(a.take([], busy=False, now=1.002)) == [1]
+    out: list[Command] = []
+    for i in range(40):  # 1.5 ms apart: each arrival restarts the window, until the 50 ms cap
+        out = a.take([sub(10 + i)], busy=False, now=2.0 + 0.0015 * i)
+        if out:
+            break
+    assert IDLE_HOLD_S == 0.05 and seqs(out) == list(range(10, 10 + i + 1))
+    assert 2.0 + 0.0015 * i >= 2.05 > 2.0 + 0.0015 * (i - 1)  # let in at the cap, not at 5 windows (10 ms)
