@@ -21,7 +21,8 @@
 # probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
 # is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
 # section 16) get closer to raw's.
-# PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); TOKENS (64) per request,
+# PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); DARGS: the daemon's extra
+#   options (e.g. DARGS="--admit-idle-window-ms 3"); TOKENS (64) per request,
 # BATCHES (1,4,8,16,32,64,128) and RAW (64) override. Every target of issue 15 in one run within one
 # call: TOKENS=192 BATCHES=1,4,8,16,32,64 (about 480 s warm; 256 tokens needs about 600 s); POISSON=4 adds the
 # Poisson arrivals' TTFT/ITL to the same run (issue 15 asks for every target in one run: with TOKENS=128
@@ -138,8 +139,10 @@ elif [ "$PART" = c ]; then
       --batch-sizes 1 --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/b1-copies$copies"
   done
 elif [ "$PART" = m ]; then
+  dargs=(); [ -n "${DARGS:-}" ] && dargs=(--daemon-args="$DARGS")
   step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
-    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" --out "$R/matrix"
+    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" --out "$R/matrix" \
+    "${dargs[@]}"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
     --model /tmp/m8b --repeats 7 --out "$R/prefix"
