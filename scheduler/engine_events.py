@@ -4,11 +4,12 @@ The engine's events reach the loop through ``EngineEvents.emit`` (from any threa
 one task empties (``consume``): steps that arrived while the loop was busy are handled as one, so a
 connection's events from them cost one frame, not one per step. The queue is a deque and one future
 to wake the task: an anyio memory stream cost a quarter of the front end's time with the GIL on this
-development CPU (an event and a checkpoint per step, sampled with py-spy at B = 1). ``Tokens`` and ``Finished`` turn
-into messages (``scheduler.outputs``) for the connection that sent the request; a ``Finished``
-frees its slot in ``Flight``. ``Ready`` gives ``Flight`` the model and tokenizer and tells the
-front end to start reading messages; ``Stopped`` and ``Dead`` end whatever is left and set ``done``,
-after which nothing more is handled.
+development CPU (an event and a checkpoint per step, sampled with py-spy at B = 1).
+
+``Tokens`` and ``Finished`` turn into messages (``scheduler.outputs``) for the connection that sent
+the request; a ``Finished`` frees its slot in ``Flight``. ``Ready`` gives ``Flight`` the model and
+tokenizer and tells the front end to start reading messages; ``Stopped`` and ``Dead`` end whatever is
+left and set ``done``, after which nothing more is handled.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class EngineEvents:
         self._loop_thread = threading.get_ident()
 
     def emit(self, signals: list[Signal]) -> None:
-        """The engine's callback, from any thread (the engine's, the engine process's receiver)."""
+        """The engine's callback, from any thread: the engine thread's (``--engine-thread``), or the
+        loop's own where the engine process's events are read in the loop (then no hop at all)."""
         if threading.get_ident() == self._loop_thread:
             self._put(signals)
         else:
