@@ -332,6 +332,10 @@ class _Outbox:
         self._send(msg)
 
     def snapshot_if_changed(self) -> None:
+        """A changed snapshot, unless one went out within ``SNAPSHOT_POLL_S`` (with events: while
+        sequences run, the events carry one often enough and this would build and send a second)."""
+        if time.monotonic() - self._sent_at < SNAPSHOT_POLL_S:
+            return
         snap = self._engine().snapshot()
         if snap and snap != self._last:
             self._send({"events": [], "snapshot": snap})
