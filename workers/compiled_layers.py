@@ -20,8 +20,9 @@ MLP) is not in its traced graph, so nothing runs twice.
 
 Scope: decode steps (one new token per sequence) at ``wide``, classic B = 1 decode included (the
 policy's ``compiled_lone``; ``MLX_BATCHD_COMPILED_LONE=0`` keeps it plain, for measuring), on mlx-lm
-layer classes of the families in ``FAMILIES`` (each covered by a test that compares the compiled step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's
-``BatchKVCache`` (which the engine's lone sequence decodes on too). Prefill, verify blocks and every
+layer classes of the families in ``FAMILIES`` (each covered by a test that compares the compiled
+step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's ``BatchKVCache`` (which
+the engine's lone sequence decodes on too). Prefill, verify blocks and every
 pinned level run mlx-lm's code unchanged. Classic B = 1 decode is the chain bursts must reproduce: the
 probe measures it as it runs (through the engine's model) and its verdicts are keyed by whether it is
 compiled (``lone``); on the H200 the compiled and plain steps gave the same logits byte for byte at
