@@ -76,7 +76,8 @@
 #   alternating (benchmarks/compiled_layers_probe.py: engine steps, sync forwards and their build, logits bytes).
 # PART=tl: where a request's time goes through the daemon at B = 1 and 8 (benchmarks/b1_timeline.py: the engine's
 #   timings, stats.engine.loop's hand-over seconds, CPU a token by process), then what one hand-over costs by
-#   piece (benchmarks/emit_cost_probe.py: the pipe against a ZeroMQ send).
+#   piece (benchmarks/emit_cost_probe.py: the pipe against a ZeroMQ send), then the timeline again with the OS
+#   placing the daemon's processes (--cpu-affinity off) against the default split.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -206,6 +207,8 @@ elif [ "$PART" = tl ]; then
   step timeline 240 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,8}" --tokens 128 \
     --repeats 3 --out "$R/timeline.json"
   step emit 90 python3 benchmarks/emit_cost_probe.py --model /tmp/m8b --out "$R/emit.json"
+  step timeline-os 240 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,8}" --tokens 128 \
+    --repeats 3 --daemon-args="--cpu-affinity off" --out "$R/timeline-os.json"
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -10,11 +11,14 @@ from pathlib import Path
 
 import anyio
 
+from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_process, plan_split
 from scheduler.engine_process import EngineProcess
 from scheduler.frontend import FrontEnd, FrontEndSettings
 from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
 
 SWITCH_INTERVAL_S = 0.0005
+
+log = logging.getLogger("mlx_batchd")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class DaemonSettings:
     #: Run the engine in its own process (``scheduler.engine_process``), so the front end's work
     #: never competes with decode steps for one GIL; ``False`` keeps it on a thread of the daemon.
     engine_process: bool = True
+    #: ``split``: the front end and the engine process on CPUs of their own (``scheduler.affinity``);
+    #: ``off``: the OS places both.
+    cpu_affinity: str = "split"
 
 
 def check_models(settings: DaemonSettings) -> None:
@@ -55,9 +62,15 @@ def serve(settings: DaemonSettings) -> int:
     check_models(settings)
     check_environment()
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
     def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread | EngineProcess:
+        # Called once the checks passed and the address is bound: a daemon that refuses to start
+        # says one line, and moves nothing.
         if settings.engine_process:
-            return EngineProcess(settings.model, settings.context_length, emit, settings.engine)
+            split = place_processes(settings)
+            cpus = None if split is None else split.engine
+            return EngineProcess(settings.model, settings.context_length, emit, settings.engine, cpus)
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
 
     # The front end hands the engine at most one batch's worth of sequences at a time.
@@ -68,8 +81,42 @@ def serve(settings: DaemonSettings) -> int:
     # The engine thread and the event loop share the GIL. A short switch interval keeps the
     # loop's bookkeeping from holding up the next decode step by up to the default 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return anyio.run(front.run, backend="asyncio")
     finally:
         release_thread_streams()  # MLX asks every thread that used it, the main one too
+
+
+def place_processes(settings: DaemonSettings) -> CpuSplit | None:
+    """Move this process (the front end) onto its share of the CPUs and return the split, whose
+    ``engine`` part the engine process takes when it starts; ``None`` where nothing is split: turned
+    off, the engine on a thread of this process, ranks started by ``mlx.launch`` (their placement is
+    the launcher's), fewer than two CPUs, or an OS that refuses."""
+    from workers.distributed import launched_size
+
+    if settings.cpu_affinity == "off" or not settings.engine_process:
+        return None
+    size = launched_size(os.environ)
+    if size is not None and size > 1:
+        return None
+    split = plan_split(allowed_cpus())
+    if split is None:
+        return None
+    try:
+        pin_process(split.front_end)
+    except AffinityError as exc:
+        log.warning("%s; leaving the daemon's placement to the OS", exc)
+        return None
+    log.info(
+        "front end on CPUs %s, engine process on CPUs %s (--cpu-affinity off leaves both to the OS)",
+        _cpu_list(split.front_end),
+        _cpu_list(split.engine),
+    )
+    return split
+
+
+def _cpu_list(cpus: tuple[int, ...]) -> str:
+    """``0-13`` for a run of CPUs, ``0,2,5`` otherwise."""
+    if len(cpus) > 2 and cpus[-1] - cpus[0] == len(cpus) - 1:
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import msgpack
 import zmq
 
+from scheduler.affinity import AffinityError, pin_process
 from scheduler.event_pipe import PipeWriter, Receiver, open_pipe
 from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
@@ -176,8 +177,12 @@ class EngineProcess:
         context_length: int | None,
         emit: Callable[[list[Signal]], None],
         settings: EngineSettings | None = None,
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
+        """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
+        the OS puts it."""
         self._model = model
+        self._cpus = cpus
         self._context_length = context_length
         self._emit = emit
         self._settings = settings or EngineSettings()
@@ -204,6 +209,7 @@ class EngineProcess:
             "settings": settings_to_wire(self._settings),
             "folder": str(self._folder),
             "events_fd": self._events_w,
+            "cpus": None if self._cpus is None else list(self._cpus),
         }
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "scheduler.engine_process"],
@@ -374,6 +380,11 @@ def child_main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = unpack(sys.stdin.buffer.read())
+    if spec.get("cpus"):
+        try:  # before the engine thread starts: every thread it and MLX start inherits the mask
+            pin_process(spec["cpus"])
+        except AffinityError as exc:
+            log.warning("%s; the engine process stays where the OS puts it", exc)
     folder = Path(spec["folder"])
     settings = settings_from_wire(spec["settings"])
     ctx = zmq.Context()

@@ -14,6 +14,7 @@ from typing import Any
 
 from clients.protocol import PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError
 from scheduler.admission import Limits
+from scheduler.affinity import allowed_cpus
 from scheduler.fairness import FairQueue
 from scheduler.stats_types import StatsReply, TaxAnswer, TenantRow
 from scheduler.tenants import Tenant, TenantTable
@@ -137,5 +138,6 @@ def build_stats(
         "tenants": {
             name: tenant_stats(name, tenant, fair) for name, tenant in tenants.items() if only is None or name == only
         },
+        "front_end_cpus": None if (cpus := allowed_cpus()) is None else list(cpus),
         "engine": engine,
     }

@@ -91,6 +91,9 @@ class StatsReply(TypedDict):
     #: ``cancelled``) or, for one that ended in an error, its error code.
     outcomes: dict[str, dict[str, int]]
     tenants: dict[str, TenantRow]
+    #: The CPUs the front end may run on (``None`` where the OS cannot say); the engine's are
+    #: ``engine.loop.cpus`` (``scheduler.affinity``).
+    front_end_cpus: list[int] | None
     engine: EnginePart
     #: Only in the reply to a ``stats`` that asked for a measurement.
     measure_tax: NotRequired[TaxAnswer]

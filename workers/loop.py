@@ -135,6 +135,7 @@ class EngineThread:
         #: Iterations of the loop, and the seconds its ``emit`` calls took (``loop_snapshot``).
         self._iterations = 0
         self._emit_seconds = 0.0
+        self._native_id: int | None = None  # the engine thread's OS id, once it runs
         #: Rank 0 holds arrivals that land mid-batch so that they join in prefill waves.
         s = self._settings
         self._admission = AdmissionWaves(
@@ -180,6 +181,7 @@ class EngineThread:
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
         with profiled("engine"):
             final = self._serve()
         # Release this thread's MLX state before saying we are done: once ``Stopped`` is out the main
@@ -468,7 +470,11 @@ class EngineThread:
         )
 
     def loop_snapshot(self) -> LoopSnapshot:
-        return {"iterations": self._iterations, "emit_seconds": self._emit_seconds}
+        return {
+            "iterations": self._iterations,
+            "emit_seconds": self._emit_seconds,
+            "cpus": thread_cpus(self._native_id),
+        }
 
     def admission_snapshot(self) -> AdmissionSnapshot:
         a = self._admission
@@ -478,3 +484,15 @@ class EngineThread:
             "held": len(a.held),
             "delayed": a.delayed,
         }
+
+
+def thread_cpus(native_id: int | None) -> list[int] | None:
+    """The CPUs the OS lets thread ``native_id`` run on; ``None`` where it has no affinity call (macOS)
+    or the thread is not running."""
+    get = getattr(os, "sched_getaffinity", None)
+    if get is None or native_id is None:
+        return None
+    try:
+        return sorted(get(native_id))
+    except OSError:
+        return None

@@ -202,6 +202,9 @@ class LoopSnapshot(TypedDict):
 
     iterations: int
     emit_seconds: float
+    #: The CPUs the engine thread may run on (``None`` where the OS cannot say): the daemon's CPU
+    #: split (``scheduler.affinity``) as the OS applied it.
+    cpus: list[int] | None
 
 
 class DistributedSnapshot(TypedDict):

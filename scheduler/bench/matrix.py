@@ -46,6 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
+from scheduler.affinity import allowed_cpus, running_on
 from scheduler.bench.arms import (
     HTTP_ARMS,
     RUN_BURST_KEYS,
@@ -276,15 +277,24 @@ def _main(args: argparse.Namespace) -> int:
         meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
             name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()
         }
+        # The in-process arms run on the CPUs the daemon arm's engine process runs on
+        # (scheduler.affinity): like for like, the ratios then hold the daemon's cost alone.
+        engine_cpus = clients["daemon"].stats()["engine"]["loop"].get("cpus")
+        in_process_cpus = None if engine_cpus is None or tuple(engine_cpus) == allowed_cpus() else engine_cpus
+        meta["in_process_cpus"] = in_process_cpus
+        if in_process_cpus is not None:
+            progress(f"bench: the raw and engine arms run on CPUs {in_process_cpus}, as the daemon's engine process")
         differ = [name for name in clients if plans[name] != engine.kernel_plans]
         if differ:
             progress(f"bench: note: {', '.join(differ)} chose other row-count plans than the engine alone (meta)")
 
         def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
             if arm == "raw":
-                return run_raw(model, eos, prompts, tokens)
+                with running_on(in_process_cpus):
+                    return run_raw(model, eos, prompts, tokens)
             if arm == "engine":
-                return run_engine(engine, prompts, tokens)
+                with running_on(in_process_cpus):
+                    return run_engine(engine, prompts, tokens)
             if arm in HTTP_ARMS:
                 return run_http(http, model_id, prompts, tokens, HTTP_ARMS[arm])
             return run_daemon(clients[arm], prompts, tokens)

@@ -112,6 +112,14 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="run the engine on a thread of the daemon instead of its own process (one GIL for both)",
     )
     p.add_argument(
+        "--cpu-affinity",
+        choices=["split", "off"],
+        default="split",
+        help="split (Linux, 2+ CPUs): the front end on its own CPUs (1 in 8, 1 to 4), the engine process "
+        "on the rest, within the CPUs the daemon was given; off: the OS places both (several daemons "
+        "sharing a small machine)",
+    )
+    p.add_argument(
         "--pin-scope",
         choices=["scoped", "process"],
         default="scoped",
@@ -315,5 +323,6 @@ def run_daemon(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         engine=engine_settings(args),
         engine_process=not args.engine_thread,
+        cpu_affinity=args.cpu_affinity,
     )
     return serve(settings)

@@ -54,6 +54,7 @@ def stats_snapshot(
                 "served_generated_tokens": generated,
             }
         },
+        "front_end_cpus": [1],
         "engine": {
             "submitted": 4,
             "finished": 3,
@@ -136,7 +137,7 @@ def stats_snapshot(
             },
             "memory": {"active_bytes": 2**20, "cache_bytes": 0, "peak_bytes": 2**21},
             "admission": {"window_ms": 20.0, "idle_window_ms": 0.0, "held": 2, "delayed": 9},
-            "loop": {"iterations": 40, "emit_seconds": 0.004},
+            "loop": {"iterations": 40, "emit_seconds": 0.004, "cpus": [0]},
             "kernel_plans": {},
             "compiled_layers": 0,
         },
