@@ -17,7 +17,8 @@ spent between the client and the engine thread, both ways; ``emit_ms`` (``stats.
 the engine thread's time handing each step's events to the front end, inside ``outside_steps_ms``.
 On Linux each repeat also reads the CPU time (``/proc``) of the daemon's front end process, its
 engine process and this client process, per generated token: what the daemon's Python costs next to
-the engine's own work.
+the engine's own work. ``placement`` records the CPUs the front end and the engine ran on
+(``serve --cpu-affinity``; compare a run with ``--daemon-args="--cpu-affinity off"``).
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ def main() -> int:
     ):
         vocab = int(client.wait_ready(timeout=120).get("vocab_size", 256) or 256)
         pids = processes(proc.proc.pid)
+        stats = client.stats()
+        placement = {"front_end_cpus": stats.get("front_end_cpus"), "engine_cpus": stats["engine"]["loop"].get("cpus")}
+        print("placement:", json.dumps(placement), flush=True)
         for b in batches:
             repeat(client, random_prompts(b, a.prompt_tokens, vocab, seed=99), 8, pids)  # first steps at B, untimed
             for rep in range(a.repeats):
@@ -170,7 +174,9 @@ def main() -> int:
     }
     print("medians:", json.dumps({b: {k: round(v, 2) for k, v in s.items()} for b, s in summary.items()}))
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "medians": summary}, indent=2))
+        Path(a.out).write_text(
+            json.dumps({"args": vars(a), "placement": placement, "rows": rows, "medians": summary}, indent=2)
+        )
     return 0
 
 
