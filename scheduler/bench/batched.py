@@ -152,6 +152,12 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
     if meta.get("raw_max_batch") is not None:
         notes.append(f"raw BatchGenerator measured up to B = {meta['raw_max_batch']} only (`--raw-max-batch`).")
+    if meta.get("in_process_cpus"):
+        cpus = ", ".join(map(str, meta["in_process_cpus"]))
+        notes.append(
+            f"the raw and engine arms ran on CPUs {cpus}, where the daemon arm's engine process runs "
+            "(`serve --cpu-affinity`)."
+        )
     if not meta.get("complete", True):
         notes.append(f"incomplete run: batch sizes {meta.get('batches_done')} of {meta.get('batches')}.")
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 import workers.seam
+from scheduler.affinity import allowed_cpus, plan_split
 from scheduler.bench.arms import HTTP_ARMS, http_generate, run_engine
 from scheduler.bench.prefix import PREFIX_ARMS
 from scheduler.bench.spreads import ratio_spread, spread
@@ -57,6 +59,16 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))  # this test's declined verdict stays here
     store_declined_verdict(tiny_model)
     out = tmp_path / "bench"
+    engine_cpus: list[set[int] | None] = []
+    given = allowed_cpus()
+
+    def engine_arm(*a: Any) -> tuple[int, float]:
+        """The engine alone, noting the CPUs it ran on (``None`` where the OS cannot say)."""
+        get = getattr(os, "sched_getaffinity", None)
+        engine_cpus.append(None if get is None else set(get(0)))
+        return run_engine(*a)
+
+    monkeypatch.setattr("scheduler.bench.matrix.run_engine", engine_arm)
     args = build_parser().parse_args(
         [
             *("bench", "--model", str(tiny_model), "--batch-sizes", "1,2", "--tokens", "8", "--prompt-tokens", "8"),
@@ -105,6 +117,13 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     # compiled layers: off under the CPU's policy, in the engine alone and in every daemon alike
     assert set(batched["meta"]["compiled_layers"].values()) == {0}
     assert set(batched["meta"]["compiled_layers"]) >= {"engine", "daemon", "daemon_process_pin"}
+    # the in-process arms ran where the daemon arm's engine process runs (its share of the CPU split)
+    split = plan_split(given)
+    assert batched["meta"]["in_process_cpus"] == (None if split is None else list(split.engine))
+    if split is not None:
+        assert engine_cpus and all(c == set(split.engine) for c in engine_cpus), engine_cpus
+        assert allowed_cpus() == given  # and this process got its CPUs back
+    assert (split is not None) == ("the raw and engine arms ran on CPUs" in (out / "daemon_vs_raw.md").read_text())
     codes = batched["meta"]["daemon_exit_codes"]  # every daemon shut down cleanly on SIGTERM
     assert set(codes) >= {"daemon", "daemon_process_pin", "bursts:prompt-lookup"} and set(codes.values()) == {0}
     b1 = json.loads((out / "b1_bursts.json").read_text())
