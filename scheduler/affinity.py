@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from workers.loop import thread_cpus
+
 #: The most CPUs the front end gets: one Python process (one thread holds its GIL at a time), its
 #: ZeroMQ I/O thread and the tokenizer's threads.
 MAX_FRONT_END_CPUS = 4
@@ -44,8 +46,8 @@ class CpuSplit:
 def allowed_cpus() -> tuple[int, ...] | None:
     """The CPUs the calling thread may run on, ascending; ``None`` where the OS has no affinity call
     (macOS)."""
-    get = getattr(os, "sched_getaffinity", None)
-    return None if get is None else tuple(sorted(get(0)))
+    cpus = thread_cpus(0)  # 0: the calling thread
+    return None if cpus is None else tuple(cpus)
 
 
 def plan_split(cpus: Sequence[int] | None) -> CpuSplit | None:

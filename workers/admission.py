@@ -17,9 +17,9 @@ arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`
 
 An idle engine holds arrivals until none has come for ``idle_window_s`` (the engine's default is
 10 ms; 0: not at all), and never past ``IDLE_HOLD_MAX`` windows (at least ``IDLE_HOLD_S``) from the
-first held one. Clients that start together reach an idle engine some milliseconds apart, and the first then starts a prefill
-wave of its own while the rest queue for the next: on the H200 8B synth, B = 16 from 16 client
-threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
+first held one. Clients that start together reach an idle engine some milliseconds apart, and the
+first then starts a prefill wave of its own while the rest queue for the next: on the H200 8B synth,
+B = 16 from 16 client threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
 on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. On the H200,
 16 clients decoded at 0.955 of the engine alone with a 10 ms idle window against 0.854 without. A
 window counted from the first arrival still split larger groups: 64 client threads reached the H200

@@ -487,8 +487,8 @@ class EngineThread:
 
 
 def thread_cpus(native_id: int | None) -> list[int] | None:
-    """The CPUs the OS lets thread ``native_id`` run on; ``None`` where it has no affinity call (macOS)
-    or the thread is not running."""
+    """The CPUs the OS lets thread ``native_id`` run on (0: the calling thread), ascending; ``None``
+    where it has no affinity call (macOS) or the thread is not running."""
     get = getattr(os, "sched_getaffinity", None)
     if get is None or native_id is None:
         return None
