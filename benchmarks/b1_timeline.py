@@ -5,8 +5,8 @@ engine's own account of it, and the wall time outside the engine's steps.
     python benchmarks/b1_timeline.py --model /tmp/m8b --batches 1,8 --out timeline.json
     python benchmarks/b1_timeline.py --model demo --daemon-args=--engine-thread --out thread.json
 
-One daemon (``mlx-batchd serve``, its defaults unless ``--daemon-args``), B requests at a time, each
-streamed from its own thread through one client (as ``mlx-batchd bench``'s daemon arm sends them).
+One daemon (``mlx-batchd serve``, its defaults unless ``--daemon-args``), B requests at a time, all
+streamed from one event loop through one client (as ``mlx-batchd bench``'s daemon arm sends them).
 For each repeat and request: milliseconds to the first token event and to the end, the median and
 largest gap between token events, and the engine's timings from the end event (``queue_s``: from the
 engine's submit to its prefill, the admission window included; ``total_s``: submit to end). Per
@@ -31,13 +31,14 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clients import Client  # noqa: E402
+import anyio  # noqa: E402
+
+from clients import AsyncClient, Client  # noqa: E402
 from clients.events import EndEvent  # noqa: E402
 from scheduler.bench.arms import random_prompts  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
@@ -45,13 +46,13 @@ from scheduler.spawn import DaemonProcess  # noqa: E402
 COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps")
 
 
-def one(client: Client, prompt: list[int], tokens: int, start: float) -> dict[str, Any]:
+async def one(client: AsyncClient, prompt: list[int], tokens: int, start: float) -> dict[str, Any]:
     """One streamed request; times from ``start`` (the repeat's start) and from its own send."""
     tic = time.perf_counter()
     arrivals: list[float] = []
     timings: dict[str, Any] = {}
     produced = 0
-    for event in client.stream(tokens=prompt, max_tokens=tokens):
+    async for event in client.stream(tokens=prompt, max_tokens=tokens):
         if isinstance(event, EndEvent):
             timings = dict(event.timings)
         elif event.tokens:
@@ -72,6 +73,28 @@ def one(client: Client, prompt: list[int], tokens: int, start: float) -> dict[st
         "engine_total_ms": 1e3 * total,
         "hops_ms": 1e3 * (end - total),
     }
+
+
+def streamed(address: str, prompts: list[list[int]], tokens: int) -> tuple[list[dict[str, Any]], float]:
+    """Every prompt streamed at once from one event loop (as the bench's daemon arm sends them,
+    ``generate_many``), on a connection opened before the clock starts; the requests and the wall."""
+    out: list[dict[str, Any]] = [{} for _ in prompts]
+
+    async def main() -> float:
+        async with AsyncClient(address, timeout=600) as client:
+            await client.health()
+            tic = time.perf_counter()
+
+            async def run(i: int) -> None:
+                out[i] = await one(client, prompts[i], tokens, tic)
+
+            async with anyio.create_task_group() as group:
+                for i in range(len(prompts)):
+                    group.start_soon(run, i)
+            return time.perf_counter() - tic
+
+    wall = anyio.run(main)
+    return out, wall
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -98,10 +121,7 @@ def processes(daemon_pid: int) -> dict[str, int]:
 def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str, int]) -> dict[str, Any]:
     before = client.stats()["engine"]
     cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()}
-    tic = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        requests = list(pool.map(lambda p: one(client, p, tokens, tic), prompts))
-    wall = time.perf_counter() - tic
+    requests, wall = streamed(client.address, prompts, tokens)
     cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()}
     after = client.stats()["engine"]
     steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}

@@ -142,7 +142,8 @@ elif [ "$PART" = c ]; then
 elif [ "$PART" = m ]; then
   dargs=(); [ -n "${DARGS:-}" ] && dargs=(--daemon-args="$DARGS")
   step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
-    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" --out "$R/matrix" \
+    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" --bandwidth-gbs 4800 \
+    --out "$R/matrix" \
     "${dargs[@]}"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \

@@ -17,10 +17,10 @@ import math
 import sys
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -233,6 +233,34 @@ class Client:
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """See ``AsyncClient.generate``."""
         return self._run(lambda: self._client.generate(prompt, **kwargs))
+
+    @overload
+    def generate_many(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        concurrency: int | None = None,
+        return_errors: Literal[False] = False,
+    ) -> list[Result]: ...
+
+    @overload
+    def generate_many(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        concurrency: int | None = None,
+        return_errors: Literal[True],
+    ) -> list[Result | RequestError | TimeoutError]: ...
+
+    def generate_many(
+        self, requests: Iterable[Mapping[str, Any]], *, concurrency: int | None = None, return_errors: bool = False
+    ) -> list[Result] | list[Result | RequestError | TimeoutError]:
+        """See ``AsyncClient.generate_many``: every job is sent from the client's one event loop, so a
+        batch reaches the daemon together (threads each calling ``generate`` spread their sends)."""
+        jobs = list(requests)
+        if return_errors:
+            return self._run(lambda: self._client.generate_many(jobs, concurrency=concurrency, return_errors=True))
+        return self._run(lambda: self._client.generate_many(jobs, concurrency=concurrency))
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Event]:
         """See ``AsyncClient.stream``; leaving the loop early (Ctrl-C included) cancels the request.

@@ -31,7 +31,9 @@ arrivals come closer together than the window: measured on the H200, 8 client th
 reached the engine 0.2-1.2 ms apart, a lone request paying 10.5 ms of its ~990, section 31). On the
 development CPU that did not remove the second wave (64 threads of one client: 36 + 28 and 42 + 22
 against 3 + 56 + 5 and 3 + 61 before): its front end took ~1.4 ms a request, so the 64 spanned more
-than the cap. Not yet measured on the H200.
+than the cap. On the H200, 128 client threads still reached the engine in two waves (4 prefill and 130
+decode steps for 128 tokens, 0.948 of the engine alone); a client sending from one event loop
+(``generate_many``) gets one wave at B = 64 and 128 on the development CPU (docs/benchmarks.md section 33).
 """
 
 from __future__ import annotations
