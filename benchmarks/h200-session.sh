@@ -17,6 +17,7 @@
 # chose (step_anatomy: its forward_check has each row count's forward milliseconds per candidate).
 # Suggested order with 30 device minutes: k, m, a, c (then p, x, d).
 # PART=p: the probe (8B synth, prompt lookup, K = 2, 4, 8) and B = 1 prompt lookup over 512 tokens.
+#   (a probe takes ~100 s on the H200 host with the model's load and kernel checks; 90 s was too short.)
 # PART=c: classic B = 1 without and with the contiguous K/V copies (MLX_BATCHD_CONTIGUOUS_KV=0|1): the
 # probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
 # is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
@@ -71,7 +72,7 @@
 # PART=ek: part e's prompt lookup at K = 4 (its default) and 7 in one bench (KDRAFTERS overrides): whether
 #   prompt lookup should draft as many as an MTP head (an 8-row verify of the 8B costs more than a 5-row one).
 # PART=dv: the demo pair's MTP bursts through the daemon with the default settings (K = 7 for an MTP head)
-#   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats.
+#   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats. (10 of 12 repeats took 170 s in section 33.)
 # PART=cl: batched decode with the decoder layers compiled around attention against plain, one engine, arms
 #   alternating (benchmarks/compiled_layers_probe.py: engine steps, sync forwards and their build, logits bytes).
 # PART=tl: where a request's time goes through the daemon at B = 1 and 8 (benchmarks/b1_timeline.py: the engine's
@@ -128,7 +129,7 @@ elif [ "$PART" = a ]; then
   step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then
   for k in 2 4 8; do
-    step "probe-k$k" 90 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
+    step "probe-k$k" 150 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
   done
   step bench1 280 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
     --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
@@ -178,7 +179,7 @@ elif [ "$PART" = dk ]; then
   done
 elif [ "$PART" = dv ]; then
   for n in ${RUNS:-1 2 3}; do
-    step "demo-def-$n" 170 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,mtp:demo@4 \
+    step "demo-def-$n" 240 python3 -m scheduler bench --model demo --batch-sizes 1 --drafters mtp:demo,mtp:demo@4 \
       --prompts demo --tokens 256 --repeats 12 --raw-max-batch 1 --out "$R/demo-def-$n"
   done
 elif [ "$PART" = dt ]; then
