@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,16 @@ from scheduler.spawn import DaemonProcess  # noqa: E402
 COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps")
 
 
-async def one(client: AsyncClient, prompt: list[int], tokens: int, start: float) -> dict[str, Any]:
-    """One streamed request; times from ``start`` (the repeat's start) and from its own send."""
+async def one(
+    client: AsyncClient, prompt: list[int], tokens: int, start: float, group: tuple[str, int]
+) -> dict[str, Any]:
+    """One streamed request of a declared ``group``; times from ``start`` (the repeat's start) and
+    from its own send."""
     tic = time.perf_counter()
     arrivals: list[float] = []
     timings: dict[str, Any] = {}
     produced = 0
-    async for event in client.stream(tokens=prompt, max_tokens=tokens):
+    async for event in client.stream(tokens=prompt, max_tokens=tokens, group=group):
         if isinstance(event, EndEvent):
             timings = dict(event.timings)
         elif event.tokens:
@@ -76,9 +80,11 @@ async def one(client: AsyncClient, prompt: list[int], tokens: int, start: float)
 
 
 def streamed(address: str, prompts: list[list[int]], tokens: int) -> tuple[list[dict[str, Any]], float]:
-    """Every prompt streamed at once from one event loop (as the bench's daemon arm sends them,
-    ``generate_many``), on a connection opened before the clock starts; the requests and the wall."""
+    """Every prompt streamed at once from one event loop and declared one group (as the bench's
+    daemon arm sends them, ``generate_many``), on a connection opened before the clock starts; the
+    requests and the wall."""
     out: list[dict[str, Any]] = [{} for _ in prompts]
+    group = (uuid.uuid4().hex, len(prompts))
 
     async def main() -> float:
         async with AsyncClient(address, timeout=600) as client:
@@ -86,11 +92,11 @@ def streamed(address: str, prompts: list[list[int]], tokens: int) -> tuple[list[
             tic = time.perf_counter()
 
             async def run(i: int) -> None:
-                out[i] = await one(client, prompts[i], tokens, tic)
+                out[i] = await one(client, prompts[i], tokens, tic, group)
 
-            async with anyio.create_task_group() as group:
+            async with anyio.create_task_group() as tasks:
                 for i in range(len(prompts)):
-                    group.start_soon(run, i)
+                    tasks.start_soon(run, i)
             return time.perf_counter() - tic
 
     wall = anyio.run(main)

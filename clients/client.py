@@ -23,6 +23,7 @@ from clients.connection import Connection, address_problem, raise_local_failure
 from clients.events import ClientError, EndEvent, Event, RequestError, Result, event_from_message
 from clients.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_GROUP_SIZE,
     ErrorCode,
     MsgType,
     SamplingOptions,
@@ -131,13 +132,16 @@ class AsyncClient(Connection):
         priority: int = 0,
         request_id: str | None = None,
         timeout: float | None = None,
+        group: tuple[str, int] | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Submit a job and yield its events: ``TokenEvent`` s, then exactly one ``EndEvent``.
 
         ``top_logprobs`` (0 to 20) adds, per token, that many most likely tokens with their logprobs
         (``TokenEvent.top_logprobs``) and implies ``logprobs``. ``priority`` orders the job among its
         tenant's waiting ones (higher first; the daemon accepts [-1000, 1000], capped by the tenant's
-        ceiling). Leaving the loop early cancels the request. ``timeout`` bounds the whole request; when it passes, the request is cancelled
+        ceiling). ``group=(name, size)`` says this is one of ``size`` requests sent together under
+        ``name`` (``generate_many`` sets it): the daemon starts a held wave once the group is whole
+        instead of waiting for a quiet gap. Leaving the loop early cancels the request. ``timeout`` bounds the whole request; when it passes, the request is cancelled
         and ``TimeoutError`` raised. ``RequestError`` is raised, with no ``EndEvent``, when the
         daemon goes away (``daemon_gone``) or the client is closed (``closed``) meanwhile.
         """
@@ -153,6 +157,7 @@ class AsyncClient(Connection):
             logprobs=logprobs or top_logprobs > 0,
             top_logprobs=top_logprobs,
             priority=priority,
+            group=group,
             batch=True,  # ``_reader`` unbatches
         )
         recv = self._open_route(req.id)
@@ -218,9 +223,11 @@ class AsyncClient(Connection):
         """Run many jobs at once on this connection; each is ``generate``'s keyword arguments
         (``{"prompt": "...", "max_tokens": 64}``), and the results come back in the order given.
 
-        Every job is sent from one task group, so a batch reaches the daemon within milliseconds and
-        an idle daemon prefills it as one wave; threads each calling ``Client.generate`` spread their
-        sends over tens of milliseconds (128 of them split into two waves, a few percent slower).
+        Every job is sent from one task group and declared one group (``stream``'s ``group``), so a
+        batch reaches the daemon within milliseconds and an idle daemon prefills it as one wave as soon
+        as its last member arrives; threads each calling ``Client.generate`` spread their sends over
+        tens of milliseconds, and the daemon can only wait for a quiet gap (128 of them split into two
+        waves, a few percent slower).
         ``concurrency`` caps the jobs in flight: the daemon ends jobs past its limits with ``busy``
         (``--max-inflight-per-client``, its waiting queues), and a large batch stays under them with it.
         A job that ends with an error (``RequestError``, or ``TimeoutError`` from its ``timeout``)
@@ -229,6 +236,13 @@ class AsyncClient(Connection):
         jobs = [_job_kwargs(i, r) for i, r in enumerate(requests)]
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        # The jobs sent at once are declared as one group; those started later, as slots free, are
+        # not (the daemon's window gathers the ones that free together).
+        first = min(len(jobs), concurrency or len(jobs))
+        if first <= MAX_GROUP_SIZE:
+            name = uuid.uuid4().hex
+            for job in jobs[:first]:
+                job["group"] = (name, first)
         limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
         results: list[Result | RequestError | TimeoutError | None] = [None] * len(jobs)
         failure: list[BaseException] = []
@@ -270,6 +284,8 @@ def _job_kwargs(index: int, request: Any) -> dict[str, Any]:
     unknown = sorted(str(k) for k in request if k not in _JOB_KEYS)
     if unknown:
         raise TypeError(f"generate_many: job {index} has unknown argument(s) {', '.join(unknown)}")
+    if "group" in request:
+        raise TypeError(f"generate_many: job {index} sets 'group'; generate_many declares the group itself")
     return dict(request)
 
 

@@ -29,6 +29,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 1024
 #: The most alternatives a token may report (``top_logprobs``), as OpenAI's API bounds it.
 MAX_TOP_LOGPROBS = 20
+#: The most submits one declared group may have (``Submit.group``).
+MAX_GROUP_SIZE = 4096
 
 
 # --------------------------------------------------------------------------- requests
@@ -63,6 +65,11 @@ class Submit:
     top_logprobs: int = 0
     #: Order among the same tenant's waiting requests (higher first), capped by the tenant's ceiling.
     priority: int = 0
+    #: ``(name, size)``: this submit is one of ``size`` that the sender sends together under ``name``
+    #: (a name of this connection's own). An engine holding arrivals for one prefill wave starts them
+    #: as soon as every held arrival belongs to a declared group that has all its members, instead of
+    #: waiting for a quiet gap (``workers.admission``); it never holds them longer for it.
+    group: tuple[str, int] | None = None
     #: The sender reads ``batch`` messages: from then on the daemon may carry several events for
     #: this connection in one frame (one per engine step). Clients that never say so get one event
     #: per frame, as protocol 1 always did.
@@ -204,6 +211,7 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         )
     return Submit(
         id=rid,
+        group=_group(msg, rid),
         prompt=prompt,
         tokens=tokens,
         messages=messages,
@@ -216,6 +224,25 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         priority=priority,
         batch=bool(_get(msg, "batch", bool, rid, False)),
     )
+
+
+def _group(msg: dict[str, Any], rid: str) -> tuple[str, int] | None:
+    """``group`` and ``group_size``: both or neither."""
+    name = _get(msg, "group", str, rid, None)
+    size = _get(msg, "group_size", int, rid, None)
+    if name is None and size is None:
+        return None
+    if name is None or size is None:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, "fields 'group' and 'group_size' go together; give both or neither", rid
+        )
+    if not 0 < len(name) <= MAX_ID_LENGTH:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'group' must be 1 to {MAX_ID_LENGTH} characters", rid)
+    if not 1 <= size <= MAX_GROUP_SIZE:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field 'group_size' must be in [1, {MAX_GROUP_SIZE}], got {size}", rid
+        )
+    return name, size
 
 
 def parse_request(msg: dict[str, Any]) -> Request:
@@ -284,6 +311,8 @@ def submit_message(req: Submit) -> dict[str, Any]:
         msg["top_logprobs"] = req.top_logprobs
     if req.priority:
         msg["priority"] = req.priority
+    if req.group is not None:
+        msg["group"], msg["group_size"] = req.group
     if req.batch:
         msg["batch"] = True
     return msg

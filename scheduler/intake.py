@@ -310,4 +310,7 @@ def job_for(t: Tracked, admitted: Admitted, tenant: Tenant) -> Job:
         received_at=t.received_at,
         cache_salt=salt_for(tenant.name, tenant.share_prefix_cache),
         top_logprobs=t.req.top_logprobs,
+        # A group's name is the sender's own: another connection's group of the same name is another.
+        group=None if t.req.group is None else f"{t.client.hex()}/{t.req.group[0]}",
+        group_size=0 if t.req.group is None else t.req.group[1],
     )

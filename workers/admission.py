@@ -34,6 +34,13 @@ against 3 + 56 + 5 and 3 + 61 before): its front end took ~1.4 ms a request, so 
 than the cap. On the H200, 128 client threads still reached the engine in two waves (4 prefill and 130
 decode steps for 128 tokens, 0.948 of the engine alone); a client sending from one event loop
 (``generate_many``) gets one wave at B = 64 and 128 on the development CPU (docs/benchmarks.md section 33).
+
+A client that knows its group says so (``Submit.group``: a name and a size; ``generate_many`` does): held
+arrivals go in as soon as every one of them belongs to a declared group that has all its members, so a
+lone declared request pays no window and a declared group none after its last member. Declarations only
+release early, never hold longer: members a front end keeps back (tenant shares, queues), or another
+client's undeclared arrival, leave the window as above; so no sender's declaration makes anyone wait
+longer, and a group's name is scoped to its sender's connection.
 """
 
 from __future__ import annotations
@@ -77,10 +84,23 @@ class AdmissionWaves:
                 self.since = now
             self.last = now
         self.held += fresh
-        if len(self.held) >= self.wave or (self.since is not None and now >= self._due(busy)):
+        if len(self.held) >= self.wave or self._groups_whole() or (self.since is not None and now >= self._due(busy)):
             return self._release([])
         self.delayed += len(fresh)
         return []
+
+    def _groups_whole(self) -> bool:
+        """Every held arrival came in a declared group and every such group has all its members here:
+        nothing more is coming that the hold waits for (an undeclared arrival keeps the window)."""
+        have: dict[str, int] = {}
+        size: dict[str, int] = {}
+        for cmd in self.held:
+            group = cmd.job.group
+            if group is None:
+                return False
+            have[group] = have.get(group, 0) + 1
+            size[group] = cmd.job.group_size
+        return bool(have) and all(have[g] >= size[g] for g in have)
 
     def _due(self, busy: bool) -> float:
         """When the held arrivals go in: ``window_s`` after the first while the engine has work; while

@@ -35,6 +35,11 @@ class Job:
     #: How many of the most likely tokens each emitted token reports with their logprobs (the wire
     #: bounds it to 0..20); above 0 implies ``logprobs``. 0 costs nothing.
     top_logprobs: int = 0
+    #: The declared group this job arrived in (a name unique to its sender) and the group's size:
+    #: admission starts a held wave early once every held job's group has all its members
+    #: (``workers.admission``). ``None``: undeclared.
+    group: str | None = None
+    group_size: int = 0
 
     @property
     def wants_logprobs(self) -> bool:

@@ -109,3 +109,41 @@ def test_concurrency_caps_the_jobs_in_flight(daemon: Daemon) -> None:
 
     capped, free = anyio.run(main)
     assert [r.tokens for r in capped] == [r.tokens for r in free]
+
+
+def _delayed(client: Client) -> int:
+    """Arrivals the engine held past the iteration that took them (the idle window's waits)."""
+    return int(client.stats()["engine"]["admission"]["delayed"])
+
+
+def test_a_declared_request_skips_the_idle_window_and_an_undeclared_one_pays_it(client: Client) -> None:
+    job = {"tokens": [9, 10, 11], "max_tokens": 3}
+    before = _delayed(client)
+    client.generate_many([job])  # declared: a group of one
+    client.generate_many([job, dict(job), dict(job)])  # a group of three, whole when its last arrives
+    after_declared = _delayed(client)
+    assert after_declared - before <= 2  # only members that came ahead of the rest of their group wait
+    client.generate(**job)  # undeclared: waits for a quiet window
+    assert _delayed(client) - after_declared == 1
+
+
+def test_a_group_name_is_the_senders_own(daemon: Daemon) -> None:
+    """Two connections each send one member of a group named alike with size 2: neither group is
+    whole, so both wait the window; one connection sending both makes its group whole."""
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(daemon.address, timeout=120) as a, AsyncClient(daemon.address, timeout=120) as b:
+            job = {"tokens": [9, 10, 11], "max_tokens": 2, "group": ("shared", 2)}
+            start = (await a.stats())["engine"]["admission"]["delayed"]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: a.generate(**job))
+                tg.start_soon(lambda: b.generate(**job))
+            apart = (await a.stats())["engine"]["admission"]["delayed"]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: a.generate(**job))
+                tg.start_soon(lambda: a.generate(**job))
+            together = (await a.stats())["engine"]["admission"]["delayed"]
+            return apart - start, together - apart
+
+    apart, together = anyio.run(main)
+    assert apart == 2 and together <= 1

@@ -114,3 +114,43 @@ def test_a_short_idle_window_keeps_the_cap_of_the_default_one() -> None:
             break
     assert IDLE_HOLD_S == 0.05 and seqs(out) == list(range(10, 10 + i + 1))
     assert 2.0 + 0.0015 * i >= 2.05 > 2.0 + 0.0015 * (i - 1)  # let in at the cap, not at 5 windows (10 ms)
+
+
+def grouped(seq: int, group: str | None, size: int) -> Submit:
+    return Submit(Job(seq=seq, prompt=[1, 2], max_tokens=4, group=group, group_size=size))
+
+
+def test_a_declared_lone_arrival_goes_in_at_once_and_an_undeclared_one_waits_the_window() -> None:
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert seqs(a.take([grouped(1, "c/g", 1)], busy=False, now=1.0)) == [1]
+    assert a.delayed == 0
+    assert a.take([sub(2)], busy=False, now=2.0) == []
+    assert seqs(a.take([], busy=False, now=2.01)) == [2]
+    assert a.delayed == 1
+
+
+def test_a_declared_group_goes_in_when_its_last_member_arrives() -> None:
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert a.take([grouped(1, "c/g", 3)], busy=False, now=1.0) == []
+    assert a.take([grouped(2, "c/g", 3)], busy=False, now=1.001) == []
+    assert seqs(a.take([grouped(3, "c/g", 3)], busy=False, now=1.002)) == [1, 2, 3]  # no quiet 10 ms
+    assert a.take([grouped(4, "c/h", 2)], busy=True, now=3.0) == []  # the busy engine's hold too
+    assert seqs(a.take([grouped(5, "c/h", 2)], busy=True, now=3.001)) == [4, 5]
+
+
+def test_declarations_never_cut_short_what_others_wait_for() -> None:
+    """A whole group with an undeclared arrival, or with another sender's group still short of members,
+    keeps the window; groups are told apart by name (the front end scopes names to a connection)."""
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert a.take([grouped(1, "c1/g", 1), sub(2)], busy=False, now=1.0) == []
+    assert seqs(a.take([], busy=False, now=1.01)) == [1, 2]
+    assert a.take([grouped(3, "c1/g", 2), grouped(4, "c2/g", 2)], busy=False, now=2.0) == []  # 1 of 2 each
+    assert a.take([grouped(5, "c1/g", 2)], busy=False, now=2.001) == []  # c2/g still short
+    assert seqs(a.take([grouped(6, "c2/g", 2)], busy=False, now=2.002)) == [3, 4, 5, 6]
+
+
+def test_a_group_short_of_members_waits_no_longer_than_an_undeclared_arrival() -> None:
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert a.take([grouped(1, "c/g", 5)], busy=False, now=1.0) == []
+    assert a.wait_s(1.0) == pytest.approx(0.01)
+    assert seqs(a.take([], busy=False, now=1.01)) == [1]

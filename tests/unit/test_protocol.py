@@ -40,6 +40,25 @@ def test_submit_round_trips_through_the_wire() -> None:
     assert parse_request(unpack(msgpack.packb(submit_message(req)))) == req
 
 
+def test_a_declared_group_round_trips_and_bad_ones_are_refused() -> None:
+    req = Submit(id="a", tokens=[1], group=("batch-7", 4))
+    assert parse_request(unpack(msgpack.packb(submit_message(req)))) == req
+    base = {"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "tokens": [1]}
+    for extra, says in (
+        ({"group": "g"}, "go together"),
+        ({"group_size": 2}, "go together"),
+        ({"group": "", "group_size": 2}, "1 to 128 characters"),
+        ({"group": "g" * 129, "group_size": 2}, "1 to 128 characters"),
+        ({"group": "g", "group_size": 0}, "must be in [1, 4096]"),
+        ({"group": "g", "group_size": 4097}, "must be in [1, 4096]"),
+        ({"group": "g", "group_size": True}, "must be int"),
+        ({"group": 5, "group_size": 2}, "must be str"),
+    ):
+        with pytest.raises(ProtocolError) as caught:
+            parse_request({**base, **extra})
+        assert caught.value.code == ErrorCode.BAD_FIELD and says in str(caught.value), (extra, str(caught.value))
+
+
 def test_single_stop_string_is_accepted() -> None:
     req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "prompt": "x", "stop": "END"})
     assert isinstance(req, Submit) and req.stop == ["END"]
