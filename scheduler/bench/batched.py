@@ -139,7 +139,9 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         weights = int(meta["weight_bytes"])
         gb_s = float(meta["bandwidth_gb_s"])
         notes.append(
-            f"physical limit: {weights / 1e9:.3f} GB of weights read once per decode step at {gb_s:g} GB/s "
+            f"physical limit: {weights / 1e9:.3f} GB of weights read once per decode step at {gb_s:g} GB/s"
+            + (f" ({meta['bandwidth_source']})" if meta.get("bandwidth_source") else "")
+            + " "
             f"({weights / (gb_s * 1e9) * 1e3:.3f} ms per step), plus each sequence's KV "
             f"({meta['kv_bytes_per_token']} bytes per token of context, mean context {meta['context']} tokens); "
             "B tokens per step."

@@ -72,6 +72,7 @@ from scheduler.bench.batched import Setup, batched_rows, write_report
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
+from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.spreads import rotated
 from scheduler.cli.demo import DEMO_PROMPTS
 
@@ -203,7 +204,12 @@ def _main(args: argparse.Namespace) -> int:
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
-    gb_per_s = getattr(args, "bandwidth_gbs", None) or None
+    device_name = str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else ""
+    given = getattr(args, "bandwidth_gbs", None) or None
+    gb_per_s = given or known_bandwidth(device_name)
+    bandwidth_source = (
+        "--bandwidth-gbs" if given else f"the vendor's peak for {device_name}" if gb_per_s is not None else None
+    )
     setup = Setup(
         batches=tuple(batches),
         arms=(
@@ -243,6 +249,8 @@ def _main(args: argparse.Namespace) -> int:
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
         "bandwidth_gb_s": gb_per_s,
+        "bandwidth_source": bandwidth_source,
+        "device_name": device_name,
         "fastpath": fastpath.active().name,
     }
     out = Path(args.out)

@@ -110,7 +110,8 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         "--bandwidth-gbs",
         type=non_negative_float,
         default=0.0,
-        help="memory bandwidth in GB/s for the physical reference beside each row, e.g. 4800 for an H200; 0 = omit",
+        help="memory bandwidth in GB/s for the physical reference beside each row; 0 (default): the vendor's peak "
+        "for a device it knows by name (an H200: 4800), else none",
     )
     p.add_argument(
         "--raw-max-batch",

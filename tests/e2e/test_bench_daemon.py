@@ -90,6 +90,7 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
         assert {f"{stem}.json", f"{stem}.md", f"{stem}.png"} <= names
     batched = json.loads((out / "daemon_vs_raw.json").read_text())
     assert [r["batch"] for r in batched["rows"]] == [1, 2] and batched["meta"]["complete"] is True
+    assert batched["meta"]["bandwidth_gb_s"] == 100.0 and batched["meta"]["bandwidth_source"] == "--bandwidth-gbs"
     for r in batched["rows"]:
         assert r["raw_tok_s"] > 0 and r["daemon_tok_s"] > 0 and r["daemon_process_pin_tok_s"] > 0
         assert abs(r["ratio"] - r["daemon_tok_s"] / r["raw_tok_s"]) < 1e-9

@@ -17,7 +17,7 @@ from scheduler.bench.matrix import write_tables
 from scheduler.bench.output import BenchError
 from scheduler.bench.prefix import PrefixPlan
 from scheduler.bench.prefix_report import prefix_markdown
-from scheduler.bench.reference import reference_line, reference_tok_s
+from scheduler.bench.reference import known_bandwidth, reference_line, reference_tok_s
 from scheduler.cli import build_parser
 
 CLASSIC = [100.0, 90.0, 110.0]
@@ -185,7 +185,22 @@ def test_batched_rows_give_every_ratio_its_spread(tmp_path: Path) -> None:
     ]
     assert cells[8:10] == [f"{row['reference_tok_s']:.0f}", "0.200"]
     assert "1.000 GB of weights read once per decode step at 100 GB/s (10.000 ms per step)" in md
+    sourced = write_tables(
+        samples,
+        setup,
+        {**meta, "kv_bytes_per_token": kv, "context": context, "bandwidth_source": "the vendor's peak for X"},
+        tmp_path,
+    )
+    assert "at 100 GB/s (the vendor's peak for X) (10.000 ms per step)" in sourced
     assert json.loads((tmp_path / "daemon_vs_raw.json").read_text())["rows"][0]["ratio_spread"] == row["ratio_spread"]
+
+
+def test_a_known_device_name_gives_its_vendors_peak_bandwidth_and_others_none() -> None:
+    assert known_bandwidth("NVIDIA H200") == 4800.0
+    assert known_bandwidth(" Apple M2 Max ") == 400.0
+    assert known_bandwidth("Apple M3 Max") is None  # 300 or 400 GB/s by part: --bandwidth-gbs says which
+    assert known_bandwidth("Intel(R) Xeon(R) Processor") is None
+    assert known_bandwidth("") is None
 
 
 def test_raw_runs_only_up_to_its_max_batch_and_its_cells_read_not_run(tmp_path: Path) -> None:
