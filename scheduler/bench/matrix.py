@@ -404,7 +404,14 @@ def _main(args: argparse.Namespace) -> int:
             target = b1_arms[0] if b1_arms else "daemon"
             progress(f"bench: {args.poisson_requests} Poisson arrivals at {args.poisson_rate:g}/s on '{target}'")
             wait_idle(clients)
-            poisson = run_poisson(procs[target].address, args.poisson_rate, args.poisson_requests, vocab, args.tokens)
+            poisson = run_poisson(
+                procs[target].address,
+                args.poisson_rate,
+                args.poisson_requests,
+                vocab,
+                args.tokens,
+                fixed_tokens=getattr(args, "poisson_tokens", None),
+            )
             poisson["daemon"] = target
             write_poisson(poisson, meta, out)
     # Every daemon got SIGTERM when the stack closed; anything but 0 is a shutdown bug worth seeing.

@@ -20,10 +20,12 @@ def run_poisson(
     max_tokens: int,
     seed: int = 7,
     prompt_lengths: tuple[int, int] = (4, 64),
+    fixed_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Mixed arrivals: ``n`` requests at Poisson times (``rate`` per second), prompt lengths drawn
-    from ``prompt_lengths`` (low inclusive, high exclusive; equal: one length) and random budgets,
-    through one async client; client-side TTFT, inter-token gaps and durations."""
+    from ``prompt_lengths`` (low inclusive, high exclusive; equal: one length) and budgets drawn from
+    8 to ``max_tokens`` (or each ``fixed_tokens``), through one async client; client-side TTFT,
+    inter-token gaps, durations, and each request's generated tokens."""
     import anyio
 
     from clients.client import AsyncClient
@@ -36,17 +38,21 @@ def run_poisson(
     for _ in range(n):
         t += rng.expovariate(rate)
         length = rng.randrange(low, high) if high > low else low
-        plan.append((t, [rng.randrange(4, min(vocab, 256)) for _ in range(length)], rng.randrange(8, max_tokens + 1)))
+        budget = fixed_tokens if fixed_tokens else rng.randrange(8, max_tokens + 1)
+        plan.append((t, [rng.randrange(4, min(vocab, 256)) for _ in range(length)], budget))
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
+    produced: list[int] = []
 
     async def one(client: AsyncClient, at: float, prompt: list[int], budget: int, start: float) -> None:
         await anyio.sleep(max(0.0, start + at - time.perf_counter()))
         sent = last = time.perf_counter()
         first = True
+        count = 0
         async for ev in client.stream(tokens=prompt, max_tokens=budget):
             if isinstance(ev, TokenEvent) and ev.tokens:
+                count += len(ev.tokens)
                 now = time.perf_counter()
                 if first:
                     ttft.append(now - sent)
@@ -55,6 +61,7 @@ def run_poisson(
                     itl.extend([(now - last) / len(ev.tokens)] * len(ev.tokens))
                 last = now
         e2e.append(time.perf_counter() - sent)
+        produced.append(count)
 
     async def main() -> None:
         async with AsyncClient(address, timeout=3600) as client:
@@ -72,6 +79,8 @@ def run_poisson(
     return {
         "rate": rate,
         "requests": n,
+        "budgets": f"{fixed_tokens} tokens each" if fixed_tokens else f"8-{max_tokens} tokens",
+        "tokens": produced,
         **{
             f"{name}_p{int(q * 100)}": pct(xs, q)
             for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e))
@@ -88,6 +97,8 @@ def write_poisson(result: dict[str, Any], meta: dict[str, Any], out: Path) -> st
         f"| {name} (ms) | {result[f'{name}_p50'] * 1e3:.1f} | {result[f'{name}_p90'] * 1e3:.1f} | {result[f'{name}_p99'] * 1e3:.1f} |\n"
         for name in ("ttft", "itl", "e2e")
     )
+    if result.get("budgets"):
+        md += f"\n{result['requests']} requests at {result['rate']:g}/s, budgets {result['budgets']}.\n"
     write_whole(out / "poisson.md", md)
     import matplotlib
 

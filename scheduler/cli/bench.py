@@ -87,6 +87,12 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--poisson-requests", type=positive_int, default=40)
     p.add_argument(
+        "--poisson-tokens",
+        type=positive_int,
+        default=None,
+        help="every Poisson request asks for this many tokens (default: budgets drawn from 8 to --tokens)",
+    )
+    p.add_argument(
         "--daemon-args",
         type=shell_words,
         default=[],

@@ -73,7 +73,7 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
         [
             *("bench", "--model", str(tiny_model), "--batch-sizes", "1,2", "--tokens", "8", "--prompt-tokens", "8"),
             *("--repeats", "7", "--process-pin", "narrow", "--drafters", "prompt-lookup", "--bandwidth-gbs", "100"),
-            *("--poisson-rate", "20", "--poisson-requests", "4", "--out", str(out)),
+            *("--poisson-rate", "20", "--poisson-requests", "4", "--poisson-tokens", "3", "--out", str(out)),
         ]
     )
     assert isinstance(args, argparse.Namespace) and args.bandwidth_gbs == 100.0
@@ -142,6 +142,8 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     poisson = json.loads((out / "poisson.json").read_text())["result"]
     assert poisson["requests"] == 4 and poisson["daemon"] == "bursts:prompt-lookup"
     assert 0 < poisson["ttft_p50"] <= poisson["ttft_p99"]
+    assert poisson["budgets"] == "3 tokens each" and len(poisson["tokens"]) == 4 and max(poisson["tokens"]) == 3
+    assert "4 requests at 20/s, budgets 3 tokens each." in (out / "poisson.md").read_text()
 
 
 def test_bench_stopped_by_sigterm_keeps_its_finished_rows_and_stops_its_daemons(

@@ -70,6 +70,7 @@ BAD = [
     (["bench"], "--repeats", "0"),
     (["bench"], "--poisson-rate", "-1"),
     (["bench"], "--poisson-requests", "0"),
+    (["bench"], "--poisson-tokens", "0"),
     (["bench"], "--daemon-args", '"--engine-thread'),
     (["serve"], "--admit-window-ms", "-1"),
     (["serve"], "--mlx-cache-limit-mb", "-5"),
