@@ -141,9 +141,10 @@ class AsyncClient(Connection):
         tenant's waiting ones (higher first; the daemon accepts [-1000, 1000], capped by the tenant's
         ceiling). ``group=(name, size)`` says this is one of ``size`` requests sent together under
         ``name`` (``generate_many`` sets it): the daemon starts a held wave once the group is whole
-        instead of waiting for a quiet gap. Leaving the loop early cancels the request. ``timeout`` bounds the whole request; when it passes, the request is cancelled
-        and ``TimeoutError`` raised. ``RequestError`` is raised, with no ``EndEvent``, when the
-        daemon goes away (``daemon_gone``) or the client is closed (``closed``) meanwhile.
+        instead of waiting for a quiet gap. Leaving the loop early cancels the request. ``timeout``
+        bounds the whole request; when it passes, the request is cancelled and ``TimeoutError``
+        raised. ``RequestError`` is raised, with no ``EndEvent``, when the daemon goes away
+        (``daemon_gone``) or the client is closed (``closed``) meanwhile.
         """
         req = Submit(
             id=request_id or uuid.uuid4().hex,
