@@ -132,10 +132,13 @@ def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str
     after = client.stats()["engine"]
     steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     loop = {k: after["loop"][k] - before["loop"][k] for k in ("iterations", "emit_seconds")}
+    step_ms = 1e3 * steps["decode_seconds"] / max(1, steps["decode_steps"])
     return {
         "batch": len(prompts),
         "wall_ms": 1e3 * wall,
         "engine": steps,
+        # Issue 15's streaming bound: the median gap between a request's tokens over the decode step.
+        "gap_over_step": statistics.median(r["gap_median_ms"] for r in requests) / step_ms if step_ms else None,
         "outside_steps_ms": 1e3 * (wall - steps["step_seconds"]),
         "loop_iterations": loop["iterations"],
         "emit_ms": 1e3 * loop["emit_seconds"],
@@ -184,7 +187,8 @@ def main() -> int:
                     f"{1e3 * e['step_seconds']:.1f} ms ({e['decode_steps']} decode, "
                     f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each); outside the steps "
                     f"{row['outside_steps_ms']:.1f} ms, of which handing events over {row['emit_ms']:.1f} ms in "
-                    f"{row['loop_iterations']} loop iterations; CPU ms a token: "
+                    f"{row['loop_iterations']} loop iterations; median gap / decode step {row['gap_over_step']:.3f}; "
+                    "CPU ms a token: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in row["cpu_ms_per_token"].items())
                     + "; a request (median): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in med.items()),
@@ -193,7 +197,7 @@ def main() -> int:
     summary = {
         str(b): {
             k: statistics.median(r[k] for r in rows if r["batch"] == b)
-            for k in ("wall_ms", "outside_steps_ms", "emit_ms")
+            for k in ("wall_ms", "outside_steps_ms", "emit_ms", "gap_over_step")
         }
         | {k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"]) for k in REQUEST_KEYS}
         for b in batches
