@@ -33,6 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from scheduler.bench.b1 import b1_status
 from scheduler.bench.output import progress, save_png, write_whole
 from scheduler.bench.spreads import ratio_spread, rotated, spread
+from workers.backend import backend_fingerprint
 from workers.burst import BurstSettings, default_k
 from workers.drafters import Drafter, load_drafter, load_mtp_drafter
 from workers.engine import Engine, Finished, Job, Tokens
@@ -357,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "model": args.model,
         "device": str(mx.default_device()),
-        "device_name": mx.device_info().get("device_name", "") if hasattr(mx, "device_info") else "",
+        "device_name": backend_fingerprint()["device_name"],
         "k": report_k,
     }
     progress(f"bench-bursts: verify cost per level, K = {args.ks}")

@@ -141,7 +141,7 @@ def _main(args: argparse.Namespace) -> int:
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
     from workers import compiled_layers, fastpath, qmv_launch
-    from workers.backend import configure_attention
+    from workers.backend import backend_fingerprint, configure_attention
     from workers.engine import Engine
     from workers.models import load
     from workers.startup import EngineSettings, buffer_cache_limit
@@ -204,7 +204,7 @@ def _main(args: argparse.Namespace) -> int:
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
-    device_name = str(mx.device_info().get("device_name", "")) if hasattr(mx, "device_info") else ""
+    device_name = backend_fingerprint()["device_name"]
     given = getattr(args, "bandwidth_gbs", None) or None
     gb_per_s = given or known_bandwidth(device_name)
     bandwidth_source = (
