@@ -84,7 +84,9 @@ class AdmissionWaves:
                 self.since = now
             self.last = now
         self.held += fresh
-        if len(self.held) >= self.wave or self._groups_whole() or (self.since is not None and now >= self._due(busy)):
+        # Only an arrival can make the held groups whole: iterations with none skip the count.
+        whole = bool(fresh) and self._groups_whole()
+        if len(self.held) >= self.wave or whole or (self.since is not None and now >= self._due(busy)):
             return self._release([])
         self.delayed += len(fresh)
         return []
