@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -138,7 +139,8 @@ def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str
         "wall_ms": 1e3 * wall,
         "engine": steps,
         # Issue 15's streaming bound: the median gap between a request's tokens over the decode step.
-        "gap_over_step": statistics.median(r["gap_median_ms"] for r in requests) / step_ms if step_ms else None,
+        # NaN where no decode step ran (--tokens 1): the print and the medians then still work.
+        "gap_over_step": statistics.median(r["gap_median_ms"] for r in requests) / step_ms if step_ms else math.nan,
         "outside_steps_ms": 1e3 * (wall - steps["step_seconds"]),
         "loop_iterations": loop["iterations"],
         "emit_ms": 1e3 * loop["emit_seconds"],
