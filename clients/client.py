@@ -37,6 +37,9 @@ from clients.protocol import (
 #: daemon that goes away ends them with ``daemon_gone``.
 DEFAULT_CALL_TIMEOUT = 10.0
 
+#: One ``generate_many`` job's place in its list with ``return_errors``: its result or its error.
+Outcome = Result | RequestError | TimeoutError
+
 
 class AsyncClient(Connection):
     """Use as ``async with AsyncClient(addr) as client: await client.generate("...")``."""
@@ -212,7 +215,7 @@ class AsyncClient(Connection):
         *,
         concurrency: int | None = None,
         return_errors: Literal[True],
-    ) -> list[Result | RequestError | TimeoutError]: ...
+    ) -> list[Outcome]: ...
 
     async def generate_many(
         self,
@@ -220,7 +223,7 @@ class AsyncClient(Connection):
         *,
         concurrency: int | None = None,
         return_errors: bool = False,
-    ) -> list[Result] | list[Result | RequestError | TimeoutError]:
+    ) -> list[Result] | list[Outcome]:
         """Run many jobs at once on this connection; each is ``generate``'s keyword arguments
         (``{"prompt": "...", "max_tokens": 64}``), and the results come back in the order given.
 
@@ -245,7 +248,7 @@ class AsyncClient(Connection):
             for job in jobs[:first]:
                 job["group"] = (name, first)
         limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
-        results: list[Result | RequestError | TimeoutError | None] = [None] * len(jobs)
+        results: list[Outcome | None] = [None] * len(jobs)
         failure: list[BaseException] = []
 
         async def run(i: int, group: TaskGroup) -> None:
@@ -305,4 +308,4 @@ async def _next_message(recv: MemoryObjectReceiveStream[dict[str, Any]], deadlin
         return await recv.receive()
 
 
-__all__ = ["DEFAULT_CALL_TIMEOUT", "AsyncClient", "RequestError", "address_problem"]
+__all__ = ["DEFAULT_CALL_TIMEOUT", "AsyncClient", "Outcome", "RequestError", "address_problem"]

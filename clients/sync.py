@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar, overload
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from clients.client import AsyncClient
+from clients.client import AsyncClient, Outcome
 from clients.events import ClientError, Event, RequestError, Result
 from clients.protocol import ErrorCode
 
@@ -250,11 +250,11 @@ class Client:
         *,
         concurrency: int | None = None,
         return_errors: Literal[True],
-    ) -> list[Result | RequestError | TimeoutError]: ...
+    ) -> list[Outcome]: ...
 
     def generate_many(
         self, requests: Iterable[Mapping[str, Any]], *, concurrency: int | None = None, return_errors: bool = False
-    ) -> list[Result] | list[Result | RequestError | TimeoutError]:
+    ) -> list[Result] | list[Outcome]:
         """See ``AsyncClient.generate_many``: every job is sent from the client's one event loop, so a
         batch reaches the daemon together (threads each calling ``generate`` spread their sends)."""
         jobs = list(requests)
