@@ -115,8 +115,17 @@ def signal_to_wire(sig: Signal) -> dict[str, Any]:
         }
     if isinstance(sig, StepInfo):
         return {"t": "step", "kind": sig.kind, "seconds": sig.seconds, "batch_size": sig.batch_size}
-    if isinstance(sig, Finished):
-        return {"t": "finished", **asdict(sig), "reason": str(sig.reason)}
+    if isinstance(sig, Finished):  # every request sends one, on the engine thread: spelled out too
+        return {
+            "t": "finished",
+            "seq": sig.seq,
+            "reason": str(sig.reason),
+            "prompt_tokens": sig.prompt_tokens,
+            "completion_tokens": sig.completion_tokens,
+            "timings": sig.timings.as_dict(),
+            "error_code": sig.error_code,
+            "error_message": sig.error_message,
+        }
     if isinstance(sig, Ready):
         return {"t": "ready", "info": {**asdict(sig.info), "eos_token_ids": list(sig.info.eos_token_ids)}}
     if isinstance(sig, Stopped):

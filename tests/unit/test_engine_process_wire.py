@@ -35,7 +35,10 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         stop_token_ids=(4, 5),
         logprobs=True,
         received_at=123.25,
+        cache_salt="tenant-a",
         top_logprobs=20,
+        group="c0ffee/g",
+        group_size=3,
     )
     assert job_from_wire(unpack(pack(job_to_wire(job)))) == job
     settings = EngineSettings(
@@ -57,6 +60,8 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         Dead("trace"),
     ]
     for sig in signals:
+        if isinstance(sig, (Tokens, StepInfo, Finished)):  # spelled out field by field: none left behind
+            assert set(signal_to_wire(sig)) - {"t"} == {f.name for f in fields(sig)}
         back = signal_from_wire(unpack(pack(signal_to_wire(sig))), lambda i: None)
         assert back == sig
         if isinstance(back, Finished):
@@ -67,6 +72,18 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
             assert type(back.kind) is StepKind
     ready = signal_from_wire(unpack(pack(signal_to_wire(Ready(info, "tok")))), lambda i: f"tokenizer of {i.name}")
     assert isinstance(ready, Ready) and ready.info == info and ready.tokenizer == "tokenizer of m"
+
+
+def test_a_plain_job_shares_no_list_with_its_job() -> None:
+    """The plain map is built field by field (not deep-copied): its prompt and stop ids are still
+    copies, so whoever holds the map (a plan, the command queue) cannot change the job."""
+    job = Job(seq=1, prompt=[1, 2, 3], max_tokens=4, stop_token_ids=(7,))
+    plain = job_to_wire(job)
+    plain["prompt"].append(99)
+    plain["stop_token_ids"].append(98)
+    plain["sampling"]["temperature"] = 1.0
+    assert job.prompt == [1, 2, 3] and job.stop_token_ids == (7,) and job.sampling.temperature == 0.0
+    assert job_from_wire(job_to_wire(job)) == job
 
 
 def test_the_engines_sampling_params_carry_every_wire_sampling_option() -> None:
