@@ -34,6 +34,9 @@ class Setup:
     #: The raw arm runs only up to this B (``None``: at every B). On MLX CUDA its stock path costs
     #: 30 s per run at B = 128 and is flat past B = 32.
     raw_max_batch: int | None = None
+    #: With ``min_seconds``, a batch size runs further repeats (all its arms, rotated as before) until
+    #: every arm's timed runs add up to this many seconds, up to ``MAX_REPEATS_FACTOR`` x ``repeats``.
+    min_seconds: float = 0.0
 
     def batched_arms(self, batch: int) -> list[str]:
         """The arms measured at ``batch`` among ``arms``."""
@@ -41,6 +44,18 @@ class Setup:
 
     def arms_at(self, batch: int) -> list[str]:
         return [*self.batched_arms(batch), *(self.b1_arms if batch == 1 else ())]
+
+    def wants_repeat(self, seconds: dict[tuple[str, int], float], batch: int, done: int) -> bool:
+        """Whether ``batch`` runs another repeat after ``done``: always up to ``repeats``; then, with
+        ``min_seconds``, while an arm's timed runs add up to less. A one-second run (B = 1 on a GPU)
+        moves with the host's step-to-step drift (on the H200, 4.4-7.5 ms a B = 1 step within
+        minutes), which three such runs' median does not settle; a run of many seconds already
+        averages it, so only the cheap batch sizes get the extra repeats."""
+        if done < self.repeats:
+            return True
+        if done >= MAX_REPEATS_FACTOR * self.repeats:
+            return False
+        return any(seconds.get((arm, batch), 0.0) < self.min_seconds for arm in self.arms_at(batch))
 
     def finished(self, samples: dict[tuple[str, int], list[float]]) -> list[int]:
         """The batch sizes whose every arm has all its repeats."""
@@ -56,6 +71,9 @@ class Setup:
             return None
         return reference_line(self.weight_bytes, self.kv_bytes_per_token, self.context, batch, self.gb_per_s)
 
+
+#: ``Setup.min_seconds`` adds repeats up to this many times ``Setup.repeats``.
+MAX_REPEATS_FACTOR = 4
 
 #: The batched table's ratios: (key, arm, base).
 RATIOS = (
@@ -73,8 +91,8 @@ def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> l
     (``ratio_spread``)."""
     rows = []
     for b in setup.finished(samples):
-        row: dict[str, Any] = {"batch": b}
         arms = setup.batched_arms(b)
+        row: dict[str, Any] = {"batch": b, "repeats": min(len(samples[(arm, b)]) for arm in arms)}
         for arm in arms:
             row[f"{arm}_tok_s"] = statistics.median(samples[(arm, b)])
             row[f"{arm}_spread"] = spread(samples[(arm, b)])
@@ -131,10 +149,13 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         return "| " + " | ".join(cells) + " |"
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *(line(r) for r in rows)]
-    notes = [
-        f"tok/s: median of {meta.get('repeats', '?')} repeats (min-max); a ratio: ratio of the medians "
-        "(the range its two arms' samples allow)."
-    ]
+    counts = {r["batch"]: r.get("repeats", meta.get("repeats", "?")) for r in rows}
+    if len(set(counts.values())) > 1:
+        by_b = ", ".join(f"B = {b}: {n}" for b, n in counts.items())
+        how = f"median of each B's repeats ({by_b}; --min-seconds {meta.get('min_seconds', 0):g})"
+    else:
+        how = f"median of {next(iter(counts.values()))} repeats"
+    notes = [f"tok/s: {how} (min-max); a ratio: ratio of the medians (the range its two arms' samples allow)."]
     if roof:
         weights = int(meta["weight_bytes"])
         gb_s = float(meta["bandwidth_gb_s"])

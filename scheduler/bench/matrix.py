@@ -221,6 +221,7 @@ def _main(args: argparse.Namespace) -> int:
         ),
         b1_arms=tuple(b1_arms),
         repeats=args.repeats,
+        min_seconds=args.min_seconds,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=loaded.info.kv_bytes_per_token,
         context=args.prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
@@ -238,6 +239,7 @@ def _main(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens,
         "prompts": args.prompts,
         "repeats": args.repeats,
+        "min_seconds": args.min_seconds,
         "context": setup.context,
         "drafters": drafters,
         "process_pin": args.process_pin,
@@ -338,6 +340,7 @@ def _main(args: argparse.Namespace) -> int:
             return counts, gates
 
         total = args.repeats * sum(len(setup.arms_at(b)) for b in batches)
+        seconds: dict[tuple[str, int], float] = {}  # each arm's timed seconds at each B (--min-seconds)
         done = 0
         for b in batches:
             if b != 1:  # B = 1 ran its measured shape above
@@ -348,7 +351,10 @@ def _main(args: argparse.Namespace) -> int:
                     wait_idle(clients)
                     run(arm, wave, min(8, args.tokens))
                     mx.clear_cache()
-            for rep in range(args.repeats):
+            rep = 0
+            while setup.wants_repeat(seconds, b, rep):
+                if rep >= args.repeats:  # a repeat --min-seconds added
+                    total += len(setup.arms_at(b))
                 prompts = prompts_for(b, seed=1000 * b + rep)
                 for position, arm in enumerate(rotated(setup.arms_at(b), rep)):
                     wait_idle(clients)
@@ -358,6 +364,7 @@ def _main(args: argparse.Namespace) -> int:
                     after_steps = counters(arm)
                     after_bursts = burst_counts(daemon_bursts(clients[arm])) if arm in b1_arms else None
                     samples.setdefault((arm, b), []).append(n / wall)
+                    seconds[(arm, b)] = seconds.get((arm, b), 0.0) + wall
                     runs.append(
                         {
                             "batch": b,
@@ -385,16 +392,15 @@ def _main(args: argparse.Namespace) -> int:
                     done += 1
                     rounds = runs[-1]["bursts"]
                     progress(
-                        f"bench [{done}/{total}] B = {b}, repeat {rep + 1}/{args.repeats}, {arm}: "
+                        f"bench [{done}/{total}] B = {b}, repeat {rep + 1}/{max(rep + 1, args.repeats)}, {arm}: "
                         f"{n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s"
                         + ("" if rounds is None else f", {rounds['rounds']:.0f} burst rounds")
                     )
-                if b == 1 and b1_arms and rep + 1 < args.repeats:
+                rep += 1
+                if b == 1 and b1_arms and setup.wants_repeat(seconds, b, rep):
                     # The burst table so far, so that a run an outer timeout stops keeps its B = 1 rows.
                     counts, gates = b1_state()
-                    write_b1_table(
-                        samples, setup, {**meta, "repeats_done": rep + 1}, out, counts, verdicts, runs, gates
-                    )
+                    write_b1_table(samples, setup, {**meta, "repeats_done": rep}, out, counts, verdicts, runs, gates)
             if b == 1 and b1_arms:
                 counts, gates = b1_state()
             write_tables(samples, setup, meta, out, counts, verdicts, runs, gates)

@@ -71,6 +71,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument(
+        "--min-seconds",
+        type=non_negative_float,
+        default=0.0,
+        help="after --repeats, repeat a batch size (all its arms) until each arm's timed runs add up to this "
+        "many seconds, at most 4x --repeats: cheap batch sizes get more repeats (default 0: off)",
+    )
+    p.add_argument(
         "--out", default=BENCH_OUT, help=f"folder for JSON, Markdown and PNG results (default ./{BENCH_OUT})"
     )
     p.add_argument(

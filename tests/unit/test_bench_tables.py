@@ -347,3 +347,33 @@ def test_demo_prompts_are_the_demo_commands_text_through_the_served_tokenizer() 
     assert text_prompts(tokenizer, DEMO_PROMPTS, 1, seed=4) == [got[1]]
     assert build_parser().parse_args(["bench"]).prompts == "random"
     assert build_parser().parse_args(["bench", "--prompts", "demo"]).prompts == "demo"
+
+
+def test_min_seconds_repeats_the_cheap_batch_sizes_until_every_arm_has_its_seconds() -> None:
+    """``--min-seconds``: the fixed repeats always run; then a B repeats while any of its arms (the
+    B = 1 burst arms included) has timed fewer seconds, at most 4x the repeats; off at 0."""
+    setup = Setup((1, 64), ("raw", "engine", "daemon"), ("bursts:pl",), repeats=3, min_seconds=6.0)
+    seconds = {(arm, 1): 3 * 0.9 for arm in ("raw", "engine", "daemon", "bursts:pl")}
+    assert setup.wants_repeat({}, 1, 0) and setup.wants_repeat({}, 1, 2)
+    assert setup.wants_repeat(seconds, 1, 3)  # 2.7 s each after three one-second runs
+    seconds = {key: 6.3 for key in seconds} | {("bursts:pl", 1): 5.9}
+    assert setup.wants_repeat(seconds, 1, 7)  # one arm short of its seconds keeps B = 1 going
+    seconds[("bursts:pl", 1)] = 6.0
+    assert not setup.wants_repeat(seconds, 1, 7)
+    assert not setup.wants_repeat({}, 1, 12)  # the cap: 4 x 3 repeats
+    long_runs = {(arm, 64): 3 * 28.0 for arm in ("raw", "engine", "daemon")}
+    assert not setup.wants_repeat(long_runs, 64, 3)  # long runs: the three repeats only
+    off = Setup((1,), ("raw", "daemon"), repeats=3)
+    assert off.wants_repeat({}, 1, 2) and not off.wants_repeat({}, 1, 3)
+
+
+def test_the_table_says_how_many_repeats_each_batch_size_ran() -> None:
+    arms = ("raw", "engine", "daemon")
+    setup = Setup((1, 32), arms, repeats=3, min_seconds=6.0)
+    samples = _samples({32: list(arms)}, 3) | _samples({1: list(arms)}, 7)
+    rows = batched_rows(samples, setup)
+    assert [(r["batch"], r["repeats"]) for r in rows] == [(1, 7), (32, 3)]
+    md = batched_markdown(rows, {"repeats": 3, "min_seconds": 6.0})
+    assert "median of each B's repeats (B = 1: 7, B = 32: 3; --min-seconds 6)" in md
+    even = batched_markdown(batched_rows(_samples({32: list(arms)}, 3), setup), {"repeats": 3})
+    assert "median of 3 repeats" in even
