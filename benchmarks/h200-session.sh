@@ -28,7 +28,9 @@
 # call: TOKENS=192 BATCHES=1,4,8,16,32,64 (about 480 s warm; 256 tokens needs about 600 s); POISSON=4 adds the
 # Poisson arrivals' TTFT/ITL to the same run (issue 15 asks for every target in one run: with TOKENS=128
 # BATCHES=1,4,8,16,32,64 the matrix took 452 s in section 30, so MT=588 BUDGET=592 on a warm machine).
-#   The Poisson requests ask for POISSON_TOKENS (64, issue 15's outputs) each, whatever TOKENS is.
+#   The Poisson requests ask for POISSON_TOKENS (64, issue 15's outputs) each, whatever TOKENS is. MINS (5): each
+#   B repeats until every arm has timed that many seconds (at most 12 repeats): B = 1-8's one-second runs
+#   get 4-8 repeats (~30 s more in all at TOKENS=128; the full matrix took 508-553 s in section 34 without).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
 # greedy output that repeats itself), B = 1 through the daemon, 512 tokens; the B = 1 table gives the
@@ -144,8 +146,8 @@ elif [ "$PART" = c ]; then
 elif [ "$PART" = m ]; then
   dargs=(); [ -n "${DARGS:-}" ] && dargs=(--daemon-args="$DARGS")
   step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
-    --tokens "${TOKENS:-64}" --repeats 3 --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" --bandwidth-gbs 4800 \
-    --poisson-tokens "${POISSON_TOKENS:-64}" --out "$R/matrix" \
+    --tokens "${TOKENS:-64}" --repeats 3 --min-seconds "${MINS:-5}" --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" \
+    --bandwidth-gbs 4800 --poisson-tokens "${POISSON_TOKENS:-64}" --out "$R/matrix" \
     "${dargs[@]}"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
