@@ -127,6 +127,7 @@ def processes(daemon_pid: int) -> dict[str, int]:
 
 def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str, int]) -> dict[str, Any]:
     before = client.stats()["engine"]
+    started_at = time.time()  # wall-clock, to line a repeat up with a log of the GPU's clocks
     cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()}
     requests, wall = streamed(client.address, prompts, tokens)
     cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()}
@@ -136,6 +137,7 @@ def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str
     step_ms = 1e3 * steps["decode_seconds"] / max(1, steps["decode_steps"])
     return {
         "batch": len(prompts),
+        "started_at": started_at,
         "wall_ms": 1e3 * wall,
         "engine": steps,
         # Issue 15's streaming bound: the median gap between a request's tokens over the decode step.

@@ -25,7 +25,16 @@ step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; pri
   echo "== $name rc=$? at $((SECONDS - START)) s"; tail -"${TAIL:-6}" "$R/$name.log"
 }
 [ -f /tmp/m8b/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit --out /tmp/m8b >/dev/null || exit 4
+# The GPU's clocks, power and load every 0.5 s for the whole call (gpu.csv): whether a step that moves
+# between runs (section 34: a B = 1 step at 4.4 ms in one run, 7.5 in the next) moves with the clocks.
+GPULOG_PID=
+if [ "${GPULOG:-1}" = 1 ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv,nounits -lms 500 > "$R/gpu.csv" 2>/dev/null &
+  GPULOG_PID=$!
+fi
 finish() { # what every call brings back besides its steps' output: the kernel plans and MLX's compiled kernels
+  [ -n "$GPULOG_PID" ] && kill "$GPULOG_PID" 2>/dev/null
   rm -f "$R"/*/*.png
   find /tmp/mbc -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
   tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null

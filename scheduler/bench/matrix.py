@@ -42,6 +42,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -360,6 +361,7 @@ def _main(args: argparse.Namespace) -> int:
                     wait_idle(clients)
                     before_steps = counters(arm)
                     before_bursts = burst_counts(daemon_bursts(clients[arm])) if arm in b1_arms else None
+                    started_at = time.time()
                     n, wall = run(arm, prompts, args.tokens)
                     after_steps = counters(arm)
                     after_bursts = burst_counts(daemon_bursts(clients[arm])) if arm in b1_arms else None
@@ -370,6 +372,9 @@ def _main(args: argparse.Namespace) -> int:
                             "batch": b,
                             "repeat": rep,
                             "position": position,
+                            # Wall-clock start (Unix seconds): to line a run up with a log of the GPU's
+                            # clocks (the device scripts' gpu.csv).
+                            "started_at": started_at,
                             "arm": arm,
                             "tokens": n,
                             "seconds": wall,
