@@ -293,6 +293,41 @@ def test_bench_via_http_measures_the_daemon_through_its_http_door(
     assert (out / "daemon_vs_raw.png").stat().st_size > 0
 
 
+def args_of(model: Path, out: Path) -> list[str]:
+    """A small matrix: B = 1 and 2, four tokens, one repeat."""
+    return [
+        *("bench", "--model", str(model), "--batch-sizes", "1,2", "--tokens", "4", "--prompt-tokens", "4"),
+        *("--repeats", "1", "--out", str(out)),
+    ]
+
+
+def test_bench_min_seconds_repeats_each_batch_size_up_to_its_cap(tiny_model: Path, tmp_path: Path) -> None:
+    """``--min-seconds`` far above what any run takes: every B runs its arms, rotated, until the cap (4x
+    ``--repeats``); every run is a fresh timed sample with its wall-clock start, and the table and JSON
+    say how many repeats each B ran. Far below: the fixed repeats only."""
+    out = tmp_path / "bench"
+    args = build_parser().parse_args([*args_of(tiny_model, out), "--min-seconds", "1000"])
+    assert args.func(args) == 0
+    report = json.loads((out / "daemon_vs_raw.json").read_text())
+    assert report["meta"]["min_seconds"] == 1000 and report["meta"]["complete"] is True
+    assert [(r["batch"], r["repeats"]) for r in report["rows"]] == [(1, 4), (2, 4)]
+    runs = report["runs"]
+    for b in (1, 2):
+        mine = [x for x in runs if x["batch"] == b]
+        assert sorted((x["arm"], x["repeat"]) for x in mine) == sorted(
+            (arm, rep) for arm in ("raw", "engine", "daemon") for rep in range(4)
+        )
+        assert {x["arm"] for x in mine if x["position"] == 0} == {"raw", "engine", "daemon"}  # rotated
+    starts = [x["started_at"] for x in runs]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert "median of 4 repeats" in (out / "daemon_vs_raw.md").read_text()
+    # A microsecond is met by any run: no repeat past --repeats (the runs' seconds are counted).
+    args = build_parser().parse_args([*args_of(tiny_model, out), "--min-seconds", "0.000001"])
+    assert args.func(args) == 0
+    report = json.loads((out / "daemon_vs_raw.json").read_text())
+    assert [(r["batch"], r["repeats"]) for r in report["rows"]] == [(1, 1), (2, 1)] and len(report["runs"]) == 6
+
+
 PREFIX_FLAGS = (
     *("--prefix-tokens", "48", "--suffix-tokens", "8", "--warm-requests", "2", "--chat-turns", "3"),
     *("--chat-system-tokens", "24", "--chat-user-tokens", "8", "--chat-answer-tokens", "6"),
