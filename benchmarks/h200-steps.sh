@@ -32,6 +32,7 @@ if [ "${GPULOG:-1}" = 1 ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv,nounits -lms 500 > "$R/gpu.csv" 2>/dev/null &
   GPULOG_PID=$!
+  trap '[ -n "$GPULOG_PID" ] && kill "$GPULOG_PID" 2>/dev/null' EXIT  # also when a script ends without finish
 fi
 finish() { # what every call brings back besides its steps' output: the kernel plans and MLX's compiled kernels
   [ -n "$GPULOG_PID" ] && kill "$GPULOG_PID" 2>/dev/null
