@@ -45,7 +45,15 @@ from clients.events import EndEvent  # noqa: E402
 from scheduler.bench.arms import random_prompts  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
 
-COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps")
+COUNTERS = (
+    "steps",
+    "step_seconds",
+    "step_cpu_seconds",
+    "step_preemptions",
+    "decode_steps",
+    "decode_seconds",
+    "prefill_steps",
+)
 
 
 async def one(
@@ -189,7 +197,8 @@ def main() -> int:
                 print(
                     f"B={b} repeat {rep + 1}/{a.repeats}: wall {row['wall_ms']:.1f} ms; engine {e['steps']} steps in "
                     f"{1e3 * e['step_seconds']:.1f} ms ({e['decode_steps']} decode, "
-                    f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each); outside the steps "
+                    f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each; engine thread's CPU "
+                    f"{1e3 * e['step_cpu_seconds']:.1f} ms of them, preempted {e['step_preemptions']}x); outside the steps "
                     f"{row['outside_steps_ms']:.1f} ms, of which handing events over {row['emit_ms']:.1f} ms in "
                     f"{row['loop_iterations']} loop iterations; median gap / decode step {row['gap_over_step']:.3f}; "
                     "CPU ms a token: "

@@ -86,6 +86,18 @@ _ENGINE: tuple[tuple[_Family, str, str, Callable[[EngineSnapshot], float]], ...]
         "Seconds spent in batched decode steps",
         lambda e: e["decode_seconds"],
     ),
+    (
+        CounterMetricFamily,
+        "step_cpu_seconds",
+        "CPU seconds the engine thread ran inside its steps (near the step seconds: the host sets the step)",
+        lambda e: e["step_cpu_seconds"],
+    ),
+    (
+        CounterMetricFamily,
+        "step_preemptions",
+        "Times the OS gave the engine thread's CPU to another thread inside a step (0 where not counted)",
+        lambda e: e["step_preemptions"],
+    ),
     (CounterMetricFamily, "prefill_steps", "Engine steps that ran a prefill chunk", lambda e: e["prefill_steps"]),
     (
         CounterMetricFamily,

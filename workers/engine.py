@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from workers import compiled_layers, fastpath, faults, mlxlm, plan_timing
+from workers import compiled_layers, fastpath, faults, mlxlm, plan_timing, thread_clock
 from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
@@ -332,8 +332,10 @@ class Engine:
             prefilling, queued = mlxlm.prefill_lengths(self._gen)
             size = wave_size(prefilling, queued, self.prefill_batch, self.prefill_tokens, self.prefill_step)
             self._gen.prefill_batch_size = size
+        clock = thread_clock.read()
         with unpinned("serving") if chain is None else self.pinned(chain, "classic"):
             prompt_responses, gen_responses = self._gen.next()
+        used = thread_clock.read()
         now = time.monotonic()
         level = process_level()
         if level is not Level.WIDE:
@@ -341,6 +343,8 @@ class Engine:
         self.counters.peak_batch_size = max(self.counters.peak_batch_size, self.batch_size())
         self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - tic
+        self.counters.step_cpu_seconds += used.cpu_seconds - clock.cpu_seconds
+        self.counters.step_preemptions += used.preemptions - clock.preemptions
         if decoding:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic

@@ -193,6 +193,11 @@ class EngineCounters:
     #: chunk too): with ``decode_steps``, how a run's time splits.
     steps: int = 0
     step_seconds: float = 0.0
+    #: The engine thread's CPU seconds inside those steps, and the times the OS gave its CPU to another
+    #: thread meanwhile (``workers.thread_clock``: 0 where the OS does not count them, macOS): CPU
+    #: seconds near ``step_seconds`` mean the host, not the device, sets the step.
+    step_cpu_seconds: float = 0.0
+    step_preemptions: int = 0
     step_errors: int = 0
     peak_batch_size: int = 0
     #: Steps that ran a prefill chunk, and steps in which a sequence of the decode batch finished:
@@ -212,6 +217,8 @@ class EngineCounters:
             "decode_seconds": self.decode_seconds,
             "steps": self.steps,
             "step_seconds": self.step_seconds,
+            "step_cpu_seconds": self.step_cpu_seconds,
+            "step_preemptions": self.step_preemptions,
             "step_errors": self.step_errors,
             "peak_batch_size": self.peak_batch_size,
             "prefill_steps": self.prefill_steps,

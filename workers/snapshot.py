@@ -36,6 +36,8 @@ class CountersSnapshot(TypedDict):
     decode_seconds: float
     steps: int
     step_seconds: float
+    step_cpu_seconds: float
+    step_preemptions: int
     step_errors: int
     peak_batch_size: int
     prefill_steps: int

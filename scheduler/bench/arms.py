@@ -53,12 +53,29 @@ def run_raw(model: Any, eos: list[int], prompts: list[list[int]], max_tokens: in
     return produced, wall
 
 
-STEP_COUNTERS = ("steps", "step_seconds", "decode_steps", "decode_seconds", "prefill_steps", "finish_steps")
+STEP_COUNTERS = (
+    "steps",
+    "step_seconds",
+    "step_cpu_seconds",
+    "step_preemptions",
+    "decode_steps",
+    "decode_seconds",
+    "prefill_steps",
+    "finish_steps",
+)
+#: A daemon's engine loop (``stats.engine.loop``): its iterations and the seconds its engine thread
+#: spent handing events to the front end (no such loop in the engine-alone arm).
+LOOP_COUNTERS = ("iterations", "emit_seconds")
 
 
 def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:
-    """The engine's step counters from its stats (``stats.engine`` or ``asdict(counters)``)."""
-    return {k: engine_stats.get(k, 0) for k in STEP_COUNTERS}
+    """The engine's step counters from its stats (``stats.engine`` or ``asdict(counters)``), with a
+    daemon's loop counters where its stats have them."""
+    counters = {k: engine_stats.get(k, 0) for k in STEP_COUNTERS}
+    loop = engine_stats.get("loop")
+    if loop:
+        counters |= {k: loop.get(k, 0) for k in LOOP_COUNTERS}
+    return counters
 
 
 def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:

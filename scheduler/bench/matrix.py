@@ -51,7 +51,6 @@ from scheduler.affinity import allowed_cpus, running_on
 from scheduler.bench.arms import (
     HTTP_ARMS,
     RUN_BURST_KEYS,
-    STEP_COUNTERS,
     burst_counts,
     daemon_bursts,
     drafter_args,
@@ -385,7 +384,7 @@ def _main(args: argparse.Namespace) -> int:
                             # daemon slower than the engine alone shows here as more or slower steps.
                             "engine_steps": None
                             if before_steps is None or after_steps is None
-                            else {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS},
+                            else {k: after_steps[k] - before_steps[k] for k in after_steps},
                             # A drafter arm's rounds in this run and their seconds: one slow round
                             # (a kernel compiled mid-run, say) shows in the run it slowed.
                             "bursts": None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.bench.arms import STEP_COUNTERS, random_prompts, run_daemon, step_counters, wait_idle
+from scheduler.bench.arms import random_prompts, run_daemon, step_counters, wait_idle
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.prefix_report import (
     PREFIX_TARGETS,
@@ -340,7 +340,7 @@ def _prefix_throughput(
             after_steps = step_counters(clients[arm].stats()["engine"])
             samples.setdefault(arm, []).append(n / wall)
             # The engine's own steps during the run: wall time beyond them is the daemon's, not the engine's.
-            steps = {k: after_steps[k] - before_steps[k] for k in STEP_COUNTERS}
+            steps = {k: after_steps[k] - before_steps[k] for k in after_steps}
             runs.append({"repeat": rep, "position": position, "arm": arm, "tokens": n, "seconds": wall, "steps": steps})
             step(f"B = {plan.batch}, repeat {rep + 1}/{plan.repeats}, {arm}: {n / wall:.1f} tok/s")
     moved = _delta(prefix_counters(clients["cache"]), before)

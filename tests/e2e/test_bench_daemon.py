@@ -111,6 +111,10 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
         else:
             assert steps["steps"] >= steps["decode_steps"] >= r["tokens"] / r["batch"] - 1, r
             assert steps["step_seconds"] >= steps["decode_seconds"] > 0, r
+            assert 0 < steps["step_cpu_seconds"] <= steps["step_seconds"] + 1e-3, r  # the engine thread's own
+            # a daemon's engine loop: its iterations and hand-over seconds; the engine alone has no loop
+            assert (r["arm"] == "engine") == ("emit_seconds" not in steps), r
+            assert r["arm"] == "engine" or (steps["iterations"] >= steps["steps"] and steps["emit_seconds"] > 0), r
     assert firsts == {"raw", "engine", "daemon", "daemon_process_pin", "bursts:prompt-lookup"}
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])

@@ -49,3 +49,17 @@ def test_warm_up_runs_a_lone_sequence_and_a_padded_batch(target: Any) -> None:
     snap = engine.counters.snapshot()
     assert not engine.has_work and snap["peak_batch_size"] == 2
     assert snap["finish_steps"] == 3  # the lone one, then the two ends a step apart
+
+
+def test_the_engine_thread_s_cpu_inside_its_steps(target: Any) -> None:
+    """Each step adds the engine thread's own CPU seconds (never more than the steps' wall seconds: one
+    thread cannot run longer than it exists) and its involuntary switches (counted on Linux)."""
+    from workers import thread_clock
+
+    engine = Engine(target, eos_token_ids=(), vocab_size=260)
+    engine.submit(Job(seq=1, prompt=[5, 6, 7, 8], max_tokens=6))
+    drain(engine)
+    snap = engine.counters.snapshot()
+    assert 0 < snap["step_cpu_seconds"] <= snap["step_seconds"] + 1e-3
+    assert isinstance(snap["step_preemptions"], int) and snap["step_preemptions"] >= 0
+    assert thread_clock.counts_preemptions() == hasattr(__import__("resource"), "RUSAGE_THREAD")

@@ -64,6 +64,8 @@ def stats_snapshot(
             "decode_seconds": 0.25,
             "steps": 12,
             "step_seconds": 0.3,
+            "step_cpu_seconds": 0.2,
+            "step_preemptions": 3,
             "step_errors": 0,
             "peak_batch_size": 4,
             "prefill_steps": 2,

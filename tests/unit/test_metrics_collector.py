@@ -30,6 +30,8 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
     assert got[("mlx_batchd_decode_seconds_total", ())] == engine["decode_seconds"]
     assert got[("mlx_batchd_prefill_steps_total", ())] == engine["prefill_steps"] == 2
     assert got[("mlx_batchd_finish_steps_total", ())] == engine["finish_steps"] == 1
+    assert got[("mlx_batchd_step_cpu_seconds_total", ())] == engine["step_cpu_seconds"] == 0.2
+    assert got[("mlx_batchd_step_preemptions_total", ())] == engine["step_preemptions"] == 3
     assert got[("mlx_batchd_prefix_cache_hits_total", ())] == engine["prefix_cache"].get("hit_tokens")
     assert got[("mlx_batchd_mlx_memory_bytes", (("kind", "peak"),))] == engine["memory"]["peak_bytes"]
     assert got[("mlx_batchd_burst_accepted_tokens_total", (("drafter", "prompt-lookup"),))] == 300
