@@ -14,6 +14,8 @@ from scheduler.engine_process import (
     settings_to_wire,
     signal_from_wire,
     signal_to_wire,
+    signals_from_wire,
+    signals_to_wire,
     unpack,
 )
 from workers.burst import BurstSettings
@@ -93,3 +95,44 @@ def test_the_engines_sampling_params_carry_every_wire_sampling_option() -> None:
     wire = {f.name: f.default for f in fields(SamplingOptions)}
     assert {f.name: f.default for f in fields(SamplingParams)} == wire
     assert job_to_wire(Job(seq=1, prompt=[1], max_tokens=1))["sampling"] == wire
+
+
+def test_a_step_s_plain_tokens_cross_as_one_map_of_columns_in_order() -> None:
+    """A decode step's one-token events travel as one map of columns (what keeps a B = 128 step's
+    hand-over cheap); anything else between them splits the run and keeps its place, so every event
+    comes back equal, typed and in order."""
+    step = StepInfo(StepKind.DECODE, 0.03, 6)
+    plain = [Tokens(seq, [100 + seq]) for seq in range(6)]
+    wire = signals_to_wire([step, *plain])
+    assert [d["t"] for d in wire] == ["step", "tokens_run"]
+    assert wire[1]["seq"] == list(range(6)) and wire[1]["token"] == [100 + s for s in range(6)]
+    assert wire[1]["logprob"] is None
+
+    end = Finished(2, FinishReason.LENGTH, 4, 3, Timings(0.1, 0.2, 0.3, 0.4))
+    signals = [
+        step,
+        Tokens(1, [7], [-0.25]),
+        Tokens(2, [8]),  # no logprobs next to one that has them
+        end,
+        Tokens(3, [9], [-1.0]),  # a run of one: as itself
+        Tokens(4, [10, 11], [-0.5, -0.75], TokenMode.BURST),
+        Tokens(5, [12], None, TokenMode.BATCHED, [[(12, -0.1), (13, -2.5)]]),
+        Tokens(6, [14]),
+        Tokens(7, [15]),
+        Stopped(),
+    ]
+    wire = signals_to_wire(signals)
+    assert [d["t"] for d in wire] == [
+        "step",
+        "tokens_run",
+        "finished",
+        "tokens",
+        "tokens",
+        "tokens",
+        "tokens_run",
+        "stopped",
+    ]
+    back = signals_from_wire(unpack(pack({"events": wire}))["events"], lambda i: None)
+    assert back == signals
+    assert all(type(s.mode) is TokenMode for s in back if isinstance(s, Tokens))
+    assert signals_from_wire(signals_to_wire([]), lambda i: None) == []
