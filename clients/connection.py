@@ -12,7 +12,6 @@ checked before connecting and again on every new connection. The calls themselve
 
 from __future__ import annotations
 
-import math
 import os
 from types import TracebackType
 from typing import Any, Self
@@ -21,11 +20,11 @@ import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from clients.address import default_address, ipc_path, unsafe_reason
 from clients.events import ClientError, RequestError
 from clients.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, pack, unbatch, unpack
+from clients.route import Route
 
 #: ZMTP heartbeats (milliseconds): a PING every second; no traffic for 3 s after one means the
 #: daemon is gone (frozen, or its host unreachable) even though the connection never closed.
@@ -35,6 +34,8 @@ HEARTBEAT_TIMEOUT_MS = 3000
 HEARTBEAT_TTL_MS = 6000
 #: The ``type`` of a failure the client puts into a waiting call's queue itself (never on the wire).
 _LOCAL_FAILURE = "_local_failure"
+#: The ``type`` a request's own deadline puts into its queue when it passes (never on the wire).
+_LOCAL_TIMEOUT = "_local_timeout"
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -97,7 +98,7 @@ class Connection:
             raise ClientError("give both curve_secret and server_key, or neither")
         self.curve_secret = curve_secret
         self.server_key = server_key
-        self._routes: dict[str, MemoryObjectSendStream[dict[str, Any]]] = {}
+        self._routes: dict[str, Route] = {}
         #: Sends in progress, with the failure that cancelled each (``None`` while it runs).
         self._sends: dict[anyio.CancelScope, tuple[str, str] | None] = {}
         self._ctx: zmq.asyncio.Context | None = None
@@ -215,11 +216,8 @@ class Connection:
                 continue  # nothing a well-behaved daemon sends; drop rather than die
             for one in unbatch(msg):
                 route = self._routes.get(str(one.get("id")))
-                if route is not None:
-                    try:
-                        route.send_nowait(one)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        self._routes.pop(str(one.get("id")), None)
+                if route is not None and not route.put(one):
+                    self._routes.pop(str(one.get("id")), None)
 
     def _on_event(self, raw: list[bytes], replies: zmq.Socket[bytes]) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -276,10 +274,7 @@ class Connection:
         daemon's ``error`` reply (a stream ends with an errored ``EndEvent``); the others raise."""
         kind = "error" if from_daemon else _LOCAL_FAILURE
         for rid, route in list(self._routes.items()):
-            try:
-                route.send_nowait({"type": kind, "id": rid, "code": code, "message": message})
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+            route.put({"type": kind, "id": rid, "code": code, "message": message})
         for scope, reason in list(self._sends.items()):
             if reason is None:
                 self._sends[scope] = (code, message)
@@ -321,20 +316,29 @@ class Connection:
         if scope.cancelled_caught and reason is not None:
             raise RequestError(*reason)
 
-    def _open_route(self, rid: str) -> MemoryObjectReceiveStream[dict[str, Any]]:
+    def _open_route(self, rid: str) -> Route:
         if rid in self._routes:
             raise ClientError(f"request id {rid!r} is already in flight on this client")
-        send, recv = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-        self._routes[rid] = send
-        return recv
+        route = self._routes[rid] = Route()
+        return route
 
     def _close_route(self, rid: str) -> None:
         route = self._routes.pop(rid, None)
         if route is not None:
             route.close()
 
+    def _expire_route(self, rid: str, seconds: float) -> None:
+        """``rid``'s deadline passed: its reader gets a ``TimeoutError`` after what is already routed."""
+        route = self._routes.get(rid)
+        if route is not None:
+            route.put({"type": _LOCAL_TIMEOUT, "id": rid, "seconds": seconds})
+
 
 def raise_local_failure(msg: dict[str, Any]) -> None:
-    """Raise the failure the client queued for a call itself (daemon gone, closed, unsafe address)."""
-    if msg.get("type") == _LOCAL_FAILURE:
+    """Raise the failure the client queued for a call itself (daemon gone, closed, unsafe address,
+    the request's deadline passed)."""
+    kind = msg.get("type")
+    if kind == _LOCAL_FAILURE:
         raise RequestError(str(msg["code"]), str(msg["message"]), str(msg.get("id")))
+    if kind == _LOCAL_TIMEOUT:
+        raise TimeoutError(f"request {msg.get('id')} did not end within {msg['seconds']:g} s")
