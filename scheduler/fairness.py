@@ -46,7 +46,10 @@ class FairQueue(Generic[T]):
         self._arrivals = itertools.count()
 
     def _get(self, name: str) -> TenantState[T]:
-        return self.state.setdefault(name, TenantState())
+        s = self.state.get(name)  # not ``setdefault``: it would build a state every call (every token)
+        if s is None:
+            s = self.state[name] = TenantState()
+        return s
 
     def __len__(self) -> int:
         return sum(len(s.queue) for s in self.state.values())

@@ -291,19 +291,15 @@ class Observations:
     objects are thread-safe; the event loop observes, the HTTP thread reads."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Histogram
+
+        from scheduler.token_metrics import Counts
 
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "From submit read to first token",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.itl = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds",
-            "Between a request's tokens (a burst's tokens share its gap)",
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
@@ -319,6 +315,6 @@ class Observations:
         self.batch = Histogram(
             f"{PREFIX}_batch_size", "Sequences per batched decode step", registry=r, buckets=BATCH_BUCKETS
         )
-        self.generated = Counter(
-            f"{PREFIX}_generated_tokens", "Generated tokens by how they were produced", ["mode"], registry=r
-        )
+        #: The per-token families (inter-token gaps, generated tokens by mode) as plain counts.
+        self.tokens = Counts(PREFIX, LATENCY_BUCKETS)
+        r.register(self.tokens)

@@ -39,35 +39,45 @@ class Outputs:
         """The ``token`` message for ``ev`` and whether a stop string matched in it. Text is cut
         before a stop string and tokens after the one that completed it are left out; on a match
         ``t.stopped`` is set, and the caller ends the sequence."""
-        out_tokens: list[int] = []
-        out_lps: list[float] | None = [] if ev.logprobs is not None else None
-        out_tops: list[list[tuple[int, float]]] | None = [] if ev.top_logprobs is not None else None
-        text_parts: list[str] = []
-        for i, tok in enumerate(ev.tokens):
-            out_tokens.append(tok)
-            if out_lps is not None and ev.logprobs is not None:
-                out_lps.append(ev.logprobs[i])
-            if out_tops is not None and ev.top_logprobs is not None:
-                out_tops.append(ev.top_logprobs[i])
-            t.detok.add_token(tok)
-            segment = t.detok.last_segment
-            if t.stops is not None:
-                segment, hit = t.stops.feed(segment)
+        n = len(ev.tokens)
+        detok = t.detok
+        if t.stops is None:  # every token goes out: no stop string can cut them
+            out_tokens, out_lps = ev.tokens, ev.logprobs
+            out_tops: list[list[tuple[int, float]]] | None = ev.top_logprobs
+            if n == 1:
+                detok.add_token(out_tokens[0])
+                text = detok.last_segment
+            else:
+                text_parts = []
+                for tok in out_tokens:
+                    detok.add_token(tok)
+                    text_parts.append(detok.last_segment)
+                text = "".join(text_parts)
+        else:
+            out_tokens, text_parts = [], []
+            out_lps = [] if ev.logprobs is not None else None
+            out_tops = [] if ev.top_logprobs is not None else None
+            for i, tok in enumerate(ev.tokens):
+                out_tokens.append(tok)
+                if out_lps is not None and ev.logprobs is not None:
+                    out_lps.append(ev.logprobs[i])
+                if out_tops is not None and ev.top_logprobs is not None:
+                    out_tops.append(ev.top_logprobs[i])
+                detok.add_token(tok)
+                segment, hit = t.stops.feed(detok.last_segment)
                 text_parts.append(segment)
                 if hit:
                     t.stopped = True
                     break
-            else:
-                text_parts.append(segment)
+            text = "".join(text_parts)
         t.completion_tokens += len(out_tokens)
         now = time.monotonic()
-        if t.last_token_at is not None and ev.tokens:
-            gap = (now - t.last_token_at) / len(ev.tokens)
-            for _ in ev.tokens:
-                self.obs.itl.observe(gap)
+        counts = self.obs.tokens
+        if t.last_token_at is not None and n:
+            counts.observe_gap((now - t.last_token_at) / n, n)  # a step's tokens share its gap
         t.last_token_at = now
-        self.obs.generated.labels(ev.mode).inc(len(ev.tokens))
-        return token_message(t.rid, out_tokens, "".join(text_parts), out_lps, out_tops), t.stopped
+        counts.generated(ev.mode, n)
+        return token_message(t.rid, out_tokens, text, out_lps, out_tops), t.stopped
 
     def finished(self, t: Tracked, ev: Finished) -> list[dict[str, Any]]:
         """The messages that end ``t`` after the engine's ``Finished``: the text the detokenizer and
