@@ -5,9 +5,11 @@
 
 Each piece is timed ``--n`` times with a pause of ``--gap-ms`` before each call, so the reader on
 the other side has gone idle, as it has between decode steps: the engine's stats snapshot, packing
-it, packing a B = 1 step's events, a ZeroMQ PUSH send over ipc to a PULL in another process, and a
-write of the same bytes to an OS pipe read by another process (``scheduler.event_pipe``, what the
-engine process sends with). Medians, 90th percentiles and maxima in microseconds.
+it, packing a B = 1 step's events, a B = 128 step's events as a map a token and as columns (and
+reading each back into events, the front end's side), a ZeroMQ PUSH send over ipc to a PULL in
+another process, and a write of the same bytes to an OS pipe read by another process
+(``scheduler.event_pipe``, what the engine process sends with). Medians, 90th percentiles and maxima
+in microseconds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from scheduler.engine_process import pack, signal_to_wire  # noqa: E402
+from scheduler.engine_process import (  # noqa: E402
+    pack,
+    signal_from_wire,
+    signal_to_wire,
+    signals_from_wire,
+    signals_to_wire,
+    unpack,
+)
 from scheduler.event_pipe import PipeWriter, open_pipe  # noqa: E402
 from workers.jobs import StepInfo, StepKind, TokenMode, Tokens  # noqa: E402
 from workers.loop import EngineSettings, EngineThread, Ready, Signal  # noqa: E402
@@ -93,6 +102,27 @@ def main() -> int:
         "pack_snapshot": timed("build and pack the snapshot", lambda: pack(engine.snapshot()), n, gap),
         "pack_events": timed("pack a B = 1 step's events", lambda: pack(msg), n, gap),
     }
+    # A B = 128 decode step's events, each token as its own map against a run of them as columns
+    # (``signals_to_wire``), and the front end's reading them back into events.
+    wide: list[Signal] = [StepInfo(StepKind.DECODE, 0.03, 128), *(Tokens(i, [1000 + i]) for i in range(128))]
+    as_maps = [signal_to_wire(s) for s in wide]
+    maps_frame, columns_frame = pack({"events": as_maps}), pack({"events": signals_to_wire(wide)})
+    rows["b128_maps"] = timed(
+        "B = 128 step's events as maps", lambda: pack({"events": [signal_to_wire(s) for s in wide]}), n, gap
+    )
+    rows["b128_columns"] = timed(
+        "B = 128 step's events as columns", lambda: pack({"events": signals_to_wire(wide)}), n, gap
+    )
+    rows["b128_read_maps"] = timed(
+        "read back B = 128 maps",
+        lambda: [signal_from_wire(d, lambda i: None) for d in unpack(maps_frame)["events"]],
+        n,
+        gap,
+    )
+    rows["b128_read_columns"] = timed(
+        "read back B = 128 columns", lambda: signals_from_wire(unpack(columns_frame)["events"], lambda i: None), n, gap
+    )
+    rows["b128_bytes"] = {"maps": len(maps_frame), "columns": len(columns_frame)}
     frame = pack(msg)
     with tempfile.TemporaryDirectory() as folder:
         address = f"ipc://{folder}/events"

@@ -82,6 +82,10 @@
 #   timings, stats.engine.loop's hand-over seconds, CPU a token by process), then what one hand-over costs by
 #   piece (benchmarks/emit_cost_probe.py: the pipe against a ZeroMQ send), then the timeline again with the OS
 #   placing the daemon's processes (--cpu-affinity off) against the default split.
+# PART=t128: where a request's time goes through the daemon at B = 1 and 128 (b1_timeline, REPEATS (6) a B, the
+#   daemon at --max-batch 128): the engine thread's CPU inside its steps and its preemptions (host- or
+#   device-bound steps), the hand-overs, CPU a token of the front end, the client and the engine process, and a
+#   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -214,6 +218,9 @@ elif [ "$PART" = tl ]; then
   step emit 90 python3 benchmarks/emit_cost_probe.py --model /tmp/m8b --out "$R/emit.json"
   step timeline-os 240 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,8}" --tokens 128 \
     --repeats 3 --daemon-args="--cpu-affinity off" --out "$R/timeline-os.json"
+elif [ "$PART" = t128 ]; then
+  step timeline128 300 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,128}" --tokens 128 \
+    --repeats "${REPEATS:-6}" --daemon-args="--max-batch 128" --out "$R/timeline128.json"
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
