@@ -42,18 +42,9 @@ import anyio  # noqa: E402
 
 from clients import AsyncClient, Client  # noqa: E402
 from clients.events import EndEvent  # noqa: E402
+from scheduler.bench.arms import STEP_COUNTERS as COUNTERS  # noqa: E402
 from scheduler.bench.arms import random_prompts  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
-
-COUNTERS = (
-    "steps",
-    "step_seconds",
-    "step_cpu_seconds",
-    "step_preemptions",
-    "decode_steps",
-    "decode_seconds",
-    "prefill_steps",
-)
 
 
 async def one(
