@@ -3,7 +3,7 @@
 The connection's pump routes every message by id to its call's route; the call reads it. At
 thousands of tokens a second a route is read once per token, so its wait is what a token costs
 the client: anyio's memory stream paid a checkpoint, an ``Event`` and a task lookup for each wait
-(~15 µs a token on the development CPU, a third of the client's CPU for 128 streams). This is a
+(the client's CPU a token, 128 streams on the development CPU: 43 µs with it, 20 with this). This is a
 queue and one future: the client runs on asyncio (its socket is ``zmq.asyncio``), so it waits on
 asyncio directly. A wait is cancellable like any await; nothing is lost when it is cancelled.
 """

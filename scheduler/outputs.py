@@ -44,15 +44,11 @@ class Outputs:
         if t.stops is None:  # every token goes out: no stop string can cut them
             out_tokens, out_lps = ev.tokens, ev.logprobs
             out_tops: list[list[tuple[int, float]]] | None = ev.top_logprobs
-            if n == 1:
-                detok.add_token(out_tokens[0])
-                text = detok.last_segment
-            else:
-                text_parts = []
-                for tok in out_tokens:
-                    detok.add_token(tok)
-                    text_parts.append(detok.last_segment)
-                text = "".join(text_parts)
+            text_parts = []
+            for tok in out_tokens:
+                detok.add_token(tok)
+                text_parts.append(detok.last_segment)
+            text = "".join(text_parts)
         else:
             out_tokens, text_parts = [], []
             out_lps = [] if ev.logprobs is not None else None
