@@ -140,7 +140,10 @@ class Transport:
     async def receive(self) -> list[zmq.Frame]:
         """The next message's frames, after the disconnects reported so far and the sender's
         connection are taken into account."""
-        frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
+        try:  # one already queued: pyzmq's short path, without its machinery for waiting
+            frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK))
+        except zmq.Again:
+            frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
         self.poll()
         self.note_connection(frames[0].bytes, frames[-1])
         return frames
