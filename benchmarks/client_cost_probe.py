@@ -44,6 +44,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--groups", type=int, default=1, help="generate_many calls a trial")
     p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--idle-seconds", type=float, default=10.0, help="first, the processes' CPU with nothing to do")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     folder = tempfile.mkdtemp(prefix="mlx-batchd-client-cost-")
@@ -55,6 +56,16 @@ def main() -> int:
         engine = int(Path(f"/proc/{front}/task/{front}/children").read_text().split()[0])
         jobs = [{"tokens": [5 + i % 50, 6, 7, 8], "max_tokens": a.tokens} for i in range(a.requests)]
         c.generate_many(jobs)  # untimed: the first group at this size
+        # What the processes spend with nothing to serve (their timers' wake-ups): a trial's CPU a
+        # token holds this much a second of its wall time too.
+        time.sleep(1.0)
+        f0, e0 = cpu_seconds(front), cpu_seconds(engine)
+        time.sleep(a.idle_seconds)
+        idle = {
+            "front_end": (cpu_seconds(front) - f0) / a.idle_seconds,
+            "engine_process": (cpu_seconds(engine) - e0) / a.idle_seconds,
+        }
+        print("idle, CPU ms a second:", json.dumps({k: round(1e3 * v, 1) for k, v in idle.items()}), flush=True)
         for trial in range(a.trials):
             f0, l0, e0 = cpu_seconds(front), cpu_seconds(front, front), cpu_seconds(engine)
             c0, w0 = time.process_time(), time.perf_counter()
@@ -83,7 +94,7 @@ def main() -> int:
     print("medians, CPU a token (us):", json.dumps({k: round(v, 1) for k, v in medians.items()}))
     print("medians, CPU a request (us):", json.dumps({k: round(v, 1) for k, v in per_request.items()}))
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+        Path(a.out).write_text(json.dumps({"args": vars(a), "idle_cpu_per_s": idle, "rows": rows}, indent=1))
     return 0
 
 
