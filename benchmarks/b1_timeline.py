@@ -44,6 +44,7 @@ from clients import AsyncClient, Client  # noqa: E402
 from clients.events import EndEvent  # noqa: E402
 from scheduler.bench.arms import STEP_COUNTERS as COUNTERS  # noqa: E402
 from scheduler.bench.arms import random_prompts  # noqa: E402
+from scheduler.bench.process_cpu import cpu_seconds, daemon_processes  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
 
 
@@ -103,25 +104,9 @@ def streamed(address: str, prompts: list[list[int]], tokens: int) -> tuple[list[
     return out, wall
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; ``None`` elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def processes(daemon_pid: int) -> dict[str, int]:
-    """The front end (the daemon), its engine process (its one child, where it has one) and this client."""
-    found = {"front_end": daemon_pid, "client": os.getpid()}
-    try:
-        kids = Path(f"/proc/{daemon_pid}/task/{daemon_pid}/children").read_text().split()
-    except OSError:
-        kids = []
-    if kids:
-        found["engine_process"] = int(kids[0])
-    return found
+    """The front end (the daemon), its engine process (where it has one) and this client."""
+    return {**daemon_processes(daemon_pid), "client": os.getpid()}
 
 
 def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str, int]) -> dict[str, Any]:

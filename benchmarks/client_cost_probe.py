@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -25,16 +24,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients import Client  # noqa: E402
+from scheduler.bench import process_cpu  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), or of its thread ``tid``."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """``process_cpu.cpu_seconds``, which this Linux-only probe needs to have an answer."""
+    seconds = process_cpu.cpu_seconds(pid, tid)
+    if seconds is None:
+        raise SystemExit("client_cost_probe: needs Linux's /proc")
+    return seconds
 
 
 def main() -> int:
@@ -53,7 +52,7 @@ def main() -> int:
     with DaemonProcess(a.model, f"ipc://{folder}/d.sock", *args) as proc, Client(proc.address, timeout=600) as c:
         c.wait_ready(timeout=180)
         front = proc.proc.pid
-        engine = int(Path(f"/proc/{front}/task/{front}/children").read_text().split()[0])
+        engine = process_cpu.daemon_processes(front)["engine_process"]
         jobs = [{"tokens": [5 + i % 50, 6, 7, 8], "max_tokens": a.tokens} for i in range(a.requests)]
         c.generate_many(jobs)  # untimed: the first group at this size
         # What the processes spend with nothing to serve (their timers' wake-ups): a trial's CPU a
