@@ -8,7 +8,8 @@ whether another thread was given the engine thread's CPU meanwhile. On the H200 
 step of the same model moved between 4.4 and 7.5 ms from one process to another with the same plans;
 these two counters are what tells a slower host apart from a slower device there.
 
-Reading both costs two system calls (~1 µs each on the development CPU): a step is milliseconds.
+A reading is two system calls, ~1 µs together on the development CPU (``timeit``), twice a step: a
+step is milliseconds.
 """
 
 from __future__ import annotations
