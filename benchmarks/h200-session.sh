@@ -86,6 +86,8 @@
 #   daemon at --max-batch 128): the engine thread's CPU inside its steps and its preemptions (host- or
 #   device-bound steps), the hand-overs, CPU a token of the front end, the client and the engine process, and a
 #   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
+# PART=pl: B = 1 decode steps with the engine thread pinned to each CPU in turn and left to the OS
+#   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128)), with the host's NUMA nodes and the GPU's.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -127,6 +129,9 @@ elif [ "$PART" = qv ]; then
     step whole-best 150 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
       --outs 0 --out "$R/whole-best.json"
   fi
+elif [ "$PART" = pl ]; then
+  step placement 240 python3 benchmarks/cpu_placement_probe.py --model /tmp/m8b --tokens "${TOKENS:-128}" \
+    --rounds "${ROUNDS:-3}" --out "$R/placement.json"
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = cl ]; then
