@@ -15,6 +15,13 @@ stay where they were), in a rotated order. Per run: milliseconds per decode step
 counters), the engine thread's CPU seconds inside the steps over their wall, its preemptions, and
 the CPUs the thread was seen on (``/proc``'s field 39, read between steps). The machine's NUMA
 nodes, CPU siblings and the GPU's node (``/sys``) go in the JSON with the runs.
+
+``--arms`` names other arms: ``C`` (pinned to CPU C), ``all``, and ``C+spin:Y`` (pinned to C while
+another process spins on CPU Y: does work on another CPU slow the engine's, as a VM's vCPUs that
+share a core would?) or ``C+write:Y`` (pinned to C, writing 600 bytes to a pipe after every step
+that a process on CPU Y reads: what handing a step's events to another process, as the daemon's
+engine thread does, costs the steps themselves, beyond the write's own time). For example
+``--arms 2,2+spin:15,2+write:15,2+spin:3``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -66,8 +74,9 @@ def seen_cpu() -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[36])
 
 
-def one_run(engine: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
-    """One sequence through the engine on this thread; its decode steps' counters."""
+def one_run(engine: Any, prompt: list[int], tokens: int, after_step: Any = None) -> dict[str, Any]:
+    """One sequence through the engine on this thread; its decode steps' counters. ``after_step``
+    (no arguments) runs after every step, outside the step's timing."""
     from workers.engine import Job, Tokens
 
     before = step_counters(asdict(engine.counters))
@@ -77,6 +86,8 @@ def one_run(engine: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
     produced = 0
     while engine.has_work:
         produced += sum(len(e.tokens) for e in engine.step() if isinstance(e, Tokens))
+        if after_step is not None:
+            after_step()
         cpu = seen_cpu()
         if cpu is not None:
             cpus[cpu] = cpus.get(cpu, 0) + 1
@@ -94,12 +105,44 @@ def one_run(engine: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
     }
 
 
+SPIN = "while True:\n    pass"
+READ = "import os\nwhile os.read(0, 65536):\n    pass"
+
+
+def disturbed_run(engine: Any, prompt: list[int], tokens: int, arm: str, allowed: list[int]) -> dict[str, Any]:
+    """One run of ``arm`` (``all``, ``C``, ``C+spin:Y``, ``C+write:Y``): the engine thread placed, the
+    disturbance started before and stopped after."""
+    place, _, disturbance = arm.partition("+")
+    kind, _, at = disturbance.partition(":")
+    helper = None
+    after_step = None
+    if kind:
+        cpu = {int(at)}
+        code = SPIN if kind == "spin" else READ
+        helper = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, cpu)
+        )
+        if kind == "write":
+            fd, payload = helper.stdin.fileno(), bytes(600)  # type: ignore[union-attr]
+            after_step = lambda: os.write(fd, payload)  # noqa: E731
+        time.sleep(0.2)  # the helper running before the first step
+    os.sched_setaffinity(0, set(allowed) if place == "all" else {int(place)})
+    try:
+        return one_run(engine, prompt, tokens, after_step)
+    finally:
+        os.sched_setaffinity(0, set(allowed))
+        if helper is not None:
+            helper.kill()
+            helper.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin to (default: every allowed CPU)")
+    parser.add_argument("--arms", default="", help="comma-separated arms (see above); default: all and each CPU")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -118,24 +161,20 @@ def main() -> None:
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=32)
     prompt = random_prompts(1, 32, loaded.info.vocab_size, 0)[0]
     one_run(engine, prompt, 16)  # warm-up: kernels compiled, plans loaded
-    arms: list[str] = ["all", *(str(c) for c in cpus)]
+    arms: list[str] = [a for a in args.arms.split(",") if a] or ["all", *(str(c) for c in cpus)]
     runs: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = arms[r % len(arms) :] + arms[: r % len(arms)]
         for arm in order:
-            os.sched_setaffinity(0, set(allowed) if arm == "all" else {int(arm)})
-            try:
-                run = one_run(engine, prompt, args.tokens)
-            finally:
-                os.sched_setaffinity(0, set(allowed))
+            run = disturbed_run(engine, prompt, args.tokens, arm, allowed)
             run |= {"arm": arm, "round": r}
             runs.append(run)
             print(
-                f"round {r} cpu {arm:>4}: {run['decode_step_ms']:.2f} ms/step, cpu/wall {run['cpu_over_wall']:.2f}, "
+                f"round {r} {arm:>10}: {run['decode_step_ms']:.2f} ms/step, cpu/wall {run['cpu_over_wall']:.2f}, "
                 f"preempt/step {run['preemptions_per_step']:.2f}, seen {run['cpus_seen']}",
                 flush=True,
             )
-    print("\n| CPU | decode step ms (median, min-max) | engine thread CPU / wall |")
+    print("\n| arm | decode step ms (median, min-max) | engine thread CPU / wall |")
     print("|---|---|---|")
     summary = {}
     for arm in arms:

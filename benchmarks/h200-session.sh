@@ -87,7 +87,9 @@
 #   device-bound steps), the hand-overs, CPU a token of the front end, the client and the engine process, and a
 #   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
 # PART=pl: B = 1 decode steps with the engine thread pinned to each CPU in turn and left to the OS
-#   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128)), with the host's NUMA nodes and the GPU's.
+#   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128), CPUS), with the host's NUMA nodes and the GPU's;
+#   PLARMS instead names the arms, e.g. PLARMS=2,2+spin:15,2+write:15,2+spin:9 ROUNDS=8: what another busy
+#   CPU, or a pipe write to a reader on another CPU after every step, costs a host-bound B = 1 step.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
 set -uo pipefail
@@ -131,7 +133,7 @@ elif [ "$PART" = qv ]; then
   fi
 elif [ "$PART" = pl ]; then
   step placement 240 python3 benchmarks/cpu_placement_probe.py --model /tmp/m8b --tokens "${TOKENS:-128}" \
-    --rounds "${ROUNDS:-3}" --out "$R/placement.json"
+    --rounds "${ROUNDS:-3}" --cpus "${CPUS:-}" --arms "${PLARMS:-}" --out "$R/placement.json"
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = cl ]; then
