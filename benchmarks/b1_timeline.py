@@ -14,7 +14,9 @@ repeat, the engine's step counters (``stats``) give ``outside_steps_ms``: the wa
 repeat that the engine's steps do not account for (admission, the hops between processes, the
 loop's own work between steps). ``hops_ms`` (client wall minus the engine's ``total_s``) is the part
 spent between the client and the engine thread, both ways; ``emit_ms`` (``stats.engine.loop``) is
-the engine thread's time handing each step's events to the front end, inside ``outside_steps_ms``.
+the engine thread's time handing each step's events to the front end, and ``idle_hold_ms``
+(``stats.engine.admission``) the time the idle engine held the repeat's first arrivals until the
+declared group was whole (the front end's intake of the group), both inside ``outside_steps_ms``.
 On Linux each repeat also reads the CPU time (``/proc``) of the daemon's front end process, its
 engine process and this client process, per generated token: what the daemon's Python costs next to
 the engine's own work. ``placement`` records the CPUs the front end and the engine ran on
@@ -43,7 +45,7 @@ import anyio  # noqa: E402
 from clients import AsyncClient, Client  # noqa: E402
 from clients.events import EndEvent  # noqa: E402
 from scheduler.bench.arms import STEP_COUNTERS as COUNTERS  # noqa: E402
-from scheduler.bench.arms import random_prompts  # noqa: E402
+from scheduler.bench.arms import random_prompts, step_counters  # noqa: E402
 from scheduler.bench.process_cpu import cpu_seconds, daemon_processes  # noqa: E402
 from scheduler.spawn import DaemonProcess  # noqa: E402
 
@@ -110,14 +112,14 @@ def processes(daemon_pid: int) -> dict[str, int]:
 
 
 def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str, int]) -> dict[str, Any]:
-    before = client.stats()["engine"]
+    before = step_counters(client.stats()["engine"])
     started_at = time.time()  # wall-clock, to line a repeat up with a log of the GPU's clocks
     cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()}
     requests, wall = streamed(client.address, prompts, tokens)
     cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()}
-    after = client.stats()["engine"]
-    steps = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    loop = {k: after["loop"][k] - before["loop"][k] for k in ("iterations", "emit_seconds")}
+    after = step_counters(client.stats()["engine"])
+    delta = {k: after[k] - before[k] for k in after}
+    steps = {k: delta[k] for k in COUNTERS}
     step_ms = 1e3 * steps["decode_seconds"] / max(1, steps["decode_steps"])
     return {
         "batch": len(prompts),
@@ -128,8 +130,11 @@ def repeat(client: Client, prompts: list[list[int]], tokens: int, pids: dict[str
         # NaN where no decode step ran (--tokens 1): the print and the medians then still work.
         "gap_over_step": statistics.median(r["gap_median_ms"] for r in requests) / step_ms if step_ms else math.nan,
         "outside_steps_ms": 1e3 * (wall - steps["step_seconds"]),
-        "loop_iterations": loop["iterations"],
-        "emit_ms": 1e3 * loop["emit_seconds"],
+        "loop_iterations": delta["iterations"],
+        "emit_ms": 1e3 * delta["emit_seconds"],
+        # An idle engine holding the repeat's arrivals until its declared group was whole: wall time
+        # outside the steps that the front end's intake of the group costs.
+        "idle_hold_ms": 1e3 * delta["idle_hold_seconds"],
         "cpu_ms_per_token": {
             k: 1e3 * (b - a) / max(1, sum(r["tokens"] for r in requests))
             for k, (a, b) in ((k, (cpu_before[k], cpu_after[k])) for k in pids)
@@ -176,7 +181,7 @@ def main() -> int:
                     f"{1e3 * e['decode_seconds'] / max(1, e['decode_steps']):.2f} ms each; engine thread's CPU "
                     f"{1e3 * e['step_cpu_seconds']:.1f} ms of them, preempted {e['step_preemptions']}x); outside the steps "
                     f"{row['outside_steps_ms']:.1f} ms, of which handing events over {row['emit_ms']:.1f} ms in "
-                    f"{row['loop_iterations']} loop iterations; median gap / decode step {row['gap_over_step']:.3f}; "
+                    f"{row['loop_iterations']} loop iterations and holding the group {row['idle_hold_ms']:.1f} ms; median gap / decode step {row['gap_over_step']:.3f}; "
                     "CPU ms a token: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in row["cpu_ms_per_token"].items())
                     + "; a request (median): "
@@ -186,7 +191,7 @@ def main() -> int:
     summary = {
         str(b): {
             k: statistics.median(r[k] for r in rows if r["batch"] == b)
-            for k in ("wall_ms", "outside_steps_ms", "emit_ms", "gap_over_step")
+            for k in ("wall_ms", "outside_steps_ms", "emit_ms", "idle_hold_ms", "gap_over_step")
         }
         | {k: statistics.median(q[k] for r in rows if r["batch"] == b for q in r["requests"]) for k in REQUEST_KEYS}
         for b in batches

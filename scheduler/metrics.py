@@ -245,6 +245,11 @@ def _engine_families(engine: EngineSnapshot | None) -> Iterator[Metric]:
         "Requests held past the engine iteration that took them, to join the batch in one prefill wave",
         value=0 if admission is None else admission["delayed"],
     )
+    yield CounterMetricFamily(
+        f"{PREFIX}_admission_idle_hold_seconds",
+        "Seconds an idle engine held arrivals before starting them (a declared group gathering, the idle window)",
+        value=0.0 if admission is None else admission["idle_hold_seconds"],
+    )
     loop = None if engine is None else engine["loop"]
     yield CounterMetricFamily(
         f"{PREFIX}_engine_emit_seconds",

@@ -71,23 +71,29 @@ class AdmissionWaves:
     last: float | None = None
     #: Arrivals held past the iteration that took them (for the stats).
     delayed: int = 0
+    #: Seconds an idle engine spent holding arrivals before it started them (a declared group
+    #: gathering, the idle window): time the engine had work in hand and ran none of it.
+    idle_hold_seconds: float = 0.0
+    #: When the current hold began, if it began on an idle engine.
+    idle_since: float | None = None
 
     def take(self, cmds: list[Command], busy: bool, now: float) -> list[Command]:
         """The commands to apply this iteration, in arrival order; held submits stay for a later
         one. ``busy``: the engine has sequences in flight (``window_s`` applies; else ``idle_window_s``)."""
         window = self.window_s if busy else self.idle_window_s
         if window <= 0 or any(not isinstance(c, Submit) for c in cmds):
-            return self._release(cmds)
+            return self._release(cmds, now)
         fresh = [c for c in cmds if isinstance(c, Submit)]
         if fresh:
             if self.since is None:
                 self.since = now
+                self.idle_since = None if busy else now
             self.last = now
         self.held += fresh
         # Only an arrival can make the held groups whole: iterations with none skip the count.
         whole = bool(fresh) and self._groups_whole()
         if len(self.held) >= self.wave or whole or (self.since is not None and now >= self._due(busy)):
-            return self._release([])
+            return self._release([], now)
         self.delayed += len(fresh)
         return []
 
@@ -120,7 +126,9 @@ class AdmissionWaves:
             return None
         return max(0.0, self._due(busy=False) - now)
 
-    def _release(self, cmds: list[Command]) -> list[Command]:
+    def _release(self, cmds: list[Command], now: float) -> list[Command]:
+        if self.idle_since is not None:
+            self.idle_hold_seconds += now - self.idle_since
         out: list[Command] = [*self.held, *cmds]
-        self.held, self.since, self.last = [], None, None
+        self.held, self.since, self.last, self.idle_since = [], None, None, None
         return out

@@ -483,6 +483,7 @@ class EngineThread:
             "idle_window_ms": 1e3 * a.idle_window_s,
             "held": len(a.held),
             "delayed": a.delayed,
+            "idle_hold_seconds": a.idle_hold_seconds,
         }
 
 

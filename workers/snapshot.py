@@ -189,12 +189,14 @@ class MemorySnapshot(TypedDict):
 
 class AdmissionSnapshot(TypedDict):
     """Admission waves (``workers.admission``): the hold windows (busy, idle engine), arrivals waiting
-    now, and arrivals held past the iteration that took them since start."""
+    now, arrivals held past the iteration that took them since start, and the seconds an idle engine
+    held arrivals before starting them."""
 
     window_ms: float
     idle_window_ms: float
     held: int
     delayed: int
+    idle_hold_seconds: float
 
 
 class LoopSnapshot(TypedDict):

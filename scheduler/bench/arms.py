@@ -66,6 +66,9 @@ STEP_COUNTERS = (
 #: A daemon's engine loop (``stats.engine.loop``): its iterations and the seconds its engine thread
 #: spent handing events to the front end (no such loop in the engine-alone arm).
 LOOP_COUNTERS = ("iterations", "emit_seconds")
+#: A daemon's admission (``stats.engine.admission``): the seconds its idle engine held arrivals before
+#: starting them (a declared group gathering: the engine alone has all its prompts at once).
+ADMISSION_COUNTERS = ("idle_hold_seconds",)
 
 
 def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:
@@ -75,6 +78,9 @@ def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:
     loop = engine_stats.get("loop")
     if loop:
         counters |= {k: loop.get(k, 0) for k in LOOP_COUNTERS}
+    admission = engine_stats.get("admission")
+    if admission:
+        counters |= {k: admission.get(k, 0) for k in ADMISSION_COUNTERS}
     return counters
 
 

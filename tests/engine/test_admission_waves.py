@@ -88,6 +88,7 @@ def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_mo
             "idle_window_ms": 0.0,
             "held": 0,
             "delayed": 2,
+            "idle_hold_seconds": 0.0,  # held by a busy engine only
         }
         t.engine.cancel(1)
         rest, _ = collect(t, {1})
@@ -135,6 +136,7 @@ def test_an_idle_window_gathers_clients_that_start_together_into_one_wave(tiny_m
         tokens, ends = collect(t, {2, 3, 4})
         snap = t.engine.snapshot()
     assert snap["admission"]["delayed"] == 2 and snap["prefill_steps"] == 2  # one wave: its chunk, its last token
+    assert snap["admission"]["idle_hold_seconds"] > 0  # the idle engine waited for the others
     for seq in (2, 3, 4):
         assert (ends[seq].reason, tokens[seq]) == ("length", alone(target, job(seq, 6))), seq
 

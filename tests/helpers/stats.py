@@ -138,7 +138,7 @@ def stats_snapshot(
                 },
             },
             "memory": {"active_bytes": 2**20, "cache_bytes": 0, "peak_bytes": 2**21},
-            "admission": {"window_ms": 20.0, "idle_window_ms": 0.0, "held": 2, "delayed": 9},
+            "admission": {"window_ms": 20.0, "idle_window_ms": 0.0, "held": 2, "delayed": 9, "idle_hold_seconds": 0.25},
             "loop": {"iterations": 40, "emit_seconds": 0.004, "cpus": [0]},
             "kernel_plans": {},
             "compiled_layers": 0,

@@ -136,6 +136,24 @@ def test_a_declared_group_goes_in_when_its_last_member_arrives() -> None:
     assert seqs(a.take([grouped(3, "c/g", 3)], busy=False, now=1.002)) == [1, 2, 3]  # no quiet 10 ms
     assert a.take([grouped(4, "c/h", 2)], busy=True, now=3.0) == []  # the busy engine's hold too
     assert seqs(a.take([grouped(5, "c/h", 2)], busy=True, now=3.001)) == [4, 5]
+    assert a.idle_hold_seconds == pytest.approx(0.002)  # the idle engine's 2 ms; the busy one ran meanwhile
+
+
+def test_an_idle_engine_counts_the_seconds_it_held_arrivals() -> None:
+    """From a hold's first arrival to its release, only for holds that began on an idle engine:
+    that is wall time the engine alone (all prompts at once) does not have."""
+    a = AdmissionWaves(wave=64, window_s=10.0, idle_window_s=0.01)
+    assert seqs(a.take([grouped(1, "c/g", 1)], busy=False, now=1.0)) == [1]
+    assert a.idle_hold_seconds == 0.0  # a declared lone request is not held
+    assert a.take([sub(2)], busy=False, now=2.0) == []
+    assert a.take([sub(3)], busy=False, now=2.004) == []
+    assert seqs(a.take([], busy=False, now=2.014)) == [2, 3]
+    assert a.idle_hold_seconds == pytest.approx(0.014)
+    assert a.take([sub(4)], busy=True, now=3.0) == []  # held by a busy engine: not counted
+    assert seqs(a.take([], busy=False, now=3.5)) == [4]
+    assert a.take([sub(5)], busy=False, now=4.0) == []  # a cancel lets the hold go early
+    assert seqs(a.take([Cancel(9, "cancelled", None, None)], busy=False, now=4.003)) == [5, "Cancel"]
+    assert a.idle_hold_seconds == pytest.approx(0.017)
 
 
 def test_declarations_never_cut_short_what_others_wait_for() -> None:

@@ -41,6 +41,7 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
     assert not any(name == "mlx_batchd_pin_tax_ratio" for name, _ in got)  # none measured yet
     assert got[("mlx_batchd_admission_delayed_total", ())] == engine["admission"]["delayed"] == 9
     assert got[("mlx_batchd_admission_held", ())] == 2
+    assert got[("mlx_batchd_admission_idle_hold_seconds_total", ())] == engine["admission"]["idle_hold_seconds"] == 0.25
     assert got[("mlx_batchd_engine_emit_seconds_total", ())] == engine["loop"]["emit_seconds"] == 0.004
 
     loading = _collect({**stats, "engine": {}})
@@ -53,6 +54,7 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
         ("mlx_batchd_burst_rounds_total", (("drafter", "none"),)),
         ("mlx_batchd_pin_collateral_forwards_total", ()),
         ("mlx_batchd_admission_delayed_total", ()),
+        ("mlx_batchd_admission_idle_hold_seconds_total", ()),
         ("mlx_batchd_engine_emit_seconds_total", ()),
     ]:
         assert loading[key] == 0, key
