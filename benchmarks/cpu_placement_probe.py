@@ -105,6 +105,31 @@ def one_run(engine: Any, prompt: list[int], tokens: int, after_step: Any = None)
     }
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Each run's decode step in the order the runs were made, one marker per arm: a placement that
+    matters shows as an arm apart from the others; drift over time, as every arm moving together."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from scheduler.bench.output import save_png
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    for i, arm in enumerate(arms):
+        points = [(n, r["decode_step_ms"]) for n, r in enumerate(runs) if r["arm"] == arm]
+        x, y = zip(*points)
+        marker, size, color = ("s", 6, "k") if arm == "all" else ("o", 4, f"C{i % 10}")
+        ax.plot(x, y, marker, label=arm, markersize=size, color=color, linestyle="none")
+    ax.set_xlabel("run, in the order made (rounds rotate the arms)")
+    ax.set_ylabel("B = 1 decode step (ms)")
+    ax.set_title("engine thread pinned to one CPU (or left to the OS: all)")
+    ax.grid(alpha=0.3)
+    ax.legend(ncol=min(9, len(arms)), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    save_png(fig, path)
+
+
 SPIN = "while True:\n    pass"
 READ = "import os\nwhile os.read(0, 65536):\n    pass"
 
@@ -143,8 +168,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin to (default: every allowed CPU)")
     parser.add_argument("--arms", default="", help="comma-separated arms (see above); default: all and each CPU")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="JSON; a PNG of the runs beside it")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw the PNG of a saved JSON")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        plot(json.loads(args.plot_from.read_text())["runs"], args.plot_from.with_suffix(".png"))
+        return
 
     import mlx.core as mx
 
@@ -186,6 +215,7 @@ def main() -> None:
     print(json.dumps(topo))
     if args.out:
         args.out.write_text(json.dumps({"topology": topo, "summary": summary, "runs": runs}, indent=1))
+        plot(runs, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
