@@ -199,7 +199,17 @@ def main() -> int:
     print("medians:", json.dumps({b: {k: round(v, 2) for k, v in s.items()} for b, s in summary.items()}))
     if a.out:
         Path(a.out).write_text(
-            json.dumps({"args": vars(a), "placement": placement, "rows": rows, "medians": summary}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(a),
+                    # The project's switches the daemon inherited (MLX_BATCHD_EMIT_THREAD, ...).
+                    "environment": {k: v for k, v in os.environ.items() if k.startswith("MLX_BATCHD_")},
+                    "placement": placement,
+                    "rows": rows,
+                    "medians": summary,
+                },
+                indent=2,
+            )
         )
     return 0
 

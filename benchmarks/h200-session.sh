@@ -86,6 +86,9 @@
 #   daemon at --max-batch 128): the engine thread's CPU inside its steps and its preemptions (host- or
 #   device-bound steps), the hand-overs, CPU a token of the front end, the client and the engine process, and a
 #   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
+# PART=et: b1_timeline at B = 1 and 128 with the engine process's events written by the engine thread and by a
+#   writer thread (MLX_BATCHD_EMIT_THREAD=0|1, scheduler/engine_outbox.py), alternating (WRITERS, default "0 1 0 1";
+#   REPEATS (3) a daemon): the hand-overs (emit_ms), the steps and the wall outside them, each way.
 # PART=pl: B = 1 decode steps with the engine thread pinned to each CPU in turn and left to the OS
 #   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128), CPUS), with the host's NUMA nodes and the GPU's;
 #   PLARMS instead names the arms, e.g. PLARMS=2,2+spin:15,2+write:15,2+spin:9 ROUNDS=8: what another busy
@@ -228,6 +231,14 @@ elif [ "$PART" = tl ]; then
 elif [ "$PART" = t128 ]; then
   step timeline128 300 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,128}" --tokens 128 \
     --repeats "${REPEATS:-6}" --daemon-args="--max-batch 128" --out "$R/timeline128.json"
+elif [ "$PART" = et ]; then
+  i=0
+  for writer in ${WRITERS:-0 1 0 1}; do
+    i=$((i + 1))
+    MLX_BATCHD_EMIT_THREAD=$writer step "timeline-writer$writer-$i" 200 python3 benchmarks/b1_timeline.py --model /tmp/m8b \
+      --batches "${BATCHES:-1,128}" --tokens 128 --repeats "${REPEATS:-3}" --daemon-args="--max-batch 128" \
+      --out "$R/timeline-writer$writer-$i.json"
+  done
 elif [ "$PART" = r ]; then
   step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"

@@ -21,9 +21,10 @@ The command socket lives in a private (0700) temporary folder and the event pipe
 no other local user can reach the engine. Nothing is pickled: the child gets its settings as a
 msgpack map on stdin.
 
-At about 440 lines it is over the ~400 of the other modules because its one idea is one protocol
+At about 480 lines it is over the ~400 of the other modules because its one idea is one protocol
 across a process boundary: its conversions, the parent's handle and the child's main are kept
-together so both ends of every message read side by side.
+together so both ends of every message read side by side (the child's writing of events,
+``engine_outbox``, is its own module).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import msgpack
 import zmq
 
 from scheduler.affinity import AffinityError, pin_process
+from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox, emit_thread_wanted
 from scheduler.event_pipe import PipeWriter, Receiver, open_pipe
 from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
@@ -63,14 +65,6 @@ log = logging.getLogger("mlx_batchd")
 
 #: How often the child looks for its daemon being gone while no command arrives.
 LIVENESS_POLL_MS = 200
-#: How often the child sends a changed snapshot while no events carry one (probe progress).
-SNAPSHOT_POLL_S = 0.1
-#: Events carry the snapshot at most this often, and always when a sequence finished or the engine
-#: became ready. Building and packing one costs the engine thread 12-50 us on the development CPU,
-#: and on the H200 host 12-17 of a request's 130 hand-overs (one in three with a snapshot) took over
-#: 0.2 ms, next to ~7 ms B = 1 steps: so not every step. A stats reader sees counters at most this
-#: old while sequences run, and current ones after any end.
-SNAPSHOT_EVERY_S = 0.1
 #: Seconds the parent waits for a child whose event pipe ended to be reaped, before saying so.
 REAP_S = 10.0
 #: Seconds an engine process whose daemon is gone waits for its engine to stop before it exits anyway.
@@ -379,42 +373,6 @@ class EngineProcess:
 # ----------------------------------------------------------------------------- the child's side
 
 
-class _Outbox:
-    """The child's event pipe, shared by the engine thread (events) and the main thread
-    (snapshots while nothing else is sent)."""
-
-    def __init__(self, pipe: PipeWriter, engine: Callable[[], EngineThread]) -> None:
-        self._pipe = pipe
-        self._engine = engine
-        self._lock = threading.Lock()
-        self._sent_at = 0.0
-        self._last: dict[str, Any] = {}
-
-    def events(self, signals: list[Signal]) -> None:
-        msg: dict[str, Any] = {"events": signals_to_wire(signals)}
-        now = time.monotonic()
-        if now - self._sent_at >= SNAPSHOT_EVERY_S or any(isinstance(s, (Finished, Ready)) for s in signals):
-            snap = self._engine().snapshot()
-            if snap:
-                msg["snapshot"] = snap
-        self._send(msg)
-
-    def snapshot_if_changed(self) -> None:
-        """A changed snapshot, unless one went out within ``SNAPSHOT_POLL_S`` (with events: while
-        sequences run, the events carry one often enough and this would build and send a second)."""
-        if time.monotonic() - self._sent_at < SNAPSHOT_POLL_S:
-            return
-        snap = self._engine().snapshot()
-        if snap and snap != self._last:
-            self._send({"events": [], "snapshot": snap})
-
-    def _send(self, msg: dict[str, Any]) -> None:
-        with self._lock:
-            if "snapshot" in msg:
-                self._sent_at, self._last = time.monotonic(), msg["snapshot"]
-            self._pipe.send(msg)  # False once the parent is gone: nobody to tell
-
-
 def _apply(engine: EngineThread, cmd: dict[str, Any]) -> None:
     kind = cmd["c"]
     if kind == "submit":
@@ -455,7 +413,7 @@ def child_main() -> int:
     os.set_inheritable(spec["events_fd"], False)  # no process this one starts may hold the pipe open
     events = PipeWriter(spec["events_fd"])
     holder: list[EngineThread] = []
-    outbox = _Outbox(events, lambda: holder[0])
+    outbox = Outbox(events, lambda: holder[0], signals_to_wire, emit_thread_wanted())
     engine = EngineThread(
         lambda: load(spec["model"], spec["context_length"], holder[0].world), outbox.events, settings, World.from_env
     )
@@ -480,7 +438,8 @@ def child_main() -> int:
             outbox.snapshot_if_changed()
             last_snapshot = time.monotonic()
     engine.join()
-    events.close()  # the final signal is in the pipe already
+    outbox.close()  # the final signal is in the pipe now
+    events.close()
     commands.close(linger=0)
     ctx.term()
     return 0

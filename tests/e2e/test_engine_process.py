@@ -75,3 +75,23 @@ def test_engine_thread_keeps_the_engine_in_the_daemon(tiny_model: Path, tmp_path
             assert c.generate(tokens=[5, 6, 7], max_tokens=8).tokens == greedy_reference(tiny_model, [5, 6, 7], 8)[0]
     finally:
         assert d.stop() == 0, d.log()
+
+
+@linux_only
+def test_events_written_by_the_engine_thread_itself_serve_exactly(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MLX_BATCHD_EMIT_THREAD=0`` (no writer thread): the engine thread hands every step over
+    itself, the stats snapshot still crosses with each end, and the engine's final word arrives."""
+    monkeypatch.setenv("MLX_BATCHD_EMIT_THREAD", "0")
+    d = start_daemon(tiny_model, tmp_path)
+    try:
+        with Client(d.address, timeout=60) as c:
+            prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43]]
+            results = c.generate_many([{"tokens": p, "max_tokens": 12} for p in prompts])
+            for p, r in zip(prompts, results, strict=True):
+                assert r.tokens == greedy_reference(tiny_model, p, 12)[0]
+            assert c.stats()["engine"]["active_sequences"] == 0
+    finally:
+        assert d.stop() == 0, d.log()
+    assert "engine events are written by the engine thread" in d.log()

@@ -1,0 +1,123 @@
+"""The engine process's side of the event pipe: one message per batch of engine events, with the
+engine's stats snapshot when it may have changed.
+
+The engine thread hands over a step's events between its steps, so what building and writing the
+message costs it lands between every two steps. On the H100 host (8B synth) that was ~65 µs a step at
+B = 1, where a step is the host's own work (the engine thread's CPU 95-98 % of the step's wall), and
+~250 µs at B = 128 (docs/benchmarks.md section 37). So a writer thread builds and writes the messages
+(vLLM v1's engine core sends its outputs from a thread of its own too), and the engine thread only
+queues each batch: MLX lets go of the GIL while it evaluates a step, so the writer's Python runs
+during the engine thread's own work. On the development CPU (demo model, b1_timeline, two daemons
+each way, alternating) a request's wall went 453/444 -> 434/408 ms at B = 1, 889/873 -> 826/865 at B = 4,
+and stayed at ~2.5 s at B = 16. ``MLX_BATCHD_EMIT_THREAD=0`` has the engine thread write them itself
+(the writer needs the GIL back while the engine thread builds its next graph, which a host may
+charge for differently). Either way the messages go out in the order their events were made.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from queue import SimpleQueue
+from typing import Any
+
+from scheduler.event_pipe import PipeWriter
+from workers.engine import Finished
+from workers.loop import EngineThread, Ready, Signal
+
+log = logging.getLogger("mlx_batchd")
+
+#: How often the child sends a changed snapshot while no events carry one (probe progress).
+SNAPSHOT_POLL_S = 0.1
+#: Events carry the snapshot at most this often, and always when a sequence finished or the engine
+#: became ready. Building and packing one costs the engine thread 12-50 us on the development CPU,
+#: and on the H200 host 12-17 of a request's 130 hand-overs (one in three with a snapshot) took over
+#: 0.2 ms, next to ~7 ms B = 1 steps: so not every step. A stats reader sees counters at most this
+#: old while sequences run, and current ones after any end.
+SNAPSHOT_EVERY_S = 0.1
+#: ``0``: events are built and written by the engine thread; unset or ``1``: by a writer thread (see above).
+EMIT_THREAD_ENV = "MLX_BATCHD_EMIT_THREAD"
+
+
+def emit_thread_wanted() -> bool:
+    return os.environ.get(EMIT_THREAD_ENV, "1") != "0"
+
+
+class Outbox:
+    """The child's event pipe, shared by the engine thread (events) and the main thread (snapshots
+    while nothing else is sent)."""
+
+    def __init__(
+        self,
+        pipe: PipeWriter,
+        engine: Callable[[], EngineThread],
+        to_wire: Callable[[list[Signal]], list[dict[str, Any]]],
+        threaded: bool = False,
+    ) -> None:
+        """``to_wire``: a batch of events as wire maps (``engine_process.signals_to_wire``, kept beside
+        its inverse, which the parent reads with)."""
+        self._to_wire = to_wire
+        self._pipe = pipe
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._sent_at = 0.0
+        self._last: dict[str, Any] = {}
+        self._queue: SimpleQueue[list[Signal] | None] | None = None
+        self._writer: threading.Thread | None = None
+        if not threaded:
+            log.info("engine events are written by the engine thread (%s=0)", EMIT_THREAD_ENV)
+        else:
+            self._queue = SimpleQueue()
+            self._writer = threading.Thread(target=self._write_queued, name="mlx-batchd-events", daemon=True)
+            self._writer.start()
+
+    def events(self, signals: list[Signal]) -> None:
+        """Hand over a batch of events: written now, or queued for the writer thread."""
+        if self._queue is not None:
+            self._queue.put(signals)
+        else:
+            self._write(signals)
+
+    def snapshot_if_changed(self) -> None:
+        """A changed snapshot, unless one went out within ``SNAPSHOT_POLL_S`` (with events: while
+        sequences run, the events carry one often enough and this would build and send a second)."""
+        if time.monotonic() - self._sent_at < SNAPSHOT_POLL_S:
+            return
+        snap = self._engine().snapshot()
+        if snap and snap != self._last:
+            self._send({"events": [], "snapshot": snap})
+
+    def close(self) -> None:
+        """Every queued batch written (the engine's final signal among them); then nothing more."""
+        if self._queue is not None and self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+
+    def _write(self, signals: list[Signal]) -> None:
+        msg: dict[str, Any] = {"events": self._to_wire(signals)}
+        now = time.monotonic()
+        if now - self._sent_at >= SNAPSHOT_EVERY_S or any(isinstance(s, (Finished, Ready)) for s in signals):
+            snap = self._engine().snapshot()
+            if snap:
+                msg["snapshot"] = snap
+        self._send(msg)
+
+    def _write_queued(self) -> None:
+        assert self._queue is not None
+        while (signals := self._queue.get()) is not None:
+            try:
+                self._write(signals)
+            except Exception:
+                # Events lost here would leave their requests waiting for good: end the process, which
+                # the daemon reports as a dead engine (its pipe ends without a final word).
+                log.exception("the engine process could not write its events; exiting")
+                os._exit(1)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            if "snapshot" in msg:
+                self._sent_at, self._last = time.monotonic(), msg["snapshot"]
+            self._pipe.send(msg)  # False once the parent is gone: nobody to tell

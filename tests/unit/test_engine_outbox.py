@@ -1,0 +1,100 @@
+"""The engine process's outbox (``scheduler.engine_outbox``) over a real OS pipe: each batch of
+events is one message, in the order handed over, with the engine's snapshot on the first batch and
+on every batch with an end; a writer thread writes the same messages as the engine thread would,
+and closing it writes everything queued first. A writer that cannot write ends its process."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from scheduler.engine_outbox import Outbox
+from scheduler.engine_process import signals_to_wire
+from scheduler.event_pipe import PipeWriter
+from workers.engine import Finished, StepInfo, Timings, Tokens
+from workers.jobs import StepKind, TokenMode
+from workers.params import FinishReason
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeEngine:
+    """Stands in for ``EngineThread`` (its ``snapshot`` only): a counter of snapshots taken."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        self.taken += 1
+        return {"n": self.taken}
+
+
+def batches(n: int) -> list[list[Any]]:
+    """``n`` decode steps of two sequences, the last ending one of them."""
+    out: list[list[Any]] = []
+    for i in range(n):
+        step: list[Any] = [StepInfo(StepKind.DECODE, 0.001, 2)]
+        step += [Tokens(seq, [100 + i], None, TokenMode.BATCHED) for seq in (1, 2)]
+        if i == n - 1:
+            step.append(Finished(2, FinishReason.LENGTH, 3, n, Timings(0.0, 0.0, 0.0, 0.0)))
+        out.append(step)
+    return out
+
+
+def written(threaded: bool, n: int) -> list[dict[str, Any]]:
+    """Every message ``n`` batches make through an outbox, read back from the pipe."""
+    r, w = os.pipe()
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(r, 1 << 16), b"")))
+    reader.start()
+    outbox = Outbox(PipeWriter(w), FakeEngine, signals_to_wire, threaded=threaded)
+    for b in batches(n):
+        outbox.events(b)
+    outbox.close()
+    os.close(w)
+    reader.join()
+    os.close(r)
+    return list(msgpack.Unpacker(io.BytesIO(b"".join(chunks)), raw=False))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_each_batch_is_one_message_in_order_with_snapshots_on_the_first_and_on_ends(threaded: bool) -> None:
+    msgs = written(threaded, 50)
+    assert len(msgs) == 50
+    assert [m["events"] for m in msgs] == [signals_to_wire(b) for b in batches(50)]
+    assert "snapshot" in msgs[0] and "snapshot" in msgs[-1]  # the first, and the one with an end
+    assert sum("snapshot" in m for m in msgs) <= 3  # not every step: at most every 0.1 s besides
+
+
+def test_a_writer_thread_writes_what_the_engine_thread_would() -> None:
+    def strip(msgs: list[dict[str, Any]]) -> list[Any]:
+        return [m["events"] for m in msgs]
+
+    assert strip(written(True, 200)) == strip(written(False, 200))
+
+
+def test_a_writer_that_cannot_write_ends_its_process() -> None:
+    """Events lost would leave their requests waiting: the process exits, which the daemon reports
+    as a dead engine."""
+    code = (
+        "import os, time\n"
+        "from scheduler.engine_outbox import Outbox\n"
+        "from scheduler.event_pipe import PipeWriter\n"
+        "def broken(signals):\n"
+        "    raise ValueError('cannot convert')\n"
+        "r, w = os.pipe()\n"
+        "o = Outbox(PipeWriter(w), lambda: None, broken, threaded=True)\n"
+        "o.events([])\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "could not write its events" in done.stderr
