@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from queue import SimpleQueue
+from queue import Queue
 from typing import Any
 
 from scheduler.event_pipe import PipeWriter
@@ -38,6 +38,10 @@ SNAPSHOT_POLL_S = 0.1
 #: 0.2 ms, next to ~7 ms B = 1 steps: so not every step. A stats reader sees counters at most this
 #: old while sequences run, and current ones after any end.
 SNAPSHOT_EVERY_S = 0.1
+#: Batches of events the writer may be behind before the engine thread waits for it: with the pipe's
+#: own buffer, what bounds an engine's lead over a front end that stopped reading (as a full pipe
+#: does when the engine thread writes itself).
+QUEUE_BATCHES = 64
 #: ``0``: events are built and written by the engine thread; unset or ``1``: by a writer thread (see above).
 EMIT_THREAD_ENV = "MLX_BATCHD_EMIT_THREAD"
 
@@ -65,17 +69,18 @@ class Outbox:
         self._lock = threading.Lock()
         self._sent_at = 0.0
         self._last: dict[str, Any] = {}
-        self._queue: SimpleQueue[list[Signal] | None] | None = None
+        self._queue: Queue[list[Signal] | None] | None = None
         self._writer: threading.Thread | None = None
         if not threaded:
             log.info("engine events are written by the engine thread (%s=0)", EMIT_THREAD_ENV)
         else:
-            self._queue = SimpleQueue()
+            self._queue = Queue(maxsize=QUEUE_BATCHES)
             self._writer = threading.Thread(target=self._write_queued, name="mlx-batchd-events", daemon=True)
             self._writer.start()
 
     def events(self, signals: list[Signal]) -> None:
-        """Hand over a batch of events: written now, or queued for the writer thread."""
+        """Hand over a batch of events: written now, or queued for the writer thread (waiting while
+        ``QUEUE_BATCHES`` are queued)."""
         if self._queue is not None:
             self._queue.put(signals)
         else:

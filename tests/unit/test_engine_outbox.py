@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from scheduler.engine_outbox import Outbox
+from scheduler.engine_outbox import QUEUE_BATCHES, Outbox
 from scheduler.engine_process import signals_to_wire
 from scheduler.event_pipe import PipeWriter
 from workers.engine import Finished, StepInfo, Timings, Tokens
@@ -79,6 +79,36 @@ def test_a_writer_thread_writes_what_the_engine_thread_would() -> None:
         return [m["events"] for m in msgs]
 
     assert strip(written(True, 200)) == strip(written(False, 200))
+
+
+def test_an_engine_waits_for_a_front_end_that_stopped_reading() -> None:
+    """A full pipe and ``QUEUE_BATCHES`` queued make ``events`` wait, as a full pipe made the engine
+    thread wait when it wrote itself: the engine's lead is bounded, and nothing is lost or reordered
+    once the reader reads again."""
+    r, w = os.pipe()  # the default buffer (64 KiB on Linux): a few 10 KB messages fill it
+    outbox = Outbox(PipeWriter(w), FakeEngine, lambda signals: [{"pad": "x" * 10_000, "i": signals[0]}], threaded=True)
+    handed: list[int] = []
+
+    def engine() -> None:
+        for i in range(QUEUE_BATCHES + 100):
+            outbox.events([i])
+            handed.append(i)
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive(), "the engine thread never waited for the reader"
+    assert len(handed) < QUEUE_BATCHES + 100 and len(handed) >= QUEUE_BATCHES
+    unpacker = msgpack.Unpacker(raw=False)
+    got: list[int] = []
+    while len(got) < QUEUE_BATCHES + 100:
+        unpacker.feed(os.read(r, 1 << 16))
+        got += [m["events"][0]["i"] for m in unpacker]
+    t.join(timeout=10)
+    outbox.close()
+    os.close(w)
+    os.close(r)
+    assert got == list(range(QUEUE_BATCHES + 100))
 
 
 def test_a_writer_that_cannot_write_ends_its_process() -> None:
