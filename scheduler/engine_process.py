@@ -9,7 +9,8 @@ causes landing between decode steps. Here the engine runs in a child process (th
 - commands (``submit``, ``cancel``, ``pause``, ``resume``, ``measure_tax``, ``shutdown``) go
   parent -> child on a PUSH socket; the child's main thread applies them to an ``EngineThread``;
 - each batch of engine events goes child -> parent as one message over a pipe (``event_pipe``: a
-  write costs the engine thread microseconds where a ZeroMQ send woke an I/O thread on every step),
+  write costs microseconds where a ZeroMQ send woke an I/O thread on every step), converted and
+  written by a writer thread while the engine thread runs its next step (``engine_outbox``),
   with the engine's stats snapshot attached when it may have changed (so ``stats`` read after an
   ``end`` is current); the pipe's end of stream is how the parent learns the child is gone;
 - the lifecycle is the thread's: ``ready`` (the parent loads the tokenizer itself: only the model's
