@@ -52,6 +52,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from scheduler.engine_outbox import emit_thread_wanted
 from scheduler.engine_process import EngineProcess
 from workers import profiling
 from workers.engine import Engine
@@ -109,7 +110,7 @@ class Hosted:
         if kind == "loop":
             self.handle: Any = EngineThread(load_fn, self.emit, settings)
         else:
-            self.handle = EngineProcess(model, None, self.emit, settings)
+            self.handle = EngineProcess(model, None, self.emit, settings, emit_thread=emit_thread_wanted())
         self.handle.start()
         if not self.ready.wait(600):
             raise RuntimeError(f"{kind}: no ready")

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 
 from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_process, plan_split
+from scheduler.engine_outbox import emit_thread_wanted
 from scheduler.engine_process import EngineProcess
 from scheduler.frontend import FrontEnd, FrontEndSettings
 from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
@@ -61,6 +62,7 @@ def serve(settings: DaemonSettings) -> int:
 
     check_models(settings)
     check_environment()
+    emit_thread = emit_thread_wanted()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -70,7 +72,7 @@ def serve(settings: DaemonSettings) -> int:
         if settings.engine_process:
             split = place_processes(settings)
             cpus = None if split is None else split.engine
-            return EngineProcess(settings.model, settings.context_length, emit, settings.engine, cpus)
+            return EngineProcess(settings.model, settings.context_length, emit, settings.engine, cpus, emit_thread)
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
 
     # The front end hands the engine at most one batch's worth of sequences at a time.

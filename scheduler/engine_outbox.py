@@ -25,6 +25,7 @@ from queue import Queue
 from typing import Any
 
 from scheduler.event_pipe import PipeWriter
+from workers.backend import SettingError
 from workers.engine import Finished
 from workers.loop import EngineThread, Ready, Signal
 
@@ -47,7 +48,14 @@ EMIT_THREAD_ENV = "MLX_BATCHD_EMIT_THREAD"
 
 
 def emit_thread_wanted() -> bool:
-    return os.environ.get(EMIT_THREAD_ENV, "1") != "0"
+    """The switch, read by the daemon before it starts its engine process: a value other than 0 or 1
+    is an operator's typo, refused in one line (``SettingError``) like the other ``MLX_BATCHD_*``."""
+    value = os.environ.get(EMIT_THREAD_ENV)
+    if not value:
+        return True
+    if value not in ("0", "1"):
+        raise SettingError(f"{EMIT_THREAD_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 class Outbox:

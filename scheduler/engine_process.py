@@ -48,7 +48,7 @@ import msgpack
 import zmq
 
 from scheduler.affinity import AffinityError, pin_process
-from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox, emit_thread_wanted
+from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox
 from scheduler.event_pipe import PipeWriter, Receiver, open_pipe
 from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
@@ -235,11 +235,14 @@ class EngineProcess:
         emit: Callable[[list[Signal]], None],
         settings: EngineSettings | None = None,
         cpus: tuple[int, ...] | None = None,
+        emit_thread: bool = True,
     ) -> None:
         """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
-        the OS puts it."""
+        the OS puts it. ``emit_thread``: the child writes its events from a writer thread
+        (``engine_outbox``), else from the engine thread."""
         self._model = model
         self._cpus = cpus
+        self._emit_thread = emit_thread
         self._context_length = context_length
         self._emit = emit
         self._settings = settings or EngineSettings()
@@ -267,6 +270,7 @@ class EngineProcess:
             "folder": str(self._folder),
             "events_fd": self._events_w,
             "cpus": None if self._cpus is None else list(self._cpus),
+            "emit_thread": self._emit_thread,
         }
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "scheduler.engine_process"],
@@ -414,7 +418,7 @@ def child_main() -> int:
     os.set_inheritable(spec["events_fd"], False)  # no process this one starts may hold the pipe open
     events = PipeWriter(spec["events_fd"])
     holder: list[EngineThread] = []
-    outbox = Outbox(events, lambda: holder[0], signals_to_wire, emit_thread_wanted())
+    outbox = Outbox(events, lambda: holder[0], signals_to_wire, spec["emit_thread"])
     engine = EngineThread(
         lambda: load(spec["model"], spec["context_length"], holder[0].world), outbox.events, settings, World.from_env
     )
