@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.bench.arms import random_prompts, step_counters  # noqa: E402
+from scheduler.bench.process_cpu import last_cpu  # noqa: E402
 
 
 def topology() -> dict[str, Any]:
@@ -65,21 +67,13 @@ def topology() -> dict[str, Any]:
     return {"nodes": nodes, "siblings": siblings, "gpus": gpus}
 
 
-def seen_cpu() -> int | None:
-    """The CPU the calling thread last ran on (``/proc/thread-self/stat`` field 39)."""
-    try:
-        stat = Path("/proc/thread-self/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[36])
-
-
 def one_run(engine: Any, prompt: list[int], tokens: int, after_step: Any = None) -> dict[str, Any]:
     """One sequence through the engine on this thread; its decode steps' counters. ``after_step``
     (no arguments) runs after every step, outside the step's timing."""
     from workers.engine import Job, Tokens
 
     before = step_counters(asdict(engine.counters))
+    pid, tid = os.getpid(), threading.get_native_id()
     cpus: dict[int, int] = {}
     tic = time.perf_counter()
     engine.submit(Job(seq=0, prompt=prompt, max_tokens=tokens))
@@ -88,7 +82,7 @@ def one_run(engine: Any, prompt: list[int], tokens: int, after_step: Any = None)
         produced += sum(len(e.tokens) for e in engine.step() if isinstance(e, Tokens))
         if after_step is not None:
             after_step()
-        cpu = seen_cpu()
+        cpu = last_cpu(pid, tid)
         if cpu is not None:
             cpus[cpu] = cpus.get(cpu, 0) + 1
     wall = time.perf_counter() - tic
@@ -142,11 +136,9 @@ def disturbed_run(engine: Any, prompt: list[int], tokens: int, arm: str, allowed
     helper = None
     after_step = None
     if kind:
-        cpu = {int(at)}
         code = SPIN if kind == "spin" else READ
-        helper = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, cpu)
-        )
+        helper = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        os.sched_setaffinity(helper.pid, {int(at)})  # not in the child before exec: this process has threads
         if kind == "write":
             fd, payload = helper.stdin.fileno(), bytes(600)  # type: ignore[union-attr]
             after_step = lambda: os.write(fd, payload)  # noqa: E731

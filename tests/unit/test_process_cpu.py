@@ -1,4 +1,4 @@
-"""``scheduler.bench.process_cpu``: a process's and a thread's CPU seconds from ``/proc`` (Linux)."""
+"""``scheduler.bench.process_cpu``: a process's and a thread's CPU seconds and last CPU from ``/proc`` (Linux)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from scheduler.bench.process_cpu import cpu_seconds, daemon_processes
+from scheduler.bench.process_cpu import cpu_seconds, daemon_processes, last_cpu
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 
@@ -42,3 +42,18 @@ def test_a_busy_process_and_its_thread_gain_cpu_and_another_thread_does_not() ->
 
 def test_a_process_without_children_is_a_front_end_alone() -> None:
     assert daemon_processes(os.getpid()) == {"front_end": os.getpid()}
+
+
+def test_a_thread_pinned_to_a_cpu_is_last_seen_on_it() -> None:
+    pid, tid = os.getpid(), threading.get_native_id()
+    before = os.sched_getaffinity(0)
+    target = max(before)
+    os.sched_setaffinity(0, {target})
+    try:
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:  # runs on it since the call above
+            pass
+        assert last_cpu(pid, tid) == target
+    finally:
+        os.sched_setaffinity(0, before)
+    assert last_cpu(2**22 + 12345) is None
