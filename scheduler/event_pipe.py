@@ -4,8 +4,9 @@ Every decode step sends one message (from the engine process's writer thread, ``
 from the engine thread itself between two steps). A ZeroMQ PUSH over ipc paid for waking its I/O
 thread on every send: 40 us a send with the reader idle between sends (median of 400, this
 development CPU; ~55 us an emit measured on the H200 host, where a B = 1 decode step is ~7 ms),
-against 2.7 us for a write to a pipe read by another process. The pipe is also the liveness signal: its reader sees the end of the stream once every write
-end is closed, which is when the engine process is gone, however it went.
+against 2.7 us for a write to a pipe read by another process. The pipe is also the liveness signal:
+its reader sees the end of the stream once every write end is closed, which is when the engine
+process is gone, however it went.
 
 Writes block when the pipe is full (the reader is more than the pipe's buffer behind): the engine
 then waits for the front end instead of queueing without bound (through the writer thread's bounded
