@@ -2,16 +2,19 @@
 engine's stats snapshot when it may have changed.
 
 The engine thread hands over a step's events between its steps, so what building and writing the
-message costs it lands between every two steps. On the H100 host (8B synth) that was ~65 µs a step at
-B = 1, where a step is the host's own work (the engine thread's CPU 95-98 % of the step's wall), and
-~250 µs at B = 128 (docs/benchmarks.md section 37). So a writer thread builds and writes the messages
-(vLLM v1's engine core sends its outputs from a thread of its own too), and the engine thread only
-queues each batch: MLX lets go of the GIL while it evaluates a step, so the writer's Python runs
-during the engine thread's own work. On the development CPU (demo model, b1_timeline, two daemons
-each way, alternating) a request's wall went 453/444 -> 434/408 ms at B = 1, 889/873 -> 826/865 at B = 4,
-and stayed at ~2.5 s at B = 16. ``MLX_BATCHD_EMIT_THREAD=0`` has the engine thread write them itself
-(the writer needs the GIL back while the engine thread builds its next graph, which a host may
-charge for differently). Either way the messages go out in the order their events were made.
+message costs it lands between every two steps: on the H100 host (8B synth) ~65 µs a step at B = 1,
+where a step is the host's own work (the engine thread's CPU 95-98 % of the step's wall), and ~250 µs
+at B = 128. ``MLX_BATCHD_EMIT_THREAD=1`` has a writer thread build and write the messages instead
+(vLLM v1's engine core sends its outputs from a thread of its own), the engine thread only queueing
+each batch; MLX lets go of the GIL while it evaluates a step, so the writer's Python can run during
+the engine thread's own work. Measured on the H100 (b1_timeline, 128 tokens, daemons alternating on
+one lease, docs/benchmarks.md section 38): the engine thread's hand-overs fell from 7-9 to 1.8 ms a
+request at B = 1 and from 27-30 to 3 ms at B = 128, but the wall outside the steps did not (B = 1
+16.8-19.8 ms with the writer, 15.6-20.4 without; B = 128 142-195 against 122-150), and a B = 128
+request group took 4,977 ms (median of 3) against 4,903 and 4,918: the writer's Python takes the GIL
+back while the engine thread builds its next graph. On the development CPU, where the engine process
+has one CPU, a B = 1 request's wall fell 4-8 %. So the engine thread writes by default, and the writer
+thread is an operator's choice. Either way the messages go out in the order their events were made.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ SNAPSHOT_EVERY_S = 0.1
 #: own buffer, what bounds an engine's lead over a front end that stopped reading (as a full pipe
 #: does when the engine thread writes itself).
 QUEUE_BATCHES = 64
-#: ``0``: events are built and written by the engine thread; unset or ``1``: by a writer thread (see above).
+#: Unset or ``0``: events are built and written by the engine thread; ``1``: by a writer thread (see above).
 EMIT_THREAD_ENV = "MLX_BATCHD_EMIT_THREAD"
 
 
@@ -52,7 +55,7 @@ def emit_thread_wanted() -> bool:
     is an operator's typo, refused in one line (``SettingError``) like the other ``MLX_BATCHD_*``."""
     value = os.environ.get(EMIT_THREAD_ENV)
     if not value:
-        return True
+        return False
     if value not in ("0", "1"):
         raise SettingError(f"{EMIT_THREAD_ENV}={value!r}: expected 0 or 1")
     return value == "1"
@@ -79,9 +82,8 @@ class Outbox:
         self._last: dict[str, Any] = {}
         self._queue: Queue[list[Signal] | None] | None = None
         self._writer: threading.Thread | None = None
-        if not threaded:
-            log.info("engine events are written by the engine thread (%s=0)", EMIT_THREAD_ENV)
-        else:
+        if threaded:
+            log.info("engine events are written by a writer thread (%s=1)", EMIT_THREAD_ENV)
             self._queue = Queue(maxsize=QUEUE_BATCHES)
             self._writer = threading.Thread(target=self._write_queued, name="mlx-batchd-events", daemon=True)
             self._writer.start()

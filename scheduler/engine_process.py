@@ -10,13 +10,15 @@ causes landing between decode steps. Here the engine runs in a child process (th
   parent -> child on a PUSH socket; the child's main thread applies them to an ``EngineThread``;
 - each batch of engine events goes child -> parent as one message over a pipe (``event_pipe``: a
   write costs microseconds where a ZeroMQ send woke an I/O thread on every step), converted and
-  written by a writer thread while the engine thread runs its next step (``engine_outbox``),
+  written by the engine thread between its steps, or by a writer thread (``engine_outbox``),
   with the engine's stats snapshot attached when it may have changed (so ``stats`` read after an
   ``end`` is current); the pipe's end of stream is how the parent learns the child is gone;
 - the lifecycle is the thread's: ``ready`` (the parent loads the tokenizer itself: only the model's
   text is served by the front end), then events, then ``stopped`` or ``dead``. A child that exits
   without a final word (killed, out of memory) is reported ``dead`` by the parent; a child whose
-  parent is gone shuts its engine down and exits.
+  parent is gone shuts its engine down and exits. A shutdown before ``ready`` terminates the child
+  instead of sending the command: it may not have connected its command socket yet, and it would
+  load, warm up and check its kernels (minutes on a GPU) before reading one.
 
 The command socket lives in a private (0700) temporary folder and the event pipe has no name, so
 no other local user can reach the engine. Nothing is pickled: the child gets its settings as a
@@ -235,7 +237,7 @@ class EngineProcess:
         emit: Callable[[list[Signal]], None],
         settings: EngineSettings | None = None,
         cpus: tuple[int, ...] | None = None,
-        emit_thread: bool = True,
+        emit_thread: bool = False,
     ) -> None:
         """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
         the OS puts it. ``emit_thread``: the child writes its events from a writer thread
@@ -259,6 +261,10 @@ class EngineProcess:
         self._cmd.setsockopt(zmq.SNDHWM, 0)
         self._cmd.bind(f"ipc://{self._folder / 'commands'}")
         self._events, self._events_w = open_pipe()
+        #: The child's ``ready`` has passed (set under the lock, by the receiver).
+        self._ready = False
+        #: A shutdown came before ``ready`` and terminated the child: its end is a stop, not a death.
+        self._stopped_early = False
         self._receiver = Receiver(self._events, self._on_message, self._on_end, "mlx-batchd-engine-events")
 
     def start(self) -> None:
@@ -324,12 +330,23 @@ class EngineProcess:
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
     ) -> None:
+        with self._lock:
+            if not self._ready and self._proc is not None and self._proc.returncode is None:
+                self._stopped_early = True
+                self._proc.terminate()
+                return
         self._send({"c": "shutdown", "reason": reason, "code": code, "message": message})
 
     def _send(self, cmd: dict[str, Any]) -> None:
         with self._lock:
-            if not self._cmd.closed:
+            if self._cmd.closed:
+                return
+            try:
                 self._cmd.send(pack(cmd), zmq.NOBLOCK)
+            except zmq.Again:
+                # No child is connected: it has exited (its event pipe's end reports that), so the
+                # command has no one to reach.
+                log.debug("engine process gone; dropped command %r", cmd["c"])
 
     def _load_tokenizer(self) -> None:
         from workers.models import load_tokenizer
@@ -353,6 +370,9 @@ class EngineProcess:
         except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
             self.shutdown()
             signals = [Dead(f"cannot load the tokenizer: {exc}")]
+        if any(isinstance(s, Ready) for s in signals):
+            with self._lock:
+                self._ready = True
         if signals:
             self._emit(signals)
         return any(isinstance(s, (Stopped, Dead)) for s in signals)
@@ -364,6 +384,10 @@ class EngineProcess:
             code: int | str = self._proc.wait(REAP_S)
         except subprocess.TimeoutExpired:
             code = "unknown (it closed its event pipe but did not exit)"
+        if self._stopped_early:
+            log.info("the engine process was stopped before it was ready")
+            self._emit([Stopped()])
+            return
         self._emit([Dead(f"the engine process exited with code {code} before it said why")])
 
     def _close(self) -> None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from clients import Client
+from scheduler.engine_process import EngineProcess
 from tests.conftest import start_daemon
 from tests.helpers.processes import _alive, _children
 from tests.reference import greedy_reference
+from workers.loop import Dead, Signal, Stopped
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds child processes through /proc")
 
@@ -78,12 +81,12 @@ def test_engine_thread_keeps_the_engine_in_the_daemon(tiny_model: Path, tmp_path
 
 
 @linux_only
-def test_events_written_by_the_engine_thread_itself_serve_exactly(
+def test_events_written_by_a_writer_thread_serve_exactly(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``MLX_BATCHD_EMIT_THREAD=0`` (no writer thread): the engine thread hands every step over
-    itself, the stats snapshot still crosses with each end, and the engine's final word arrives."""
-    monkeypatch.setenv("MLX_BATCHD_EMIT_THREAD", "0")
+    """``MLX_BATCHD_EMIT_THREAD=1``: a writer thread of the engine process hands every step over,
+    the stats snapshot still crosses with each end, and the engine's final word arrives."""
+    monkeypatch.setenv("MLX_BATCHD_EMIT_THREAD", "1")
     d = start_daemon(tiny_model, tmp_path)
     try:
         with Client(d.address, timeout=60) as c:
@@ -94,4 +97,30 @@ def test_events_written_by_the_engine_thread_itself_serve_exactly(
             assert c.stats()["engine"]["active_sequences"] == 0
     finally:
         assert d.stop() == 0, d.log()
-    assert "engine events are written by the engine thread" in d.log()
+    assert "engine events are written by a writer thread" in d.log()
+
+
+@linux_only
+def test_a_shutdown_before_ready_stops_the_engine_process_without_a_word_lost(tiny_model: Path) -> None:
+    """A daemon told to stop while its engine process is still starting (on a GPU host, loading and
+    checking kernels for minutes; here, before the child has even connected its command socket): the
+    child is terminated, the handle's final word is ``Stopped`` (the daemon exits 0), no ``Ready``."""
+    got: list[Signal] = []
+    final = threading.Event()
+
+    def emit(signals: list[Signal]) -> None:
+        got.extend(signals)
+        if any(isinstance(s, (Stopped, Dead)) for s in signals):
+            final.set()
+
+    handle = EngineProcess(str(tiny_model), None, emit)
+    handle.start()
+    child = handle._proc
+    assert child is not None
+    handle.shutdown()  # at once: the child is still importing, with no command socket connected
+    assert final.wait(30), got
+    # A command after the child is gone has no one to reach, and is not an error either.
+    handle.cancel(1)
+    handle.join(10)
+    assert [type(s) for s in got] == [Stopped]
+    assert child.returncode == -signal.SIGTERM
