@@ -88,7 +88,8 @@
 #   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
 # PART=et: b1_timeline at B = 1 and 128 with the engine process's events written by the engine thread and by a
 #   writer thread (MLX_BATCHD_EMIT_THREAD=0|1, scheduler/engine_outbox.py), alternating (WRITERS, default "0 1 0 1";
-#   REPEATS (3) a daemon): the hand-overs (emit_ms), the steps and the wall outside them, each way.
+#   REPEATS (3) a daemon): the hand-overs (emit_ms), the steps and the wall outside them, each way. A daemon
+#   takes 110-130 s to start on a warm H100 (kernel checks): four need ~550 s; on a fresh machine, two.
 # PART=pl: B = 1 decode steps with the engine thread pinned to each CPU in turn and left to the OS
 #   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128), CPUS), with the host's NUMA nodes and the GPU's;
 #   PLARMS instead names the arms, e.g. PLARMS=2,2+spin:15,2+write:15,2+spin:9 ROUNDS=8: what another busy
@@ -235,7 +236,7 @@ elif [ "$PART" = et ]; then
   i=0
   for writer in ${WRITERS:-0 1 0 1}; do
     i=$((i + 1))
-    MLX_BATCHD_EMIT_THREAD=$writer step "timeline-writer$writer-$i" 200 python3 benchmarks/b1_timeline.py --model /tmp/m8b \
+    MLX_BATCHD_EMIT_THREAD=$writer step "timeline-writer$writer-$i" 300 python3 benchmarks/b1_timeline.py --model /tmp/m8b \
       --batches "${BATCHES:-1,128}" --tokens 128 --repeats "${REPEATS:-3}" --daemon-args="--max-batch 128" \
       --out "$R/timeline-writer$writer-$i.json"
   done
