@@ -1,21 +1,22 @@
 """The engine process's side of the event pipe: one message per batch of engine events, with the
 engine's stats snapshot when it may have changed.
 
-The engine thread hands over a step's events between its steps, so what building and writing the
-message costs it lands between every two steps: on the H100 host (8B synth) ~65 µs a step at B = 1,
-where a step is the host's own work (the engine thread's CPU 95-98 % of the step's wall), and ~250 µs
-at B = 128. ``MLX_BATCHD_EMIT_THREAD=1`` has a writer thread build and write the messages instead
-(vLLM v1's engine core sends its outputs from a thread of its own), the engine thread only queueing
-each batch; MLX lets go of the GIL while it evaluates a step, so the writer's Python can run during
-the engine thread's own work. Measured on the H100 (b1_timeline, 128 tokens, daemons alternating on
-one lease, docs/benchmarks.md section 38): the engine thread's hand-overs fell from 7-9 to 1.8 ms a
-request at B = 1 and from 27-30 to 3 ms at B = 128, but the wall outside the steps did not (B = 1
-16.8-19.8 ms with the writer, 15.6-20.4 without; B = 128 142-195 against 122-150), and a B = 128
-request group took 4,977 ms (median of 3) against 4,903 and 4,918 (the writer's Python needs the GIL,
-which the engine thread holds while it builds its next graph: a likely cause, not measured). On the development CPU (demo model, 64 tokens, six
-daemons alternating) a B = 1 request took 571 / 571 / 521 ms without it and 501 / 581 / 565 with it,
-B = 4 985 / 1007 / 986 against 995 / 1019 / 994. So the engine thread writes by default, and the
-writer thread is an operator's choice. Either way the messages go out in the order their events were made.
+The engine thread hands over a step's events between its steps, so what building and writing the message
+costs it lands between every two steps: on the H100 host (8B synth) ~65 µs a step at B = 1, where a step
+is the host's own work (the engine thread's CPU 95-98 % of the step's wall), and ~250 µs at B = 128.
+``MLX_BATCHD_EMIT_THREAD=1`` has a writer thread build and write the messages instead (vLLM v1's engine
+core sends its outputs from a thread of its own), the engine thread only queueing each batch; MLX lets
+go of the GIL while it evaluates a step, so the writer's Python can run during the engine thread's own
+work. Measured on the H100 (b1_timeline, 128 tokens, daemons alternating on one lease,
+docs/benchmarks.md section 38): the engine thread's hand-overs fell from 7-9 to 1.8 ms a request at
+B = 1 and from 27-30 to 3 ms at B = 128, but the wall outside the steps did not (B = 1 16.8-19.8 ms with
+the writer, 15.6-20.4 without; B = 128 142-195 against 122-150), and a B = 128 request group took 4,977
+ms (median of 3) against 4,903 and 4,918 (the writer's Python needs the GIL, which the engine thread
+holds while it builds its next graph: a likely cause, not measured). On the development CPU (demo model,
+64 tokens, six daemons alternating) a B = 1 request took 571 / 571 / 521 ms without it and 501 / 581 /
+565 with it, B = 4 985 / 1007 / 986 against 995 / 1019 / 994. So the engine thread writes by default,
+and the writer thread is an operator's choice. Either way the messages go out in the order their events
+were made.
 """
 
 from __future__ import annotations
