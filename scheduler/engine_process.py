@@ -370,7 +370,7 @@ class EngineProcess:
         except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
             self.shutdown()
             signals = [Dead(f"cannot load the tokenizer: {exc}")]
-        if any(isinstance(s, Ready) for s in signals):
+        if not self._ready and any(isinstance(s, Ready) for s in signals):  # once: this runs every step
             with self._lock:
                 self._ready = True
         if signals:
