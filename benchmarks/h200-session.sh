@@ -23,7 +23,8 @@
 # is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
 # section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); DARGS: the daemon's extra
-#   options (e.g. DARGS="--admit-idle-window-ms 3"); TOKENS (64) per request,
+#   options (e.g. DARGS="--admit-idle-window-ms 3"); TOKENS (64) per request; BW: the physical reference's GB/s
+#   (default: the vendor's peak for the device MLX names, which knows the H200 and the H100 SXM);
 # BATCHES (1,4,8,16,32,64,128) and RAW (64) override. Every target of issue 15 in one run within one
 # call: TOKENS=192 BATCHES=1,4,8,16,32,64 (about 480 s warm; 256 tokens needs about 600 s); POISSON=4 adds the
 # Poisson arrivals' TTFT/ITL to the same run (issue 15 asks for every target in one run: with TOKENS=128
@@ -162,7 +163,7 @@ elif [ "$PART" = m ]; then
   dargs=(); [ -n "${DARGS:-}" ] && dargs=(--daemon-args="$DARGS")
   step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
     --tokens "${TOKENS:-64}" --repeats 3 --min-seconds "${MINS:-5}" --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" \
-    --bandwidth-gbs 4800 --poisson-tokens "${POISSON_TOKENS:-64}" --out "$R/matrix" \
+    --bandwidth-gbs "${BW:-0}" --poisson-tokens "${POISSON_TOKENS:-64}" --out "$R/matrix" \
     "${dargs[@]}"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
