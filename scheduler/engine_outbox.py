@@ -30,7 +30,7 @@ from queue import Queue
 from typing import Any
 
 from scheduler.event_pipe import PipeWriter
-from workers.backend import SettingError
+from workers.backend import env_switch
 from workers.engine import Finished
 from workers.loop import EngineThread, Ready, Signal
 
@@ -55,12 +55,7 @@ EMIT_THREAD_ENV = "MLX_BATCHD_EMIT_THREAD"
 def emit_thread_wanted() -> bool:
     """The switch, read by the daemon before it starts its engine process: a value other than 0 or 1
     is an operator's typo, refused in one line (``SettingError``) like the other ``MLX_BATCHD_*``."""
-    value = os.environ.get(EMIT_THREAD_ENV)
-    if not value:
-        return False
-    if value not in ("0", "1"):
-        raise SettingError(f"{EMIT_THREAD_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return env_switch(EMIT_THREAD_ENV) is True
 
 
 class Outbox:

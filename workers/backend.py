@@ -17,6 +17,17 @@ class SettingError(ValueError):
     written for the operator, reported in one line before anything starts."""
 
 
+def env_switch(name: str) -> bool | None:
+    """An on/off ``MLX_BATCHD_*`` setting: ``None`` where it is unset or empty, else 0 or 1; any other
+    value is refused in one line (``SettingError``)."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise SettingError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 #: MLX CUDA's switch for its cuDNN attention. MLX reads it once per process, at the first attention
 #: call, so it is set before the engine's first forward.
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"

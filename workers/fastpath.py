@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers.backend import SettingError
+from workers.backend import SettingError, env_switch
 
 log = logging.getLogger("mlx_batchd")
 
@@ -101,11 +101,9 @@ def detect() -> FastPath:
         policy = CUDA if mx.default_device() == mx.gpu and mx.cuda.is_available() else GENERIC
     switches: dict[str, Any] = {}
     for env, field in _SWITCHES:
-        value = os.environ.get(env)
-        if value:
-            if value not in ("0", "1"):
-                raise SettingError(f"{env}={value!r}: expected 0 or 1")
-            switches[field] = value == "1"
+        value = env_switch(env)
+        if value is not None:
+            switches[field] = value
     return replace(policy, **switches) if switches else policy
 
 
