@@ -27,7 +27,12 @@ from clients.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, pack, unbatch, 
 from clients.route import Route
 
 #: ZMTP heartbeats (milliseconds): a PING every second; no traffic for 3 s after one means the
-#: daemon is gone (frozen, or its host unreachable) even though the connection never closed.
+#: daemon is gone (frozen, or its host unreachable) even though the connection never closed. They
+#: are safe here because the socket's input never stops: its receive queue is unbounded (the pump
+#: reads everything into the calls' routes anyway, and the daemon bounds what it sends). libzmq 4.3.5
+#: aborts the process (``Assertion failed: _input_stopped``, zeromq/libzmq#3937) when a heartbeat
+#: timeout re-attaches a connection whose input a full receive queue had stopped, which a 1,000
+#: message queue and an event loop blocked for some seconds by the application reached.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: Asks the daemon to drop this connection after 6 s of silence (this process frozen).
@@ -125,6 +130,7 @@ class Connection:
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 1000)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
             self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             self._sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)

@@ -31,6 +31,14 @@ MAX_MESSAGES = 1024
 MAX_TOP_LOGPROBS = 20
 #: The most submits one declared group may have (``Submit.group``).
 MAX_GROUP_SIZE = 4096
+#: The largest count or token id a request may give (``max_tokens``, ``top_k``, ``tokens``,
+#: ``stop_token_ids``): an int32, so every accepted value fits msgpack, MLX and the engine whatever
+#: the model; the daemon narrows ``max_tokens`` and the token ids to its caps and vocabulary later.
+MAX_COUNT = 2**31 - 1
+#: The largest ``seed``: the engine's random key takes a non-negative int64.
+MAX_SEED = 2**63 - 1
+#: Characters of a refused value that an error message quotes.
+SHOWN_CHARS = 40
 
 
 # --------------------------------------------------------------------------- requests
@@ -104,6 +112,15 @@ def _id_of(msg: dict[str, Any]) -> str | None:
     return None
 
 
+def _show(value: Any) -> str:
+    """A refused value as an error message quotes it: clipped, and a container by its type only, so
+    a hostile value (huge, or nested thousands deep) costs nothing to describe."""
+    if value is None or isinstance(value, bool | int | float | str):
+        text = repr(value) if not isinstance(value, int) or abs(value) < 10**SHOWN_CHARS else "a huge integer"
+        return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+    return f"a {type(value).__name__}"
+
+
 def _get(msg: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: str | None, default: Any) -> Any:
     """One optional field, type-checked. ``bool`` is not accepted where a number is wanted."""
     if name not in msg or msg[name] is None:
@@ -117,13 +134,34 @@ def _get(msg: dict[str, Any], name: str, kinds: type | tuple[type, ...], rid: st
 
 
 def _number(msg: dict[str, Any], name: str, rid: str | None, default: float, lo: float, hi: float) -> float:
-    value = float(_get(msg, name, (int, float), rid, default))
-    if not (math.isfinite(value) and lo <= value <= hi):
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be in [{lo}, {hi}], got {value}", rid)
+    """A finite number in ``[lo, hi]``. An integer is range-checked before it becomes a float, so a
+    huge one is refused, never overflows."""
+    value = _get(msg, name, (int, float), rid, default)
+    if not (lo <= value <= hi and math.isfinite(value)):  # NaN fails the comparison
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be in [{lo}, {hi}], got {_show(value)}", rid)
+    return float(value)
+
+
+def _int(
+    msg: dict[str, Any],
+    name: str,
+    rid: str | None,
+    default: int | None,
+    lo: int,
+    hi: int,
+    code: ErrorCode = ErrorCode.BAD_FIELD,
+) -> Any:
+    """An optional integer in ``[lo, hi]`` (``default`` when absent)."""
+    value = _get(msg, name, int, rid, default)
+    if value is not None and not lo <= value <= hi:
+        raise ProtocolError(code, f"field {name!r} must be in [{lo}, {hi}], got {_show(value)}", rid)
     return value
 
 
-def _int_list(msg: dict[str, Any], name: str, rid: str | None, max_len: int | None) -> list[int] | None:
+def _int_list(
+    msg: dict[str, Any], name: str, rid: str | None, max_len: int | None, code: ErrorCode
+) -> list[int] | None:
+    """A list of integers, each in ``[0, MAX_COUNT]`` (refused with ``code`` outside it)."""
     value = _get(msg, name, list, rid, None)
     if value is None:
         return None
@@ -131,6 +169,11 @@ def _int_list(msg: dict[str, Any], name: str, rid: str | None, max_len: int | No
         raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} holds at most {max_len} items", rid)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of integers", rid)
+    for i, t in enumerate(value):
+        if not 0 <= t <= MAX_COUNT:
+            raise ProtocolError(
+                code, f"field {name!r} holds {_show(t)} at [{i}]; token ids are in [0, {MAX_COUNT}]", rid
+            )
     return value
 
 
@@ -158,7 +201,7 @@ def _messages(msg: dict[str, Any], rid: str | None) -> list[dict[str, str]] | No
 
 def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
     prompt = _get(msg, "prompt", str, rid, None)
-    tokens = _int_list(msg, "tokens", rid, None)
+    tokens = _int_list(msg, "tokens", rid, None, ErrorCode.TOKEN_OUT_OF_RANGE)
     messages = _messages(msg, rid)
     given = [n for n, v in (("prompt", prompt), ("tokens", tokens), ("messages", messages)) if v is not None]
     if not given:
@@ -170,13 +213,9 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
     if prompt == "" or tokens == [] or messages == []:
         raise ProtocolError(ErrorCode.EMPTY_PROMPT, f"the {given[0]!r} field is empty; send at least one token", rid)
 
-    max_tokens = _get(msg, "max_tokens", int, rid, None)
-    top_k = _get(msg, "top_k", int, rid, 0)
-    if top_k < 0:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'top_k' must be >= 0, got {top_k}", rid)
-    seed = _get(msg, "seed", int, rid, None)
-    if seed is not None and not (0 <= seed < 2**63):
-        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'seed' must be in [0, 2**63)", rid)
+    max_tokens = _int(msg, "max_tokens", rid, None, 1, MAX_COUNT, ErrorCode.MAX_TOKENS_OUT_OF_RANGE)
+    top_k = _int(msg, "top_k", rid, 0, 0, MAX_COUNT)
+    seed = _int(msg, "seed", rid, None, 0, MAX_SEED)
     top_p = _number(msg, "top_p", rid, 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise ProtocolError(ErrorCode.BAD_FIELD, "field 'top_p' must be in (0, 1]", rid)
@@ -200,15 +239,9 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
             f"{MAX_STOP_STRING_LENGTH} characters",
             rid,
         )
-    stop_token_ids = _int_list(msg, "stop_token_ids", rid, MAX_STOP_TOKEN_IDS) or []
-    priority = _get(msg, "priority", int, rid, 0)
-    if not -1000 <= priority <= 1000:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'priority' must be in [-1000, 1000], got {priority}", rid)
-    top_logprobs = _get(msg, "top_logprobs", int, rid, 0)
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ProtocolError(
-            ErrorCode.BAD_FIELD, f"field 'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}", rid
-        )
+    stop_token_ids = _int_list(msg, "stop_token_ids", rid, MAX_STOP_TOKEN_IDS, ErrorCode.BAD_FIELD) or []
+    priority = _int(msg, "priority", rid, 0, -1000, 1000)
+    top_logprobs = _int(msg, "top_logprobs", rid, 0, 0, MAX_TOP_LOGPROBS)
     return Submit(
         id=rid,
         group=_group(msg, rid),
@@ -229,7 +262,7 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
 def _group(msg: dict[str, Any], rid: str) -> tuple[str, int] | None:
     """``group`` and ``group_size``: both or neither."""
     name = _get(msg, "group", str, rid, None)
-    size = _get(msg, "group_size", int, rid, None)
+    size = _int(msg, "group_size", rid, None, 1, MAX_GROUP_SIZE)
     if name is None and size is None:
         return None
     if name is None or size is None:
@@ -238,10 +271,6 @@ def _group(msg: dict[str, Any], rid: str) -> tuple[str, int] | None:
         )
     if not 0 < len(name) <= MAX_ID_LENGTH:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'group' must be 1 to {MAX_ID_LENGTH} characters", rid)
-    if not 1 <= size <= MAX_GROUP_SIZE:
-        raise ProtocolError(
-            ErrorCode.BAD_FIELD, f"field 'group_size' must be in [1, {MAX_GROUP_SIZE}], got {size}", rid
-        )
     return name, size
 
 
@@ -256,7 +285,7 @@ def parse_request(msg: dict[str, Any]) -> Request:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.BAD_VERSION,
-            f"field 'v' must be {PROTOCOL_VERSION} (this daemon speaks protocol {PROTOCOL_VERSION}), got {version!r}",
+            f"field 'v' must be {PROTOCOL_VERSION} (this daemon speaks protocol {PROTOCOL_VERSION}), got {_show(version)}",
             rid,
         )
     kind = msg.get("type")
@@ -265,7 +294,7 @@ def parse_request(msg: dict[str, Any]) -> Request:
     if kind not in (MsgType.SUBMIT, MsgType.CANCEL, MsgType.HEALTH, MsgType.STATS):
         raise ProtocolError(
             ErrorCode.UNKNOWN_TYPE,
-            f"unknown message type {kind!r}; expected one of submit, cancel, health, stats",
+            f"unknown message type {_show(kind)}; expected one of submit, cancel, health, stats",
             rid,
         )
     if "id" not in msg:

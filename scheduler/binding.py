@@ -5,6 +5,9 @@ existing folder's mode is never changed), so no other local user can put a fake 
 existing socket file is removed only if nothing answers on it, and at exit only the very file this
 daemon bound is removed (device, inode and change time: an inode number alone is reused as soon as
 a file is deleted).
+
+The same folder holds the key local HTTP clients may present where the peer's user cannot be told
+(``write_private_key``): a 0600 file, removed at exit by the same rule.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from clients.address import ipc_path, unsafe_reason
+from clients.address import ipc_path, runtime_dir, unsafe_reason
 from scheduler.settings import BindError
 
 #: How long an existing socket file may take to accept a connection before it counts as dead.
@@ -46,7 +49,34 @@ def bind_listen(sock: zmq.asyncio.Socket, addr: str) -> BoundFile | None:
 def unlink_bound(addr: str, bound: BoundFile | None) -> None:
     """Remove the socket file ``bind_listen`` bound at ``addr``, and only if it is still that file."""
     path = ipc_path(addr)
-    if path is None or bound is None:
+    if path is not None:
+        unlink_if_same(path, bound)
+
+
+def write_private_key(addr: str, key: str) -> tuple[Path, BoundFile]:
+    """Write ``key`` to a new 0600 file in the daemon's private folder (the ipc socket's folder of
+    ``addr``, else the per-user runtime folder); returns its path and identity, for ``unlink_if_same``."""
+    sock = ipc_path(addr)
+    if sock is not None and not str(sock).startswith("@"):
+        folder, name = sock.parent, f"{sock.name}.http-key"
+    else:
+        folder, name = runtime_dir(), f"http-{os.getpid()}.key"
+    _own_folder(folder, addr)
+    path = folder / name
+    path.unlink(missing_ok=True)  # a private folder: only a previous daemon of ours left it
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, f"{key}\n".encode())
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return path, (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def unlink_if_same(path: Path, bound: BoundFile | None) -> None:
+    """Remove ``path`` only if it is still the file ``bound`` identifies."""
+    if bound is None:
         return
     try:
         st = os.lstat(path)

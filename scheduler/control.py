@@ -1,8 +1,9 @@
 """Commands about requests already in flight, and the questions asked about them.
 
 ``Control`` acts on what ``Flight`` holds without starting anything new: a ``cancel`` ends a request
-wherever it is; a connection whose reader fell behind has its sequences paused and resumed; a
-connection that is gone has its requests ended; a tenant reload (SIGHUP) ends the requests of the
+wherever it is; a connection whose reader fell behind has its sequences paused and resumed, parked
+(their slots given to others) once it has read nothing for ``park_after_s`` and ended once it has read
+nothing for ``park_timeout_s``; a connection that is gone has its requests ended; a tenant reload (SIGHUP) ends the requests of the
 tenants it removes; and it builds the ``health`` and ``stats`` replies (``scheduler.stats``).
 Refusing a message is the caller's part: what cannot be done raises ``ProtocolError``.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+import anyio
 
 from clients.protocol import ErrorCode, FinishReason, ProtocolError, Stats
 from scheduler.flight import Flight
@@ -31,6 +34,9 @@ from scheduler.transport import Transport
 
 log = logging.getLogger("mlx_batchd")
 
+#: How often connections that stopped reading are looked at for parking and ending.
+PARK_POLL_S = 0.25
+
 
 class Control:
     """Cancel, pause and resume, disconnect and tenant reload on the requests in flight; the
@@ -43,6 +49,8 @@ class Control:
         self._counters = counters
         self._tax = TaxGate(settings.tax_min_interval_s)
         self._started = time.monotonic()
+        #: Connections whose reader fell behind, and since when (reset when their requests are ended).
+        self._stalled_since: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------ requests in flight
 
@@ -67,11 +75,54 @@ class Control:
 
     def set_paused(self, client: bytes, paused: bool) -> None:
         """Pause or resume every sequence of ``client`` in the engine (its queued requests are
-        paused as they enter the engine, in ``Flight.pump``)."""
-        engine = self._flight.engine
-        for t in self._flight.requests.in_engine():
-            if t.client == client and not t.detached:
-                (engine.pause if paused else engine.resume)(t.seq)
+        paused as they enter the engine, in ``Flight.pump``). A parked sequence resumes when a slot
+        is free for it (``Flight.wake``)."""
+        flight = self._flight
+        if paused:
+            self._stalled_since.setdefault(client, time.monotonic())
+        else:
+            self._stalled_since.pop(client, None)
+        mine = [t for t in flight.requests.in_engine() if t.client == client and not t.detached]
+        for t in mine:
+            if paused:
+                flight.engine.pause(t.seq)
+            elif t.parked:
+                flight.wake(t)
+            else:
+                flight.engine.resume(t.seq)
+
+    async def tend_stalled(self) -> None:
+        """Park and end the sequences of connections that stopped reading (``park_stalled``)."""
+        while True:
+            await anyio.sleep(PARK_POLL_S)
+            self.park_stalled(time.monotonic())
+
+    def park_stalled(self, now: float) -> None:
+        """A connection that has read nothing for ``park_after_s`` gives its decode slots to others
+        (its sequences stay paused with their KV); one that has read nothing for ``park_timeout_s``
+        has its requests ended with ``disconnected`` (the ends wait in its outbox)."""
+        s, flight = self.settings, self._flight
+        for client, since in list(self._stalled_since.items()):
+            stalled = now - since
+            if stalled < s.park_after_s:
+                continue
+            mine = [t for t in flight.requests.of_client(client) if not t.detached]
+            if stalled < s.park_timeout_s:
+                for t in mine:
+                    flight.park(t)
+                continue
+            self._stalled_since[client] = now  # later requests get the same time again
+            if not mine:
+                continue
+            log.warning("client %s read nothing for %.0f s: ending its %d requests", client.hex(), stalled, len(mine))
+            ended = (ErrorCode.DISCONNECTED, f"the client read nothing for {stalled:.0f} s (--park-timeout)")
+            for t in mine:
+                if t.in_engine:
+                    if not t.muted:
+                        t.muted = True
+                        flight.engine.cancel(t.seq, FinishReason.ERROR.value, ended[0].value, ended[1])
+                else:
+                    flight.finish_here(t, FinishReason.ERROR, ended)
 
     def drop_client(self, client: bytes, why: str) -> None:
         """A connection that is gone: its requests end ``disconnected`` (nobody is left to tell, so
@@ -79,6 +130,7 @@ class Control:
         with that id sends something itself."""
         flight = self._flight
         self._transport.forget(client)
+        self._stalled_since.pop(client, None)
         mine = flight.requests.of_client(client)
         if not mine:
             return

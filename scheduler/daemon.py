@@ -14,6 +14,7 @@ import anyio
 from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_process, plan_split
 from scheduler.engine_outbox import emit_thread_wanted
 from scheduler.engine_process import EngineProcess
+from scheduler.engine_watchdog import ENGINE_TIMEOUT_S
 from scheduler.frontend import FrontEnd, FrontEndSettings
 from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
 
@@ -36,6 +37,9 @@ class DaemonSettings:
     #: ``split``: the front end and the engine process on CPUs of their own (``scheduler.affinity``);
     #: ``off``: the OS places both.
     cpu_affinity: str = "split"
+    #: Seconds the engine process may owe work without a word before the daemon presumes it hung: every
+    #: request ends ``engine_dead``, health says so, the daemon exits 1 (``engine_watchdog``; 0 = never).
+    engine_timeout_s: float = ENGINE_TIMEOUT_S
 
 
 def check_models(settings: DaemonSettings) -> None:
@@ -72,7 +76,15 @@ def serve(settings: DaemonSettings) -> int:
         if settings.engine_process:
             split = place_processes(settings)
             cpus = None if split is None else split.engine
-            return EngineProcess(settings.model, settings.context_length, emit, settings.engine, cpus, emit_thread)
+            return EngineProcess(
+                settings.model,
+                settings.context_length,
+                emit,
+                settings.engine,
+                cpus,
+                emit_thread,
+                settings.engine_timeout_s,
+            )
         return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
 
     # The front end hands the engine at most one batch's worth of sequences at a time.

@@ -9,7 +9,8 @@ development CPU (an event and a checkpoint per step, sampled with py-spy at B = 
 ``Tokens`` and ``Finished`` turn into messages (``scheduler.outputs``) for the connection that sent
 the request; a ``Finished`` frees its slot in ``Flight``. ``Ready`` gives ``Flight`` the model and
 tokenizer and tells the front end to start reading messages; ``Stopped`` and ``Dead`` end whatever is
-left and set ``done``, after which nothing more is handled.
+left and set ``done``, after which nothing more is handled; after ``Dead`` the daemon's status is
+``engine_dead`` (health not ready, HTTP 503) and nothing new is admitted.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class EngineEvents:
             elif isinstance(sig, Dead):
                 log.error("engine died:\n%s", sig.error)
                 self.exit_code = 1
+                flight.status = "engine_dead"
+                flight.closing = True
                 flight.end_all(ErrorCode.ENGINE_DEAD, "the engine failed; the daemon is exiting")
                 self.done.set()
 

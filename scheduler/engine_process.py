@@ -24,7 +24,13 @@ The command socket lives in a private (0700) temporary folder and the event pipe
 no other local user can reach the engine. Nothing is pickled: the child gets its settings as a
 msgpack map on stdin.
 
-At about 480 lines it is over the ~400 of the other modules because its one idea is one protocol
+No engine outlives its daemon, and no daemon waits on a hung engine (``engine_lifetime``,
+``engine_watchdog``): on Linux the child dies with the thread that started it (the parent-death
+signal), elsewhere a polling thread stops it; a daemon whose engine owes work and has said nothing for
+``--engine-timeout`` seconds kills it and reports it dead. The child ignores SIGTERM once it is ready
+(a control-group stop signals every process at once): the daemon's shutdown command stops it cleanly.
+
+At about 620 lines it is over the ~400 of the other modules because its one idea is one protocol
 across a process boundary: its conversions, the parent's handle and the child's main are kept
 together so both ends of every message read side by side (the child's writing of events,
 ``engine_outbox``, is its own module).
@@ -38,9 +44,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -50,8 +56,10 @@ import msgpack
 import zmq
 
 from scheduler.affinity import AffinityError, pin_process
+from scheduler.engine_lifetime import die_with_parent, make_private_folder, sigterm_until_ready
 from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox
-from scheduler.event_pipe import PipeWriter, Receiver, open_pipe
+from scheduler.engine_watchdog import ENGINE_TIMEOUT_S, Watchdog
+from scheduler.event_pipe import PipeWriter, Receiver, open_pipe, unread
 from workers.burst import BurstSettings
 from workers.commands import job_from_plain as job_from_wire
 from workers.commands import job_to_plain as job_to_wire
@@ -72,6 +80,9 @@ LIVENESS_POLL_MS = 200
 REAP_S = 10.0
 #: Seconds an engine process whose daemon is gone waits for its engine to stop before it exits anyway.
 ORPHAN_GRACE_S = 15.0
+#: Seconds a follower rank given SIGTERM waits for rank 0's stop (beyond the daemon's drain) when
+#: ``--rank-timeout`` is off.
+FOLLOWER_STOP_GRACE_S = 60.0
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -238,10 +249,13 @@ class EngineProcess:
         settings: EngineSettings | None = None,
         cpus: tuple[int, ...] | None = None,
         emit_thread: bool = False,
+        engine_timeout_s: float = ENGINE_TIMEOUT_S,
     ) -> None:
         """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
         the OS puts it. ``emit_thread``: the child writes its events from a writer thread
-        (``engine_outbox``), else from the engine thread."""
+        (``engine_outbox``), else from the engine thread. ``engine_timeout_s``: pending work without
+        a word from the engine for this long kills it and reports it ``Dead`` (``engine_watchdog``;
+        0 = never)."""
         self._model = model
         self._cpus = cpus
         self._emit_thread = emit_thread
@@ -255,7 +269,9 @@ class EngineProcess:
         self._tokenizer: Any = None
         self._tokenizer_error: BaseException | None = None
         self._tokenizer_loader = threading.Thread(target=self._load_tokenizer, name="mlx-batchd-tokenizer", daemon=True)
-        self._folder = Path(tempfile.mkdtemp(prefix="mlx-batchd-engine-"))  # 0700: only this user
+        self._folder = make_private_folder()  # 0700: only this user; stale ones removed first
+        # Removed by ``join``, or at the latest when the interpreter exits (an exception, no join).
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)
         self._cmd = self._ctx.socket(zmq.PUSH)
         self._cmd.setsockopt(zmq.LINGER, 0)
         self._cmd.setsockopt(zmq.SNDHWM, 0)
@@ -266,6 +282,7 @@ class EngineProcess:
         #: A shutdown came before ``ready`` and terminated the child: its end is a stop, not a death.
         self._stopped_early = False
         self._receiver = Receiver(self._events, self._on_message, self._on_end, "mlx-batchd-engine-events")
+        self._watchdog = Watchdog(engine_timeout_s, self._hung, self._words_waiting) if engine_timeout_s > 0 else None
 
     def start(self) -> None:
         self._tokenizer_loader.start()
@@ -278,8 +295,11 @@ class EngineProcess:
             "cpus": None if self._cpus is None else list(self._cpus),
             "emit_thread": self._emit_thread,
         }
+        # The parent-death signal fires when the thread that starts the child ends: asked for only
+        # from the main thread (the daemon's), which lives as long as the daemon.
+        die_with_me = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler.engine_process"],
+            [sys.executable, "-m", "scheduler.engine_process", str(os.getpid()), "1" if die_with_me else "0"],
             stdin=subprocess.PIPE,
             start_new_session=True,
             pass_fds=(self._events_w,),
@@ -291,6 +311,8 @@ class EngineProcess:
         # Events are read once the tokenizer is loaded (``ready`` needs it): in the daemon's event
         # loop when this is called from it, else on a thread.
         self._receiver.start(after=self._tokenizer_loader)
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def join(self, timeout: float | None = None) -> None:
         self._receiver.done.wait(timeout)
@@ -300,7 +322,10 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 log.error("the engine process did not exit in %s s; killing it", timeout)
                 self._proc.kill()
-                self._proc.wait()
+                try:
+                    self._proc.wait(REAP_S)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: nothing more can be done here
+                    log.error("the engine process (pid %d) did not die of SIGKILL", self._proc.pid)
             self._receiver.done.wait(REAP_S)  # a killed child's pipe ends: the receiver is done
         self._close()
 
@@ -311,17 +336,37 @@ class EngineProcess:
         """The child's last engine snapshot (msgpack gives it back as the map the child built)."""
         return read_engine(self._snapshot)
 
-    # Commands: never block (the child reads them at once; the queue is unbounded).
+    # Commands: never block (the child reads them at once; the queue is unbounded). The watchdog
+    # hears of each before it is sent: where events are read on a thread, the answer could come first.
     def submit(self, job: Job) -> None:
-        self._send({"c": "submit", "job": job_to_wire(job)})
+        cmd = {"c": "submit", "job": job_to_wire(job)}
+        try:
+            frame = pack(cmd)
+        except (OverflowError, ValueError, TypeError) as exc:
+            # Every field is range-checked where it enters; should a value msgpack cannot carry get
+            # through anyway, it ends this one request (never sent, so never watched), not the daemon.
+            log.error("job %d could not be sent to the engine: %s", job.seq, exc)
+            why = f"a value of this request cannot be sent to the engine ({exc})"
+            timings = Timings(None, None, None, 0.0)
+            self._emit([Finished(job.seq, FinishReason.ERROR, len(job.prompt), 0, timings, "bad_field", why)])
+            return
+        if self._watchdog is not None:
+            self._watchdog.submitted(job.seq)
+        self._send(cmd, frame)
 
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancelled(seq)
         self._send({"c": "cancel", "seq": seq, "reason": reason, "code": code, "message": message})
 
     def pause(self, seq: int) -> None:
+        if self._watchdog is not None:
+            self._watchdog.paused(seq)
         self._send({"c": "pause", "seq": seq})
 
     def resume(self, seq: int) -> None:
+        if self._watchdog is not None:
+            self._watchdog.resumed(seq)
         self._send({"c": "resume", "seq": seq})
 
     def measure_tax(self) -> None:
@@ -335,14 +380,17 @@ class EngineProcess:
                 self._stopped_early = True
                 self._proc.terminate()
                 return
+        if self._watchdog is not None:
+            self._watchdog.stopping()
         self._send({"c": "shutdown", "reason": reason, "code": code, "message": message})
 
-    def _send(self, cmd: dict[str, Any]) -> None:
+    def _send(self, cmd: dict[str, Any], frame: bytes | None = None) -> None:
+        """``frame``: ``cmd`` already packed."""
         with self._lock:
             if self._cmd.closed:
                 return
             try:
-                self._cmd.send(pack(cmd), zmq.NOBLOCK)
+                self._cmd.send(pack(cmd) if frame is None else frame, zmq.NOBLOCK)
             except zmq.Again:
                 # No child is connected: it has exited (its event pipe's end reports that), so the
                 # command has no one to reach.
@@ -365,6 +413,8 @@ class EngineProcess:
         """One message's events to ``emit``; ``True`` for the final one."""
         if "snapshot" in msg:
             self._snapshot = msg["snapshot"]
+        if self._watchdog is not None:
+            self._watchdog.heard(msg["events"])  # before the conversion, which consumes the maps
         try:
             signals = signals_from_wire(msg["events"], self._tokenizer_for)
         except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
@@ -373,13 +423,29 @@ class EngineProcess:
         if not self._ready and any(isinstance(s, Ready) for s in signals):  # once: this runs every step
             with self._lock:
                 self._ready = True
+                early = self._stopped_early
+            if early:
+                # The child got ready as the shutdown's SIGTERM came, and ignored it (a ready child
+                # waits for the daemon's command): it gets the command now, and nobody is told it
+                # was ready.
+                signals = [s for s in signals if not isinstance(s, Ready)]
+                self._send(
+                    {"c": "shutdown", "reason": "error", "code": "shutdown", "message": "the daemon is shutting down"}
+                )
+            elif self._watchdog is not None:
+                self._watchdog.ready()
         if signals:
             self._emit(signals)
-        return any(isinstance(s, (Stopped, Dead)) for s in signals)
+        final = any(isinstance(s, (Stopped, Dead)) for s in signals)
+        if final and self._watchdog is not None:
+            self._watchdog.close()  # the engine's last word: it owes nothing more
+        return final
 
     def _on_end(self) -> None:
         """The pipe ended without a final word: the child is gone (this may wait to reap it)."""
         assert self._proc is not None
+        if self._watchdog is not None:
+            self._watchdog.close()
         try:
             code: int | str = self._proc.wait(REAP_S)
         except subprocess.TimeoutExpired:
@@ -388,15 +454,35 @@ class EngineProcess:
             log.info("the engine process was stopped before it was ready")
             self._emit([Stopped()])
             return
+        if self._watchdog is not None and self._watchdog.fired:
+            return  # the watchdog killed it, and has said why
         self._emit([Dead(f"the engine process exited with code {code} before it said why")])
 
+    def _hung(self, why: str) -> None:
+        """The watchdog's verdict (on its thread): every request ends ``engine_dead`` and the daemon
+        exits 1, as for a dead engine; the engine process is killed (SIGKILL ends a stopped or
+        GIL-bound process too), so none is left holding the model's memory."""
+        log.error("%s; killing the engine process", why)
+        self._emit([Dead(why)])
+        assert self._proc is not None
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
+
+    def _words_waiting(self) -> bool:
+        """Whether the event pipe holds bytes not read yet (or its end): the engine spoke."""
+        return not self._receiver.done.is_set() and unread(self._events)
+
     def _close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
         with self._lock:
             self._cmd.close(linger=0)
         if self._receiver.done.is_set():  # never close a descriptor another thread reads
             os.close(self._events)
         self._ctx.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._remove_folder()
 
 
 # ----------------------------------------------------------------------------- the child's side
@@ -418,14 +504,22 @@ def _apply(engine: EngineThread, cmd: dict[str, Any]) -> None:
         engine.shutdown(cmd["reason"], cmd["code"], cmd["message"])
 
 
-def child_main() -> int:
+def child_main(argv: list[str] | None = None) -> int:
     """The engine process: load, serve commands, exit when the engine thread has stopped.
 
-    Started under ``mlx.launch`` (it inherits the daemon's ``MLX_*`` environment) its engine joins
-    the group as rank 0 and leads the other ranks (``workers.loop``); ``from_env`` is a no-op alone."""
+    ``argv``: the daemon's pid, and ``1`` when the child is to die with the thread that started it
+    (``engine_lifetime.die_with_parent``). Started under ``mlx.launch`` (it inherits the daemon's
+    ``MLX_*`` environment) its engine joins the group as rank 0 and leads the other ranks
+    (``workers.loop``); ``from_env`` is a no-op alone."""
+    args = sys.argv[1:] if argv is None else argv
+    parent = int(args[0]) if args else os.getppid()
+    if args[1:2] == ["1"]:
+        die_with_parent(parent)
     from workers.distributed import World
     from workers.models import load
 
+    ready = threading.Event()
+    sigterm_until_ready(ready)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = unpack(sys.stdin.buffer.read())
@@ -443,12 +537,17 @@ def child_main() -> int:
     events = PipeWriter(spec["events_fd"])
     holder: list[EngineThread] = []
     outbox = Outbox(events, lambda: holder[0], signals_to_wire, spec["emit_thread"])
+
+    def emit(signals: list[Signal]) -> None:
+        if not ready.is_set() and any(isinstance(s, Ready) for s in signals):
+            ready.set()
+        outbox.events(signals)
+
     engine = EngineThread(
-        lambda: load(spec["model"], spec["context_length"], holder[0].world), outbox.events, settings, World.from_env
+        lambda: load(spec["model"], spec["context_length"], holder[0].world), emit, settings, World.from_env
     )
     holder.append(engine)
     engine.start()
-    parent = os.getppid()
     orphaned_at: float | None = None
     last_snapshot = time.monotonic()
     while engine.is_alive():
@@ -474,14 +573,22 @@ def child_main() -> int:
     return 0
 
 
-def follower_main(model: str, context_length: int | None, settings: EngineSettings) -> int:
+def follower_main(
+    model: str, context_length: int | None, settings: EngineSettings, stop_grace_s: float = FOLLOWER_STOP_GRACE_S
+) -> int:
     """A rank other than 0 of a daemon started under ``mlx.launch``: no socket, no front end, only
     the engine on its shard, replaying rank 0's plans (``workers.loop``). Exits 0 when rank 0 stops
-    it (its daemon shut down), 1 when a peer is lost or the ranks diverged, with one line saying so."""
+    it (its daemon shut down), 1 when a peer is lost or the ranks diverged, with one line saying so.
+
+    SIGTERM does not end it at once: a launcher's group kill or a control-group stop signals every
+    rank together, and rank 0's stop plan (after its drain) then ends every rank cleanly. A follower
+    that gets no stop within ``stop_grace_s`` of its SIGTERM (it alone was signalled) exits 1."""
     from workers.distributed import World, launched_rank
     from workers.models import load
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when every rank stops
+    termed: list[float] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: termed.append(time.monotonic()))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     final: list[Signal] = []
     holder: list[EngineThread] = []
@@ -497,10 +604,26 @@ def follower_main(model: str, context_length: int | None, settings: EngineSettin
     engine = EngineThread(lambda: load(model, context_length, holder[0].world), emit, settings, World.from_env)
     holder.append(engine)
     engine.start()
-    engine.join()
+    rank = f"rank {launched_rank(os.environ)}"
+    told = False
+    while engine.is_alive():
+        engine.join(0.5)  # a signal's handler runs meanwhile
+        if not termed or not engine.is_alive():
+            continue
+        if not told:
+            log.info("%s: SIGTERM; following rank 0 until it stops every rank (at most %g s)", rank, stop_grace_s)
+            told = True
+        if time.monotonic() - termed[0] > stop_grace_s:
+            print(
+                f"mlx-batchd serve: {rank}: SIGTERM, and rank 0 did not stop the ranks within {stop_grace_s:g} s; "
+                "exiting (stop rank 0, the daemon, to stop every rank)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
     end = final[-1] if final else Dead("the engine thread ended without a word")
     if isinstance(end, Dead):
-        said, rank = end.error.rstrip(), f"rank {launched_rank(os.environ)}"
+        said = end.error.rstrip()
         print(f"mlx-batchd serve: {said if said.startswith(rank) else f'{rank}: {said}'}", file=sys.stderr, flush=True)
         return 1
     return 0

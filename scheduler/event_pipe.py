@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import select
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,19 @@ def open_pipe() -> tuple[int, int]:
         except OSError:  # over the system's ceiling: the default buffer still works
             pass
     return r, w
+
+
+def unread(fd: int) -> bool:
+    """Whether the pipe whose read end is ``fd`` holds bytes nobody has read yet, or has ended
+    (never consumes anything, so it may be asked while another thread or the loop reads)."""
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 class PipeWriter:

@@ -6,13 +6,16 @@ queue, the tenants in force, the engine handle, the model it runs and whether th
 It moves a request between those places: ``queue`` puts an admitted one in its tenant's queue,
 ``pump`` hands waiting ones to the engine while it has free slots and the KV budget allows,
 ``release`` frees a slot when the engine finishes one, and ``finish_here`` ends one the engine does
-not hold. It never waits: the engine handle only takes commands, and the only messages it sends are
+not hold. A sequence whose connection stopped reading is *parked* after a while (``park``): it stays
+paused in the engine with its KV (still reserved), but its slot goes to others; once its connection
+reads again it waits for the next free slot ahead of the fair queue (``wake``). It never waits: the engine handle only takes commands, and the only messages it sends are
 those ends.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -60,9 +63,12 @@ class Flight:
         #: ``loading``, ``ready`` or ``shutting_down``; ``closing`` once new requests are refused.
         self.status = "loading"
         self.closing = False
-        #: Sequences handed to the engine and not yet finished, and the KV bytes they reserve.
+        #: Slots taken: sequences handed to the engine, not finished and not parked; and the KV bytes
+        #: every sequence in the engine reserves (parked ones included).
         self.in_engine = 0
         self.kv_reserved = 0
+        #: Parked sequences whose connection reads again, waiting for a slot, oldest first.
+        self._waking: deque[Tracked] = deque()
         self._send = send
         self._is_paused = is_paused
 
@@ -107,7 +113,14 @@ class Flight:
         self.pump()
 
     def pump(self) -> None:
-        """Hand waiting requests to the engine while it has free slots, fairest tenant first."""
+        """Give free slots to parked sequences whose connection reads again, then hand waiting
+        requests to the engine, fairest tenant first."""
+        while self._waking and self.in_engine < self.settings.capacity:
+            t = self._waking.popleft()
+            if t.parked and self.requests.by_seq(t.seq) is t:
+                t.parked = False
+                self.in_engine += 1
+                self.engine.resume(t.seq)
         now = time.monotonic()
         while self.in_engine < self.settings.capacity and not self.closing:
             nxt = self.fair.pop(self.table.tenants, now, self.fits)
@@ -130,12 +143,36 @@ class Flight:
         t = self.requests.pop_seq(seq)
         if t is None:
             return None
-        self.in_engine -= 1
+        if t.parked:
+            t.parked = False  # its slot was given back when it was parked
+        else:
+            self.in_engine -= 1
         self.kv_reserved -= self.kv_need(t)
         self.fair.finished(t.tenant)
         self.pump()
         self.requests.discard(t)
         return t
+
+    def park(self, t: Tracked) -> None:
+        """Give the slot of ``t`` (in the engine, paused there because its connection stopped
+        reading) to others; its KV stays reserved, and it gets a slot back after ``wake``."""
+        if not t.in_engine or t.parked or self.requests.by_seq(t.seq) is not t:
+            return
+        t.parked = True
+        self.in_engine -= 1
+        self.pump()
+
+    def wake(self, t: Tracked) -> None:
+        """The connection of parked ``t`` reads again: it resumes at the next free slot, before any
+        waiting request."""
+        if t.parked and not any(w is t for w in self._waking):
+            self._waking.append(t)
+        self.pump()
+
+    @property
+    def parked(self) -> int:
+        """Sequences parked now (no slot, KV kept)."""
+        return sum(1 for t in self.requests.in_engine() if t.parked)
 
     async def pump_on_refill(self) -> None:
         """Start waiting requests when a token bucket refills. Submits and finishes pump too, but a

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import zmq
@@ -48,19 +47,18 @@ from scheduler.tenants import TenantTable
 from scheduler.transport import (
     CONNECTION_POLL_S,
     HARD_FRAME_FACTOR,
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
     OUTBOX_RETRY_S,
     Transport,
 )
 from workers.loop import Ready, Signal
 from workers.models import ModelInfo
 
+if TYPE_CHECKING:
+    from scheduler.http_server import Listeners
+
 __all__ = [
     "CONNECTION_POLL_S",
     "HARD_FRAME_FACTOR",
-    "HEARTBEAT_IVL_MS",
-    "HEARTBEAT_TIMEOUT_MS",
     "LIVE_SOCKET_TIMEOUT_S",
     "OUTBOX_RETRY_S",
     "REFILL_POLL_S",
@@ -73,6 +71,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("mlx_batchd")
+
+#: Seconds a daemon whose engine died after it was ready keeps its doors open before it exits: health
+#: (ZeroMQ and HTTP) says ``engine_dead`` (HTTP 503) and new requests are refused, so a health checker
+#: or a client between two requests learns why instead of meeting a closed port.
+DEAD_LINGER_S = 2.0
 
 
 class FrontEnd:
@@ -103,7 +106,7 @@ class FrontEnd:
 
     @property
     def status(self) -> str:
-        """``loading``, ``ready`` or ``shutting_down``."""
+        """``loading``, ``ready``, ``shutting_down`` or ``engine_dead``."""
         return self._flight.status
 
     @property
@@ -146,28 +149,27 @@ class FrontEnd:
         Everything that can refuse the configuration (the tenants file, keys, the socket address, the
         metrics address) is checked before the engine thread starts, so a refusal is one exception
         and never an engine thread left running."""
+        from scheduler.http_server import Listeners
+
         ctx = zmq.asyncio.Context()
         self._transport.open(ctx)
-        auth = metrics_server = http_sock = None
+        auth = None
+        listeners = Listeners(self.settings)
         try:
             self._flight.table = load_table(self.settings)
             auth = self._secure(ctx)
             self._transport.bind()
-            metrics_server = self._serve_metrics()
-            http_sock = self._bind_http()
-            return await self._serve(http_sock)
+            self._bind_listeners(listeners)
+            return await self._serve(listeners)
         finally:
-            if http_sock is not None:
-                http_sock.close()
-            if metrics_server is not None:
-                metrics_server.shutdown()
+            listeners.close()
             if auth is not None:
                 auth.stop()
             self._transport.close()
             ctx.term()
             self._transport.unlink_ipc()
 
-    async def _serve(self, http_sock: socket.socket | None = None) -> int:
+    async def _serve(self, listeners: Listeners | None = None) -> int:
         events = EngineEvents(self._flight, self._transport, self._on_ready)
         self._stop_requested = anyio.Event()
         self._flight.engine = engine = self._make_engine(events.emit)
@@ -175,6 +177,7 @@ class FrontEnd:
             self._tg = self._intake.tasks = tg
             tg.start_soon(events.consume)
             tg.start_soon(self._transport.tend)
+            tg.start_soon(self._control.tend_stalled)
             tg.start_soon(self._flight.pump_on_refill)
             engine.start()
             if self.settings.handle_signals:
@@ -182,11 +185,15 @@ class FrontEnd:
             if self.settings.metrics is not None:
                 tg.start_soon(self._publish_stats)
             tg.start_soon(self._shutdown_when_asked)
-            if http_sock is not None:
-                self._http_stop, self._http_done = anyio.Event(), anyio.Event()
-                tg.start_soon(self._serve_http, http_sock)
+            self._http_stop, self._http_done = anyio.Event(), anyio.Event()
+            if listeners is not None and listeners.any:
+                tg.start_soon(self._serve_http, listeners)
+            else:
+                self._http_done.set()
             await events.done.wait()  # set once the engine stopped or died
-            await self._stop_http(http_sock)
+            if events.exit_code != 0 and self._flight.info is not None:
+                await anyio.sleep(DEAD_LINGER_S)
+            await self._stop_http()
             tg.cancel_scope.cancel()
         # It has released its MLX state by now; let it finish before the interpreter may exit.
         await anyio.to_thread.run_sync(engine.join, 10.0)
@@ -243,42 +250,23 @@ class FrontEnd:
             ctx, self.settings.curve_secret, lambda key: self._flight.table.by_key(key) is not None
         )
 
-    def _serve_metrics(self) -> Any:
-        """Bind the Prometheus endpoint (before the engine starts: a bad address is a ``BindError``)."""
-        if self.settings.metrics is None:
-            return None
-        from scheduler.metrics import serve_metrics
+    def _bind_listeners(self, listeners: Listeners) -> None:
+        """Take the HTTP and metrics addresses (before the engine starts: a bad or busy one is a
+        ``BindError``)."""
+        listeners.bind(self._flight.table)
+        if listeners.http is not None:
+            from scheduler.http_server import url_of
 
+            self._http_url = url_of(listeners.http)
+
+    async def _serve_http(self, listeners: Listeners) -> None:
         try:
-            return serve_metrics(self.settings.metrics, lambda: self.published, self._flight.outputs.obs.registry)
-        except (ValueError, OSError) as exc:
-            raise BindError(f"--metrics {self.settings.metrics}: {exc}") from None
-
-    def _bind_http(self) -> socket.socket | None:
-        """Take the HTTP address (before the engine starts: a bad or busy one is a ``BindError``)."""
-        if self.settings.http is None:
-            return None
-        from scheduler.http_server import bind, url_of
-
-        try:
-            sock = bind(self.settings.http)
-        except (ValueError, OSError) as exc:
-            raise BindError(f"--http {self.settings.http}: {exc}") from None
-        self._http_url = url_of(sock)
-        return sock
-
-    async def _serve_http(self, sock: socket.socket) -> None:
-        from scheduler.http_server import serve
-
-        try:
-            await serve(self, sock, self._http_stop)
+            await listeners.serve(self, self._flight.outputs.obs.registry, self._http_stop)
         finally:
             self._http_done.set()
 
-    async def _stop_http(self, sock: socket.socket | None, within: float = 3.0) -> None:
-        """Let the HTTP server hand its last answers (the ``shutdown`` ends) to its clients and close."""
-        if sock is None:
-            return
+    async def _stop_http(self, within: float = 3.0) -> None:
+        """Let the HTTP servers hand their last answers (the ``shutdown`` ends) to their clients and close."""
         self._http_stop.set()
         with anyio.move_on_after(within):
             await self._http_done.wait()

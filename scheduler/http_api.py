@@ -10,7 +10,6 @@ answer, closes the connection, which ends the request ``disconnected`` and frees
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from scheduler.http_auth import tenant_for
-from scheduler.http_openai import HTTPError, Parsed, from_protocol, parse_body, with_tokens
+from scheduler.http_openai import HTTPError, Parsed, from_protocol, load_json, parse_body, with_tokens
 from scheduler.http_shapes import DONE, Reply, sse
 from scheduler.transport import HARD_FRAME_FACTOR
 
@@ -143,10 +142,7 @@ class Api:
             ) from None  # fmt: skip
         if size > limit:
             raise too_large
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise HTTPError(400, f"the request body is not valid JSON: {exc}", code="malformed") from None
+        return load_json(b"".join(chunks))
 
     # ------------------------------------------------------------------ generation
 

@@ -8,9 +8,11 @@ here, and what the daemon cannot do yet is a 400 naming the field rather than si
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 from clients.protocol import MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit, parse_request
@@ -45,6 +47,16 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 _FIELD = re.compile(r"field '(\w+)'")
+#: The deepest nesting of arrays and objects a body may have. OpenAI's bodies need about 5 levels;
+#: the bound is checked on the bytes before they are parsed, so no depth reaches the parser's recursion.
+MAX_JSON_DEPTH = 64
+#: A JSON string (what a bracket inside one is not), possessive so a long one costs one pass.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+#: Openers to +1 and closers to -1 as signed bytes.
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+#: Characters of a client's value that an error message quotes.
+_SHOWN = 40
 
 
 class HTTPError(Exception):
@@ -85,6 +97,33 @@ class Parsed:
     max_tokens_field: str = "max_tokens"
 
 
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (exact for valid JSON; an unterminated
+    string can only make it larger), without parsing it: C-speed passes over the bytes."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    if len(brackets) <= MAX_JSON_DEPTH:
+        return len(brackets)  # a bound, and all a caller compares with MAX_JSON_DEPTH needs
+    return max(accumulate(memoryview(brackets.translate(_DEPTH_STEP)).cast("b")))
+
+
+def load_json(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 ``malformed``: not UTF-8, invalid JSON, or nested deeper than
+    ``MAX_JSON_DEPTH`` (refused before parsing, so a deep body never reaches the parser's recursion).
+    Integer literals the parser takes (up to Python's 4300 digits) are range-checked per field."""
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise HTTPError(
+            400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels", code="malformed"
+        )
+    try:
+        return json.loads(raw.decode("utf-8-sig"))  # UTF-8 only: the depth scan reads ASCII brackets
+    except (ValueError, RecursionError) as exc:
+        raise HTTPError(400, f"the request body is not valid JSON: {_clip(str(exc), 200)}", code="malformed") from None
+
+
+def _clip(text: str, limit: int = _SHOWN) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
     """Check an OpenAI body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
     if not isinstance(body, dict):
@@ -95,7 +134,7 @@ def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
     if asked is not None and asked != model:
         raise HTTPError(
             404,
-            f"the model {asked!r} does not exist; this server serves {model!r} (GET /v1/models)",
+            f"the model {_clip(repr(asked))} does not exist; this server serves {model!r} (GET /v1/models)",
             param="model",
             code="model_not_found",
         )
@@ -250,7 +289,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise HTTPError(400, f"{where} must be an object with a 'role'", param="messages", code="bad_field")
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant"):
-            raise unsupported("messages", f"role {m['role']!r} in {where} is not supported (tools are not)")
+            raise unsupported("messages", f"role {_clip(repr(m['role']))} in {where} is not supported (tools are not)")
         if m.get("tool_calls") or m.get("function_call"):
             raise unsupported("messages", f"tool calls in {where} are not supported")
         msg = {"role": role, "content": _content(m.get("content"), where)}

@@ -3,8 +3,9 @@
 ``Intake`` reads every message from the socket, decodes and validates it, finds its tenant from
 the CURVE key (never from anything the client says) and routes it: ``cancel`` to ``Control``,
 ``health`` and ``stats`` to their replies, and ``submit`` along the admission path. A submit is
-checked against the connection's, the tenant's and the daemon's limits, tokenized off the loop
-(one tokenization at a time), admitted (``scheduler.admission``) against the model and the tenant,
+checked against the connection's, the tenant's and the daemon's limits (a tenant below its share
+of a full queue takes the place of the newest request of the tenant holding the most), tokenized
+off the loop (in parallel, tenants taking turns: ``scheduler.tokenizing``), admitted (``scheduler.admission``) against the model and the tenant,
 turned into the engine's ``Job`` and checked against the whole KV budget; then ``Flight`` queues
 it. In-process connections (``scheduler.local``) enter here too, after their own tenant check.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import anyio
 import zmq
 from anyio.abc import TaskGroup
 
@@ -40,6 +40,7 @@ from scheduler.settings import FrontEndSettings, request_kv_budget
 from scheduler.stats import Counters
 from scheduler.stopping import StopStrings
 from scheduler.tenants import LOCAL, Tenant
+from scheduler.tokenizing import FairTokenizer
 from scheduler.transport import Transport
 from workers.engine import Job
 from workers.params import SamplingParams
@@ -65,7 +66,7 @@ class Intake:
         self._control = control
         self._counters = counters
         self._send = transport.send
-        self._tokenize_limiter = anyio.CapacityLimiter(1)
+        self._tokenizer = FairTokenizer()
 
     # ------------------------------------------------------------------ the socket
 
@@ -226,22 +227,42 @@ class Intake:
                 f"(limit {self.settings.max_inflight_per_client}); wait for some to end",
                 1.0,
             )
-        if waiting >= tenant.max_queued or total >= self.settings.max_queued:
-            which = (
-                f"tenant {tenant.name!r} has {waiting} requests waiting (limit {tenant.max_queued})"
-                if waiting >= tenant.max_queued
-                else f"{total} requests are waiting (limit {self.settings.max_queued})"
+        retry = min(30.0, max(0.1, 0.05 * (total + 1)))
+        if waiting >= tenant.max_queued:
+            return (
+                f"busy: tenant {tenant.name!r} has {waiting} requests waiting (limit {tenant.max_queued}); retry later",
+                retry,
             )
-            return f"busy: {which}; retry later", min(30.0, max(0.1, 0.05 * (total + 1)))
+        if total >= self.settings.max_queued and not self._make_room(tenant.name, waiting):
+            return f"busy: {total} requests are waiting (limit {self.settings.max_queued}); retry later", retry
         return None
+
+    def _make_room(self, tenant: str, waiting: int) -> bool:
+        """The queue is full: a tenant with fewer requests waiting than another takes the place of
+        that tenant's newest waiting request (which ends ``busy``), so no tenant can fill the queue
+        and keep the others out. ``False`` when no tenant holds more than this one."""
+        requests = self._flight.requests
+        most, largest = None, waiting + 1
+        for name in requests.waiting_tenants():
+            n = requests.waiting(name) - (1 if name == tenant else 0)
+            if name != tenant and n > largest:
+                most, largest = name, n
+        if most is None:
+            return False
+        victim = max(
+            (t for t in requests if t.tenant == most and not t.in_engine),
+            key=lambda t: (-t.req.priority, t.seq),
+        )
+        retry = min(30.0, max(0.1, 0.05 * (requests.waiting() + 1)))
+        why = f"busy: the queue is full and tenant {most!r} holds the most of it ({largest} waiting); retry later"
+        self._flight.finish_here(victim, FinishReason.ERROR, (ErrorCode.BUSY, why), retry)
+        return True
 
     async def _tokenize_then_admit(self, t: Tracked) -> None:
         flight = self._flight
         assert flight.info is not None
         try:
-            ids = await anyio.to_thread.run_sync(
-                prompt_ids, t.req, flight.tokenizer, flight.info, limiter=self._tokenize_limiter
-            )
+            ids = await self._tokenizer.run(t.tenant, prompt_ids, t.req, flight.tokenizer, flight.info)
         except ProtocolError as exc:
             flight.finish_here(t, FinishReason.ERROR, (exc.code, exc.message))
             return

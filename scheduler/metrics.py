@@ -1,9 +1,11 @@
 """Prometheus exposition (``--metrics HOST:PORT``) of the numbers the ``stats`` reply carries.
 
-The event loop publishes a stats snapshot a few times a second; scrapes read the latest snapshot
-from the HTTP server's thread, so a scrape never touches live daemon state and never waits on the
-loop or the engine. Labels are bounded: tenants come from the tenants file, outcomes, levels,
-purposes and decline reasons from fixed sets in the code.
+The event loop publishes a stats snapshot a few times a second; a scrape reads the latest snapshot,
+so it never touches live daemon state and never waits on the engine. The exposition is served by
+the daemon's own bounded HTTP server on its event loop (``scheduler.http_server``: a connection cap,
+head deadlines), through prometheus_client's ASGI app, so its bytes are the library's own. Labels
+are bounded: tenants come from the tenants file, outcomes, levels, purposes and decline reasons
+from fixed sets in the code.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -273,18 +275,10 @@ def parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def serve_metrics(address: str, snapshot: Callable[[], Mapping[str, Any]], registry: CollectorRegistry) -> Any:
-    """Start the HTTP exposition on ``HOST:PORT`` in a daemon thread; returns the server.
-
-    Raises ``ValueError`` for an address that does not parse and ``OSError`` for one that cannot be
-    bound (in use, not local), each with a message for a person; nothing is left running then."""
-    host, port = parse_address(address)
-    try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+def metrics_app(snapshot: Callable[[], Mapping[str, Any]], registry: CollectorRegistry) -> Any:
+    """The ASGI app that serves the exposition of ``registry`` and the published ``snapshot``."""
     registry.register(StatsCollector(snapshot))
-    return server
+    return make_asgi_app(registry)
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -293,7 +287,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class Observations:
     """Distributions observed as things happen (a snapshot cannot give percentiles). The metric
-    objects are thread-safe; the event loop observes, the HTTP thread reads."""
+    objects are thread-safe; the event loop observes, and scrapes read them on the same loop."""
 
     def __init__(self) -> None:
         from prometheus_client import Histogram

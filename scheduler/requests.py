@@ -47,6 +47,8 @@ class Tracked:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     in_engine: bool = False
+    #: In the engine, paused, and its decode slot given to others until its connection reads again.
+    parked: bool = False
     cancel_requested: bool = False
     stopped: bool = False
 
@@ -144,6 +146,10 @@ class RequestTable:
     def has_rid(self, client: bytes, rid: str) -> bool:
         """Whether ``client`` has a request ``rid`` in flight under any tenant."""
         return any(key[2] == rid for key in self._of_client.get(client, ()))
+
+    def waiting_tenants(self) -> list[str]:
+        """Tenants with requests waiting (not yet in the engine)."""
+        return list(self._waiting_of)
 
     def waiting(self, tenant: str | None = None) -> int:
         """Requests not yet in the engine: of ``tenant``, or of all tenants."""

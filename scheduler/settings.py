@@ -34,6 +34,11 @@ class FrontEndSettings:
     #: with that many messages waiting in the outbox, the connection's new messages (except cancels)
     #: go unanswered. docs/reliability.md gives the whole bound.
     max_unsent_per_client: int = 1000
+    #: Seconds a connection that stopped reading keeps its decode slots; then its sequences are
+    #: parked (paused, KV kept) and the slots go to others until it reads again.
+    park_after_s: float = 5.0
+    #: Seconds a connection may read nothing before its requests end ``disconnected``.
+    park_timeout_s: float = 600.0
     #: Seconds between two pin-tax measurements asked for with ``stats.measure_tax``; one asked for
     #: sooner gets the last figure.
     tax_min_interval_s: float = 30.0
@@ -59,6 +64,11 @@ class FrontEndSettings:
     http: str | None = None
     #: Seconds an HTTP client has to send its whole request body before ``408``.
     http_body_timeout_s: float = 30.0
+    #: HTTP connections held at once (lowered to fit the descriptor limit); past it, 503 and closed.
+    http_max_connections: int = 1024
+    #: Without tenants and ``insecure``, how local HTTP tells the daemon's own user: ``uid`` (the
+    #: peer's uid where the OS says it, else the key file's key) or ``key`` (always the key).
+    http_local_auth: str = "uid"
 
 
 def request_kv_budget(s: FrontEndSettings) -> int:

@@ -8,7 +8,7 @@ A tenants file is TOML, one table per tenant::
     weight = 1.0                  # share of the decode slots under contention
     priority_ceiling = 0          # highest `priority` a request may ask for
     max_concurrent = 8            # sequences decoding at once
-    max_queued = 64               # requests waiting for a slot
+    max_queued = 64               # requests waiting for a slot (default 256)
     max_prompt_tokens = 4096
     max_new_tokens = 1024         # per request
     token_rate = 0.0              # prompt + generated tokens per second, 0 = unlimited
@@ -34,6 +34,9 @@ from typing import Any
 
 LOCAL = "local"
 _UNLIMITED = 1 << 62
+#: Requests a tenant of a tenants file may have waiting for a slot when its table does not say: a
+#: share of the daemon's queue (``--max-queued``, default 1024), so no tenant fills it by default.
+DEFAULT_TENANT_MAX_QUEUED = 256
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
     "keys": list,
@@ -169,7 +172,8 @@ def _tenant(name: str, spec: Any, path: Path) -> Tenant:
         raise TenantsError(
             f"{where} needs at least one key: a CURVE key in `keys` or an API key hash in `api_keys_sha256`"
         )
-    values = {k: v for k, v in spec.items() if k not in ("keys", "api_keys_sha256")}
+    values: dict[str, Any] = {"max_queued": DEFAULT_TENANT_MAX_QUEUED}
+    values.update({k: v for k, v in spec.items() if k not in ("keys", "api_keys_sha256")})
     return Tenant(name=name, keys=keys, api_key_hashes=hashes, **values)
 
 

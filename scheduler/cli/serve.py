@@ -49,7 +49,12 @@ _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     """Register ``serve``."""
     p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--model", default="demo", help="a local mlx-lm model directory, or 'demo' (default)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="a local mlx-lm model directory, a GGUF file (converted once into the cache), ollama:NAME[:TAG] "
+        "(from Ollama's local store), or 'demo' (default)",
+    )
     p.add_argument("--listen", default=None, help=f"ZeroMQ address to bind (default {default_address()})")
     p.add_argument("--max-batch", type=positive_int, default=32, help="most sequences decoded together")
     p.add_argument(
@@ -197,6 +202,19 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="messages queued for one slow reader before its sequences pause until it catches up",
     )
     p.add_argument(
+        "--park-after",
+        type=positive_float,
+        default=5.0,
+        help="seconds a connection that stopped reading keeps its decode slots; then its sequences are "
+        "parked (KV kept) and the slots go to others until it reads again",
+    )
+    p.add_argument(
+        "--park-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds a connection may read nothing before its requests end `disconnected`",
+    )
+    p.add_argument(
         "--metrics", type=host_port, default=None, help="serve Prometheus metrics on HOST:PORT (e.g. 127.0.0.1:9464)"
     )
     p.add_argument(
@@ -212,11 +230,31 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         help="seconds an HTTP client has to send its request body (then 408)",
     )
     p.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        default=1024,
+        help="HTTP connections held at once (lowered to fit the descriptor limit); past it 503 at once",
+    )
+    p.add_argument(
+        "--http-local-auth",
+        choices=("uid", "key"),
+        default="uid",
+        help="without --tenants, local HTTP serves only the daemon's user: uid (the peer's uid on Linux, "
+        "else the key in a 0600 file next to the socket, path logged at start) or key (always that key)",
+    )
+    p.add_argument(
         "--rank-timeout",
         type=non_negative_float,
         default=60.0,
         help="under mlx.launch: seconds one engine iteration may take before a rank presumes a peer "
         "gone and stops every rank (0 = never)",
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=non_negative_float,
+        default=60.0,
+        help="seconds the engine process may owe work (requests running, a shutdown) without a word before "
+        "the daemon presumes it hung: every request ends engine_dead, health turns 503, exit 1 (0 = never)",
     )
     add_probe_policy(p)
     p.set_defaults(func=local_command("serve", run))
@@ -270,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
             if rank != 0:
                 from scheduler.engine_process import follower_main
 
-                return follower_main(args.model, args.context_length, engine_settings(args))
+                grace = args.drain_timeout + (args.rank_timeout or 60.0)  # rank 0's drain, then one iteration
+                return follower_main(args.model, args.context_length, engine_settings(args), grace)
     return run_daemon(args)
 
 
@@ -298,7 +337,10 @@ def run_daemon(args: argparse.Namespace) -> int:
         check_key_file(args.curve_secret, "--curve-secret", secret=True)
 
     from scheduler.admission import Limits
-    from scheduler.daemon import DaemonSettings, serve
+    from scheduler.http_limits import descriptor_limit_raised
+
+    with descriptor_limit_raised():  # mlx-lm's import lowers RLIMIT_NOFILE to (2048, 4096)
+        from scheduler.daemon import DaemonSettings, serve
     from scheduler.frontend import FrontEndSettings
 
     front = FrontEndSettings(
@@ -314,8 +356,12 @@ def run_daemon(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mb * 2**20),
         max_inflight_per_client=args.max_inflight_per_client,
         max_unsent_per_client=args.max_unsent_per_client,
+        park_after_s=args.park_after,
+        park_timeout_s=args.park_timeout,
         http=args.http,
         http_body_timeout_s=args.http_body_timeout,
+        http_max_connections=args.http_max_connections,
+        http_local_auth=args.http_local_auth,
     )
     settings = DaemonSettings(
         front,
@@ -324,5 +370,6 @@ def run_daemon(args: argparse.Namespace) -> int:
         engine=engine_settings(args),
         engine_process=not args.engine_thread,
         cpu_affinity=args.cpu_affinity,
+        engine_timeout_s=args.engine_timeout,
     )
     return serve(settings)

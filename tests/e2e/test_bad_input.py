@@ -53,6 +53,16 @@ def submit(rid: Any = "r", **fields: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "type": "submit", "id": rid, **fields}
 
 
+def deep_frame(field: str, depth: int, **fields: Any) -> bytes:
+    """A message whose ``field`` is a list nested ``depth`` deep: past what msgpack's packer
+    writes, so the frame is assembled by hand."""
+    placeholder = "\x00deep\x00"
+    frame = pack({**fields, field: placeholder})
+    return frame.replace(msgpack.packb(placeholder), b"\x91" * depth + b"\x01")
+
+
+U64 = 2**64 - 1  # the largest integer msgpack carries
+
 # (name, frame, reply type, code, reply id)
 ERROR_CASES: list[tuple[str, bytes, str, str, str | None]] = [
     ("not msgpack", b"\xc1\xff\x00garbage", "error", "malformed", None),
@@ -92,6 +102,21 @@ ERROR_CASES: list[tuple[str, bytes, str, str, str | None]] = [
     ("max_tokens above cap", pack(submit(tokens=[5], max_tokens=201)), "end", "max_tokens_out_of_range", "r"),
     ("max_tokens past context", pack(submit(tokens=[5] * 300, max_tokens=100)), "end", "max_tokens_out_of_range", "r"),
     ("cancel of unknown id", pack({"v": 1, "type": "cancel", "id": "nobody"}), "error", "unknown_request_id", "nobody"),
+    ("top_k 2**64-1", pack(submit(tokens=[5], top_k=U64)), "end", "bad_field", "r"),
+    ("top_k 2**31", pack(submit(tokens=[5], top_k=2**31)), "end", "bad_field", "r"),
+    ("seed 2**64-1", pack(submit(tokens=[5], seed=U64)), "end", "bad_field", "r"),
+    ("max_tokens 2**64-1", pack(submit(tokens=[5], max_tokens=U64)), "end", "max_tokens_out_of_range", "r"),
+    ("token 2**64-1", pack(submit(tokens=[5, U64])), "end", "token_out_of_range", "r"),
+    ("stop token -2**63", pack(submit(tokens=[5], stop_token_ids=[-(2**63)])), "end", "bad_field", "r"),
+    ("priority 2**64-1", pack(submit(tokens=[5], priority=U64)), "end", "bad_field", "r"),
+    ("top_logprobs 2**64-1", pack(submit(tokens=[5], top_logprobs=U64)), "end", "bad_field", "r"),
+    ("group_size 2**64-1", pack(submit(tokens=[5], group="g", group_size=U64)), "end", "bad_field", "r"),
+    ("temperature -2**63", pack(submit(tokens=[5], temperature=-(2**63))), "end", "bad_field", "r"),
+    ("top_p 2**64-1", pack(submit(tokens=[5], top_p=U64)), "end", "bad_field", "r"),
+    ("min_p infinite", pack(submit(tokens=[5], min_p=float("inf"))), "end", "bad_field", "r"),
+    ("version nested 1000 deep", deep_frame("v", 1000, type="health", id="h"), "error", "bad_version", "h"),
+    ("type nested 1000 deep", deep_frame("type", 1000, v=1, id="u"), "error", "unknown_type", "u"),
+    ("top_k nested 1000 deep", deep_frame("top_k", 1000, **submit(tokens=[5])), "end", "bad_field", "r"),
     ("oversize frame", pack(submit(prompt="a" * (LIMIT + 10))), "error", "frame_too_large", None),
 ]
 

@@ -1,5 +1,7 @@
 """A reader that is alive but slow gets back-pressure (its sequences paused), never a cut; a peer that
-falls silent is dropped by the heartbeat and its requests end ``disconnected``."""
+falls silent past the heartbeat time-to-live it asked for is dropped and its requests end
+``disconnected``; a connection that stops reading gives its decode slot to others and gets it back when
+it reads again."""
 
 from __future__ import annotations
 
@@ -55,8 +57,7 @@ class _Watch:
 def test_a_slow_reader_gets_every_token_and_its_end_while_paused_not_cut(tiny_model: Path, tmp_path: Path) -> None:
     """One message every 50 ms, far slower than the model: its queues fill, the daemon pauses its
     sequence instead of dropping it, and resumes it as they drain. For 15 s it stays hundreds of
-    messages behind, so the daemon's PINGs wait behind unread data for longer than the 6 s heartbeat
-    timeout; it sends its own heartbeats (as the client library does), so it is never cut. Then it
+    messages behind; it sends its own heartbeats (as the client library does), so it is never cut. Then it
     reads the rest at full speed, to keep the test short."""
     max_tokens = 1200
     d = start_daemon(tiny_model, tmp_path, "--max-unsent-per-client", "20")
@@ -97,19 +98,24 @@ def test_a_slow_reader_gets_every_token_and_its_end_while_paused_not_cut(tiny_mo
 
 
 SILENT_CLIENT = """
-import sys, zmq
+import sys, time, zmq
 from clients.protocol import PROTOCOL_VERSION, pack
 sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.HEARTBEAT_IVL, 100)  # PINGs, as the client library sends, that ask the daemon
+sock.setsockopt(zmq.HEARTBEAT_TTL, 6000)  # to drop this connection after 6 s without traffic
 sock.connect(sys.argv[1])
 sock.send(pack({"v": PROTOCOL_VERSION, "type": "submit", "id": "w", "tokens": [9, 9], "max_tokens": 20}))
+time.sleep(0.5)  # the daemon arms the TTL on the first PING, sent 0.1 s after the handshake
 print("sent", flush=True)
 sock.recv()  # never comes while the blocker holds the slot
 """
 
 
 def test_a_silent_peer_is_dropped_and_its_request_ends_disconnected(tiny_model: Path, tmp_path: Path) -> None:
-    """A client process stopped with SIGSTOP answers no heartbeat; after the timeout its waiting request
-    ends ``disconnected``, counted per tenant and in ``clients_dropped``."""
+    """A client process that asked for a heartbeat time-to-live (the client library does) and is stopped
+    with SIGSTOP sends nothing more; after the TTL its waiting request ends ``disconnected``, counted
+    per tenant and in ``clients_dropped``. (The daemon sends no heartbeats of its own: see
+    ``scheduler.transport``; a peer that asked for none is parked once it stops reading.)"""
     d = start_daemon(tiny_model, tmp_path, "--max-batch", "1")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     blocker = ctx.socket(zmq.DEALER)
@@ -140,4 +146,43 @@ def test_a_silent_peer_is_dropped_and_its_request_ends_disconnected(tiny_model: 
         silent.wait(timeout=30)
         blocker.close()
         ctx.destroy(linger=0)  # closes whatever a failed assertion left open
+        assert d.stop() == 0
+
+
+def test_a_connection_that_stops_reading_gives_its_slot_back_and_resumes_byte_exact(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """One decode slot. A reader that stops reading mid-stream is paused, then parked after
+    ``--park-after``: another client is served meanwhile. When the reader reads again its stream
+    resumes where it was and is byte-exact to the end."""
+    max_tokens = 600
+    d = start_daemon(tiny_model, tmp_path, "--max-batch", "1", "--max-unsent-per-client", "20", "--park-after", "1")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stalled = ctx.socket(zmq.DEALER)
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.setsockopt(zmq.RCVHWM, 10)
+    stalled.connect(d.address)
+    submit = {"v": PROTOCOL_VERSION, "type": "submit", "id": "s", "tokens": [5, 6, 7], "max_tokens": max_tokens}
+    try:
+        stalled.send(pack(submit))
+        assert stalled.poll(30_000)  # streaming; from here it reads nothing for a while
+        with Client(d.address, timeout=60) as c:
+            deadline = time.monotonic() + 60
+            while c.stats()["engine"].get("paused", 0) != 1:
+                assert time.monotonic() < deadline, c.stats()
+                time.sleep(0.05)
+            other = c.generate(tokens=[3, 4, 5], max_tokens=16, temperature=0.0)
+        assert other.tokens == greedy_reference(tiny_model, [3, 4, 5], 16)[0]
+        tokens: list[int] = []
+        while True:
+            assert stalled.poll(30_000), "the stream did not resume"
+            msg: dict[str, Any] = unpack(stalled.recv(), 1 << 30)
+            if msg["type"] == "end":
+                break
+            tokens += msg["tokens"]
+        assert msg["finish_reason"] == "length" and "error" not in msg, msg
+        assert tokens == greedy_reference(tiny_model, [5, 6, 7], max_tokens)[0]
+    finally:
+        stalled.close()
+        ctx.destroy(linger=0)
         assert d.stop() == 0

@@ -12,111 +12,18 @@ import anyio
 import pytest
 
 from clients.protocol import ErrorCode, FinishReason, MsgType, Stats, Submit
-from scheduler.control import Control
 from scheduler.engine_events import EngineEvents
-from scheduler.flight import Flight
-from scheduler.intake import Intake
 from scheduler.local import LocalConnection
-from scheduler.outputs import Outputs
 from scheduler.requests import Tracked
 from scheduler.settings import ConfigError, FrontEndSettings, load_table
-from scheduler.stats import Counters
-from scheduler.tenants import TenantTable, load_tenants
-from scheduler.transport import Transport
-from tests.helpers.frontend import VOCAB, _Detok, _finished
-from workers.engine import Job, Tokens
+from scheduler.tenants import load_tenants
+from tests.helpers.frontend import INFO, Parts, Tokenizer, _finished
+from workers.engine import Tokens
 from workers.loop import Dead, Ready, Stopped
-from workers.models import ModelInfo
-
-
-class _Engine:
-    """An engine handle that only records what it was told."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def start(self) -> None: ...
-    def join(self, timeout: float | None = None) -> None: ...
-    def snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def submit(self, job: Job) -> None:
-        self.calls.append(("submit", job.seq))
-
-    def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
-        self.calls.append(("cancel", seq, reason, code))
-
-    def pause(self, seq: int) -> None:
-        self.calls.append(("pause", seq))
-
-    def resume(self, seq: int) -> None:
-        self.calls.append(("resume", seq))
-
-    def measure_tax(self) -> None:
-        self.calls.append(("measure_tax",))
-
-    def shutdown(self, reason: str = "error", code: str = "shutdown", message: str = "") -> None:
-        self.calls.append(("shutdown",))
-
-    def submitted(self) -> list[int]:
-        return [c[1] for c in self.calls if c[0] == "submit"]
-
-
-class _Tokenizer:
-    @property
-    def detokenizer(self) -> _Detok:
-        return _Detok(VOCAB)
-
-
-INFO = ModelInfo("m", "m", "llama", 100, 1000, (0,), False, kv_bytes_per_token=10)
-
-
-class _Parts:
-    """The front end's parts wired as ``FrontEnd`` wires them, around a recording engine, with the
-    model already loaded; connections are in-process, so every message sent can be read back."""
-
-    def __init__(self, table: TenantTable | None = None, **settings: Any) -> None:
-        self.settings = FrontEndSettings("ipc:///unused", **settings)
-        self.counters = Counters()
-        self.transport = Transport(
-            self.settings.listen,
-            max_frame_bytes=self.settings.max_frame_bytes,
-            max_unsent_per_client=self.settings.max_unsent_per_client,
-            on_gone=lambda client, why: self.control.drop_client(client, why),
-            on_pause=lambda client, paused: self.control.set_paused(client, paused),
-        )
-        self.flight = Flight(self.settings, Outputs(), self.transport.send, self.transport.is_paused)
-        self.control = Control(self.settings, self.flight, self.transport, self.counters)
-        self.intake = Intake(self.settings, self.flight, self.transport, self.control, self.counters)
-        self.engine = _Engine()
-        self.flight.engine = self.engine
-        self.flight.info, self.flight.tokenizer = INFO, _Tokenizer()
-        if table is not None:
-            self.flight.table = table
-        self.inbox: dict[bytes, Any] = {}
-
-    def connect(self, client: bytes) -> None:
-        self.inbox[client] = self.transport.open_local(client)
-
-    def submit(self, client: bytes, tenant: str, rid: str, max_tokens: int = 2) -> Tracked:
-        self.intake.submit(
-            client, self.flight.table.tenants[tenant], Submit(rid, tokens=[1, 2, 3], max_tokens=max_tokens)
-        )
-        t = self.flight.requests.get((tenant, client, rid))
-        assert t is not None
-        return t
-
-    def received(self, client: bytes) -> list[dict[str, Any]]:
-        out = []
-        while True:
-            try:
-                out.append(self.inbox[client].receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):  # nothing more now, or the connection was forgotten
-                return out
 
 
 def test_waiting_requests_fill_the_free_slots_and_a_finish_starts_the_next() -> None:
-    p = _Parts(capacity=2)
+    p = Parts(capacity=2)
     p.connect(b"\x00A")
     a, b, c = (p.submit(b"\x00A", "local", rid) for rid in ("a", "b", "c"))
     assert p.engine.submitted() == [a.seq, b.seq] and a.in_engine and not c.in_engine
@@ -129,7 +36,7 @@ def test_waiting_requests_fill_the_free_slots_and_a_finish_starts_the_next() -> 
 
 def test_the_kv_budget_holds_back_what_does_not_fit_now_and_refuses_what_never_fits() -> None:
     need = (3 + 2) * INFO.kv_bytes_per_token
-    p = _Parts(kv_budget_bytes=2 * need)
+    p = Parts(kv_budget_bytes=2 * need)
     p.connect(b"\x00A")
     first, second, third = (p.submit(b"\x00A", "local", rid) for rid in ("1", "2", "3"))
     assert p.engine.submitted() == [first.seq, second.seq] and p.flight.kv_reserved == 2 * need
@@ -145,7 +52,7 @@ def test_the_prefix_cache_bound_is_carved_out_of_the_kv_budget() -> None:
     """With a prefix cache, requests get the budget less the cache's bound; a bound that leaves them
     nothing does not start."""
     need = (3 + 2) * INFO.kv_bytes_per_token
-    p = _Parts(kv_budget_bytes=3 * need, prefix_cache_bytes=need)
+    p = Parts(kv_budget_bytes=3 * need, prefix_cache_bytes=need)
     p.connect(b"\x00A")
     first, second, third = (p.submit(b"\x00A", "local", rid) for rid in ("1", "2", "3"))
     assert p.engine.submitted() == [first.seq, second.seq] and not third.in_engine
@@ -157,7 +64,7 @@ def test_the_prefix_cache_bound_is_carved_out_of_the_kv_budget() -> None:
 
 
 def test_limits_refuse_a_duplicate_id_a_full_connection_and_a_closing_daemon() -> None:
-    p = _Parts(capacity=1, max_inflight_per_client=2)
+    p = Parts(capacity=1, max_inflight_per_client=2)
     p.connect(b"\x00A")
     p.submit(b"\x00A", "local", "1")
     p.submit(b"\x00A", "local", "1")
@@ -175,7 +82,7 @@ def test_limits_refuse_a_duplicate_id_a_full_connection_and_a_closing_daemon() -
 
 
 def test_a_cancel_ends_a_request_wherever_it_is() -> None:
-    p = _Parts(capacity=1)
+    p = Parts(capacity=1)
     p.connect(b"\x00A")
     running, waiting = p.submit(b"\x00A", "local", "run"), p.submit(b"\x00A", "local", "wait")
     tokenizing = Tracked(b"\x00A", "local", "tok", p.flight.requests.next_seq(), 0.0, Submit("tok", "p"))
@@ -191,7 +98,7 @@ def test_a_cancel_ends_a_request_wherever_it_is() -> None:
 
 
 def test_a_gone_connection_ends_its_requests_without_sending_them_anything() -> None:
-    p = _Parts(capacity=1)
+    p = Parts(capacity=1)
     p.connect(b"\x00A")
     p.connect(b"\x00B")
     running, _ = p.submit(b"\x00A", "local", "1"), p.submit(b"\x00A", "local", "2")
@@ -206,7 +113,7 @@ def test_a_gone_connection_ends_its_requests_without_sending_them_anything() -> 
 
 
 def test_a_reader_that_falls_behind_has_its_sequences_paused_also_as_they_start() -> None:
-    p = _Parts(capacity=1, max_unsent_per_client=1)
+    p = Parts(capacity=1, max_unsent_per_client=1)
     p.connect(b"\x00A")
     first, second = p.submit(b"\x00A", "local", "1"), p.submit(b"\x00A", "local", "2")
     for n in range(3):
@@ -228,7 +135,7 @@ def _write_tenants(path: Path, names: list[str]) -> None:
 def test_a_tenant_reload_ends_the_requests_of_a_removed_tenant_and_no_others(tmp_path: Path) -> None:
     path = tmp_path / "tenants.toml"
     _write_tenants(path, ["red", "blue"])
-    p = _Parts(load_tenants(path), capacity=2, tenants=path)
+    p = Parts(load_tenants(path), capacity=2, tenants=path)
     p.connect(b"\x00R")
     p.connect(b"\x00B")
     red_running, blue = p.submit(b"\x00R", "red", "1"), p.submit(b"\x00B", "blue", "1")
@@ -249,12 +156,12 @@ def test_a_tenant_reload_ends_the_requests_of_a_removed_tenant_and_no_others(tmp
 
 def test_engine_events_become_messages_and_a_stop_ends_the_rest() -> None:
     async def main() -> None:
-        p = _Parts(capacity=1)
+        p = Parts(capacity=1)
         p.flight.info = p.flight.tokenizer = None
         p.flight.status = "loading"
         ready: list[Ready] = []
         events = EngineEvents(p.flight, p.transport, ready.append)
-        events.dispatch([Ready(INFO, _Tokenizer())])
+        events.dispatch([Ready(INFO, Tokenizer())])
         assert p.flight.status == "ready" and p.flight.info is INFO and len(ready) == 1
         p.connect(b"\x00A")
         first, second = p.submit(b"\x00A", "local", "1"), p.submit(b"\x00A", "local", "2")
@@ -266,7 +173,7 @@ def test_engine_events_become_messages_and_a_stop_ends_the_rest() -> None:
         [shutdown] = p.received(b"\x00A")
         assert shutdown["id"] == "2" and shutdown["error"]["code"] == ErrorCode.SHUTDOWN.value
         assert events.done.is_set() and events.exit_code == 0 and len(p.flight.requests) == 0
-        events.dispatch([Ready(INFO, _Tokenizer())])  # after the end nothing more is handled
+        events.dispatch([Ready(INFO, Tokenizer())])  # after the end nothing more is handled
         assert len(ready) == 1
 
     anyio.run(main, backend="asyncio")
@@ -277,7 +184,7 @@ def test_steps_that_arrive_while_the_loop_is_busy_are_handled_as_one_in_order() 
     three, in order; a later emit (here from the loop's own thread) wakes the task again."""
 
     async def main() -> None:
-        p = _Parts()
+        p = Parts()
         events = EngineEvents(p.flight, p.transport, lambda sig: None)
         batches: list[list[Any]] = []
         events.dispatch = batches.append  # type: ignore[method-assign,assignment]
@@ -305,7 +212,7 @@ def test_steps_that_arrive_while_the_loop_is_busy_are_handled_as_one_in_order() 
 
 def test_a_dead_engine_ends_everything_and_sets_the_exit_code() -> None:
     async def main() -> None:
-        p = _Parts()
+        p = Parts()
         events = EngineEvents(p.flight, p.transport, lambda sig: None)
         p.connect(b"\x00A")
         p.submit(b"\x00A", "local", "1")
@@ -317,7 +224,7 @@ def test_a_dead_engine_ends_everything_and_sets_the_exit_code() -> None:
 
 
 def test_a_local_connection_is_a_connection_of_its_tenant_until_closed() -> None:
-    p = _Parts()
+    p = Parts()
     conn = LocalConnection(p.intake, "local", p.transport.open_local(b"\x00L"), b"\x00L")
     conn.submit(Submit("1", tokens=[1, 2], max_tokens=1))
     t = p.flight.requests.get(("local", b"\x00L", "1"))
@@ -336,7 +243,7 @@ def test_a_local_connection_is_a_connection_of_its_tenant_until_closed() -> None
 
 
 def test_stats_and_health_read_the_parts() -> None:
-    p = _Parts(capacity=1)
+    p = Parts(capacity=1)
     p.connect(b"\x00A")
     p.submit(b"\x00A", "local", "1")
     p.submit(b"\x00A", "local", "2")
@@ -355,7 +262,7 @@ def test_a_bucket_that_refilled_while_no_refill_was_due_still_starts_the_next_re
     path.write_text(
         '[tenants.slow]\nkeys = ["' + "s" * 40 + '"]\ntoken_rate = 10.0\ntoken_burst = 5\nmax_concurrent = 1\n'
     )
-    p = _Parts(load_tenants(path), capacity=4, tenants=path)
+    p = Parts(load_tenants(path), capacity=4, tenants=path)
     p.connect(b"\x00S")
     first, second = p.submit(b"\x00S", "slow", "1"), p.submit(b"\x00S", "slow", "2")
     assert p.engine.submitted() == [first.seq]  # one at a time

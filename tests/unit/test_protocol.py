@@ -67,7 +67,6 @@ def test_single_stop_string_is_accepted() -> None:
 @pytest.mark.parametrize(
     "fields,code",
     [
-        ({"tokens": [1], "max_tokens": 0}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
         ({"tokens": [1], "max_tokens": 5000}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
         ({"tokens": [1] * 50}, ErrorCode.PROMPT_TOO_LONG),
         ({"tokens": [1] * 45, "max_tokens": 6}, ErrorCode.MAX_TOKENS_OUT_OF_RANGE),
@@ -235,3 +234,59 @@ def test_a_batch_carries_events_in_order_and_anything_else_is_one_event() -> Non
     assert unbatch(first) == [first]
     assert unbatch({"type": "batch", "events": "nope"}) == []
     assert unbatch({"type": "batch", "events": [1, first]}) == [first]
+
+
+# ------------------------------------------------------------------ every field range-checked where it enters
+
+MAX_COUNT, MAX_SEED = 2**31 - 1, 2**63 - 1  # the wire's documented bounds (int32 counts, int64 seeds)
+SUBMIT_FIELDS = [
+    "prompt", "tokens", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stop_token_ids", "logprobs", "top_logprobs", "priority", "group", "group_size", "batch",
+]  # fmt: skip
+edge_ints = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, 10**400])
+numbers = st.integers() | edge_ints | st.floats()
+field_values = numbers | st.lists(numbers, max_size=3) | st.text(max_size=3) | st.booleans() | st.none()
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.dictionaries(st.sampled_from(SUBMIT_FIELDS), field_values, max_size=4))
+def test_an_accepted_submit_holds_only_values_msgpack_and_the_engine_take(extra: dict[str, Any]) -> None:
+    """Any integer (JSON has no bound) or float in any field: refused by code, or accepted within
+    the documented ranges, so the engine's job packs."""
+    from workers.commands import job_to_plain
+    from workers.engine import Job
+    from workers.params import SamplingParams
+
+    try:
+        req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "tokens": [1], **extra})
+    except ProtocolError as exc:
+        assert isinstance(exc.code, ErrorCode) and exc.message and len(exc.message) < 300
+        return
+    assert isinstance(req, Submit)
+    s = req.sampling
+    assert 0 <= s.temperature <= 100 and 0 < s.top_p <= 1 and 0 <= s.min_p <= 1 and 0 <= s.top_k <= MAX_COUNT
+    assert s.seed is None or 0 <= s.seed <= MAX_SEED
+    assert req.max_tokens is None or 1 <= req.max_tokens <= MAX_COUNT
+    assert all(0 <= t <= MAX_COUNT for t in [*(req.tokens or []), *req.stop_token_ids])
+    sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.seed)
+    job = Job(
+        seq=1,
+        prompt=list(req.tokens or [1]),
+        max_tokens=req.max_tokens or 1,
+        sampling=sampling,
+        stop_token_ids=tuple(req.stop_token_ids),
+        top_logprobs=req.top_logprobs,
+        group_size=0 if req.group is None else req.group[1],
+    )
+    msgpack.packb(job_to_plain(job), use_bin_type=True)
+
+
+@pytest.mark.parametrize("name", ["v", "type", "id", *SUBMIT_FIELDS])
+def test_a_value_nested_near_the_recursion_limit_is_refused_by_code(name: str) -> None:
+    """No refusal describes a client's container by its repr (which recurses): nested 990 deep it
+    is a ``ProtocolError`` like any other, never a ``RecursionError``."""
+    deep: Any = 1
+    for _ in range(990):
+        deep = [deep]
+    with pytest.raises(ProtocolError):
+        parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "tokens": [1], name: deep})
