@@ -66,7 +66,8 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     #: The caller is known but may not do this (an operator-only request from a plain tenant).
     FORBIDDEN = "forbidden"
-    #: The daemon dropped this connection (silent past the heartbeat timeout): its requests end so.
+    #: The connection closed or fell silent past its heartbeat TTL, or read nothing for the daemon's
+    #: park timeout: its requests end so.
     DISCONNECTED = "disconnected"
     # Raised by the client library itself, never sent by the daemon:
     #: The ipc socket's folder (or the socket) is not owned by you or is writable by others.

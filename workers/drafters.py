@@ -174,19 +174,21 @@ class PromptLookup:
 
 
 def load_drafter(spec: str, target: Any, vocab_size: int) -> Drafter:
-    """``prompt-lookup``, ``demo`` (the shipped draft model) or a local mlx-lm model directory
-    whose vocabulary is the target's."""
+    """``prompt-lookup``, ``demo`` (the shipped draft model), or a local mlx-lm model directory or
+    GGUF file (resolved as ``--model`` is, ``resolve_model_path``) whose vocabulary is the target's."""
     if spec == "prompt-lookup":
         return PromptLookup()
     from mlx_lm.utils import load as mlx_load
 
     from workers.kernels import install
+    from workers.models import resolve_model_path
 
-    path = Path(spec).expanduser()
     if spec == "demo":
         from workers.demo import demo_path
 
         path = demo_path("draft")
+    else:
+        path = resolve_model_path(spec, "--draft")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--draft {spec!r}: not 'prompt-lookup', 'demo' or a model directory")
     model, _, config = mlx_load(str(path), return_config=True)  # type: ignore[misc]

@@ -23,8 +23,9 @@ What each one is for, and why the public API is not enough:
 - ``model_classes``: a config's model and argument classes, to check a model directory without
   reading its weights and to build random-weight models.
 - ``detokenizer_prototype``, ``continuation_bpe_class``: the streaming detokenizer every
-  ``tokenizer.detokenizer`` copies, and mlx-lm's BPE one without its first-token space trim (an
-  override of a private method, which would silently do nothing if the method were renamed).
+  ``tokenizer.detokenizer`` copies, and mlx-lm's BPE one without its first-token space trim and
+  without holding a single-space token back (an override of a private method and a read of its
+  private buffer, which would silently do nothing if they were renamed).
 
 mlx-lm is imported on first use, not here: ``workers.models`` imports this module early and
 importing mlx-lm (and transformers) takes a second. Its modules are reached with ``import_module``:
@@ -183,15 +184,27 @@ def detokenizer_prototype(tokenizer: Any) -> Any:
 
 @functools.cache
 def continuation_bpe_class() -> type:
-    """mlx-lm's BPE streaming detokenizer without its first-token space trim."""
+    """mlx-lm's BPE streaming detokenizer without its first-token space trim, sending each token's
+    text as soon as it is whole."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-    _get(BPEStreamingDetokenizer, "_maybe_trim_space")  # the override below replaces it
+    _get(BPEStreamingDetokenizer, "_maybe_trim_space")  # the overrides below replace or extend them
+    _get(BPEStreamingDetokenizer, "_decode_bytes")
 
     class ContinuationBPEDetokenizer(BPEStreamingDetokenizer):
-        """mlx-lm's BPE streaming detokenizer without its first-token space trim."""
+        """mlx-lm's BPE streaming detokenizer without its first-token space trim, and holding back
+        only an incomplete UTF-8 character: mlx-lm's holds a single-space token until the next
+        token arrives, to trim it if it starts the text; with no trim that space is final at once
+        (SmolLM's digit-splitting tokenizer makes one before every number)."""
 
         def _maybe_trim_space(self, current_text: str) -> str:
             return current_text
+
+        def add_token(self, token: int) -> None:
+            super().add_token(token)
+            held = self._decode_bytes(_get(self, "_unflushed"))
+            if held and not held.endswith("\ufffd"):
+                self.text += held
+                self._unflushed = ""
 
     return ContinuationBPEDetokenizer

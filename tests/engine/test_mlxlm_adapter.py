@@ -142,6 +142,7 @@ INTERNALS = [
     ("model_classes", "_get_classes", "mlx_lm.utils"),
     ("detokenizer_prototype", "_detokenizer", "tokenizer"),
     ("continuation_bpe_class", "_maybe_trim_space", "BPEStreamingDetokenizer"),
+    ("continuation_bpe_class", "_decode_bytes", "BPEStreamingDetokenizer"),
 ]
 
 

@@ -65,3 +65,21 @@ def test_spm_stream_keeps_the_first_tokens_space(tmp_path: Path) -> None:
     assert type(tokenizer.detokenizer).__name__ == "SPMStreamingDetokenizer"
     keep_leading_space(tokenizer)
     assert _stream(tokenizer, [2, 3, 4]) == " Paris is nice"  # continues e.g. "The capital of France is"
+
+
+def test_byte_level_bpe_stream_holds_back_only_an_incomplete_character() -> None:
+    """Each token's text is in ``text`` as soon as the token is added (mlx-lm's BPE detokenizer held
+    a single-space token back until the next one); only a partial UTF-8 character waits."""
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    keep_leading_space(tokenizer)
+    ids = tokenizer.encode("a  b 1 2\n é日 end ")
+    d = tokenizer.detokenizer
+    held = 0
+    for n, i in enumerate(ids, 1):
+        d.add_token(i)
+        decoded = tokenizer.decode(ids[:n])
+        if decoded.endswith("\ufffd"):
+            held += 1
+        else:
+            assert d.text == decoded, ids[:n]
+    assert held and d.text.endswith(" end ")  # the multi-byte characters did wait
