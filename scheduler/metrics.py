@@ -56,7 +56,7 @@ _FRONT: tuple[tuple[_Family, str, str, Callable[[StatsReply], float]], ...] = (
 _ENGINE: tuple[tuple[_Family, str, str, Callable[[EngineSnapshot], float]], ...] = (
     (GaugeMetricFamily, "paused_sequences", "Sequences paused for a slow reader", lambda e: e["paused"]),
     (GaugeMetricFamily, "active_sequences", "Sequences in the engine", lambda e: e["active_sequences"]),
-    (GaugeMetricFamily, "batch_size", "Sequences in the decode batch", lambda e: e["batch_size"]),
+    (GaugeMetricFamily, "decode_batch_size", "Sequences in the decode batch now", lambda e: e["batch_size"]),
     (
         CounterMetricFamily,
         "prefix_cache_queries",

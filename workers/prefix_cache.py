@@ -13,10 +13,15 @@ the cache serves only on an exact verdict (or when the operator allows inexact o
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
+import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -78,9 +83,21 @@ class ReuseVerdict:
     draws: list[Draw] = field(default_factory=list)
     seconds: float = 0.0
     window_only: bool = False
+    #: Read back from the check store (``CheckStore``) instead of measured by this process.
+    from_cache: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "draws": [asdict(d) for d in self.draws]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ReuseVerdict:
+        """A verdict from ``as_dict``'s output; ``ValueError`` unless every field has its exact shape."""
+        _check_fields(data, _VERDICT_FIELDS, "verdict")
+        draws = []
+        for i, d in enumerate(data["draws"]):
+            _check_fields(d, _DRAW_FIELDS, f"verdict.draws[{i}]")
+            draws.append(Draw(**d))
+        return cls(**{**data, "draws": draws})
 
 
 def make_draws(prefill_step: int, window: int | None, context: int) -> list[Draw]:
@@ -161,12 +178,19 @@ def warm_vs_cold(
     tic = time.perf_counter()
     rng = random.Random(seed)
     draws = make_draws(prefill_step, window, context)
-    for d in draws:
+    for i, d in enumerate(draws, 1):
+        log.info("prefix cache check: draw %d/%d (prompt %d tokens, %d cached) ...", i, len(draws), d.prompt, d.cached)
         run_draw(model, d, prefill_step, vocab_size, rng)
+        outcome = d.skipped or ("exact" if not d.differing_bytes else f"{d.differing_bytes} bytes differ")
+        log.info("prefix cache check: draw %d/%d %s (%.1f s so far)", i, len(draws), outcome, time.perf_counter() - tic)
+    return decide(draws, window, time.perf_counter() - tic)
+
+
+def decide(draws: list[Draw], window: int | None, seconds: float) -> ReuseVerdict:
+    """The verdict the draws' outcomes give (also how a stored verdict is checked against its draws)."""
     ran = [d for d in draws if d.skipped is None]
     bad = [d for d in ran if d.differing_bytes]
     within = [d for d in ran if not d.past_window]
-    seconds = time.perf_counter() - tic
     if not ran:
         return ReuseVerdict(False, "no draw could run", draws, seconds=seconds)
     if not bad:
@@ -180,6 +204,148 @@ def warm_vs_cold(
         reason = f"warm == cold only for entries within the {window}-token window; past it {differs}"
         return ReuseVerdict(True, reason, draws, window_only=True, seconds=seconds)
     return ReuseVerdict(False, f"warm differs from cold: {differs}", draws, seconds=seconds)
+
+
+# --------------------------------------------------------------------------- the stored check
+
+#: Bump when the check's method changes, so stored results are measured again.
+CHECK_VERSION = 1
+#: A stored check result larger than this is not read (one holds a few kilobytes).
+MAX_CHECK_BYTES = 1 << 20
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+_DRAW_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "prompt": _is_count,
+    "cached": _is_count,
+    "decoded": _is_count,
+    "trimmed": _is_count,
+    "past_window": _is_bool,
+    "differing_bytes": _is_count,
+    "total_bytes": _is_count,
+    "skipped": lambda v: v is None or _is_str(v),
+}
+_VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "exact": _is_bool,
+    "reason": _is_str,
+    "draws": lambda v: isinstance(v, list),
+    "seconds": _is_seconds,
+    "window_only": _is_bool,
+    "from_cache": _is_bool,
+}
+_RECORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "fingerprint": _is_str,
+    "pairing": lambda v: isinstance(v, dict),
+    "verdict": lambda v: isinstance(v, dict),
+}
+
+
+def _check_fields(data: Any, fields: dict[str, Callable[[Any], bool]], what: str) -> None:
+    """``data`` is an object with exactly ``fields``, each passing its check; else ``ValueError``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} is not an object")
+    if set(data) != set(fields):
+        raise ValueError(f"{what} has fields {sorted(map(str, data))}, not {sorted(fields)}")
+    for name, ok in fields.items():
+        if not ok(data[name]):
+            raise ValueError(f"{what}.{name} is not valid: {data[name]!r}")
+
+
+def check_fingerprint(pairing: dict[str, Any]) -> str:
+    """sha256 over what can change the check's outcome (``pairing``) and the check's method."""
+    text = json.dumps({**pairing, "prefix_check_version": CHECK_VERSION}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_pairing(
+    serving: dict[str, Any], *, prefill_step: int, vocab_size: int, window: int | None, context: int
+) -> dict[str, Any]:
+    """What the check's outcome depends on: the serving pairing (weights, config, caches, backend,
+    kernels; ``verdict_store.serving_pairing``) and what picks the draws and their chunks."""
+    return {
+        **serving,
+        "check": "prefix-cache warm-vs-cold",
+        "prefill_step": prefill_step,
+        "vocab_size": vocab_size,
+        "window": window,
+        "context": context,
+    }
+
+
+class CheckStore:
+    """Prefix-cache check results as JSON files named by fingerprint, beside the probe's verdicts.
+
+    A stored result is used only when every field has its exact shape, its pairing hashes to the
+    fingerprint asked for, its draws are the ones the check makes for that pairing and its verdict is
+    the one those draws give (``decide``): a damaged or forged file means "check again"."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, fingerprint: str) -> Path:
+        return self.root / f"{fingerprint}.json"
+
+    def get(self, fingerprint: str) -> ReuseVerdict | None:
+        path = self.path(fingerprint)
+        try:
+            if not path.is_file():
+                return None
+            if path.stat().st_size > MAX_CHECK_BYTES:
+                raise ValueError(f"it holds more than {MAX_CHECK_BYTES} bytes")
+            data = json.loads(path.read_text())
+            _check_fields(data, _RECORD_FIELDS, "record")
+            pairing = data["pairing"]
+            if data["fingerprint"] != fingerprint or check_fingerprint(pairing) != fingerprint:
+                raise ValueError("it is the result of another pairing")
+            verdict = ReuseVerdict.from_json(data["verdict"])
+            _check_consistent(verdict, pairing)
+        except Exception as exc:  # anything in the file, however odd, means "check again"
+            log.warning("ignoring the stored prefix cache check %s (%s); it runs again", path, exc)
+            return None
+        verdict.from_cache = True
+        return verdict
+
+    def put(self, fingerprint: str, pairing: dict[str, Any], verdict: ReuseVerdict) -> None:
+        """Keep ``verdict``; a cache folder that cannot be written costs the store only."""
+        record = {"fingerprint": fingerprint, "pairing": pairing, "verdict": {**verdict.as_dict(), "from_cache": False}}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.path(fingerprint).with_suffix(".tmp")
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(self.path(fingerprint))
+        except (OSError, TypeError, ValueError) as exc:
+            log.warning("cannot keep the prefix cache check in %s (%s); it runs again next start", self.root, exc)
+
+
+def _check_consistent(verdict: ReuseVerdict, pairing: dict[str, Any]) -> None:
+    """``ValueError`` unless the draws are the check's for ``pairing`` and the verdict is theirs."""
+    window, context, step = pairing.get("window"), pairing.get("context"), pairing.get("prefill_step")
+    if not (window is None or _is_count(window)) or not _is_count(context) or not _is_count(step) or not step:
+        raise ValueError("its pairing does not say the check's window, context and prefill step")
+    expected = [(d.prompt, d.cached, d.decoded, d.trimmed, d.past_window) for d in make_draws(step, window, context)]
+    stored = [(d.prompt, d.cached, d.decoded, d.trimmed, d.past_window) for d in verdict.draws]
+    if stored != expected:
+        raise ValueError("its draws are not the ones the check makes")
+    if any(d.differing_bytes > d.total_bytes or (d.skipped is not None and d.total_bytes) for d in verdict.draws):
+        raise ValueError("a draw's byte counts do not add up")
+    again = decide(verdict.draws, window, verdict.seconds)
+    if (again.exact, again.window_only, again.reason) != (verdict.exact, verdict.window_only, verdict.reason):
+        raise ValueError("its verdict is not the one its draws give")
 
 
 # --------------------------------------------------------------------------- the cache
@@ -321,14 +487,37 @@ def checked(
     window: int | None,
     context: int,
     allow_inexact: bool = False,
+    store: CheckStore | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> PrefixCache:
-    """A prefix cache gated by ``warm_vs_cold`` on ``model`` (a failing check is a declined verdict)."""
+    """A prefix cache gated by ``warm_vs_cold`` on ``model`` (a failing check is a declined verdict).
+    With a ``store`` and the ``serving`` pairing, a result stored for exactly that pairing is used
+    instead of checking again, and a new one is stored (a failed check is not)."""
     if max_bytes <= 0:
         return PrefixCache(0)
+    fingerprint, pairing = "", {}
+    if store is not None and serving is not None:
+        pairing = check_pairing(
+            serving, prefill_step=prefill_step, vocab_size=vocab_size, window=window, context=context
+        )
+        fingerprint = check_fingerprint(pairing)
+        found = store.get(fingerprint)
+        if found is not None:
+            log.info(
+                "prefix cache: %s (stored check: %s)",
+                "serving" if found.exact or allow_inexact else "declined",
+                found.reason,
+            )
+            return PrefixCache(max_bytes, found, allow_inexact)
+    log.info("prefix cache: checking that reuse is exact on this model (once; the result is kept)")
     try:
         verdict = warm_vs_cold(model, prefill_step=prefill_step, vocab_size=vocab_size, window=window, context=context)
     except Exception as exc:
         log.exception("the prefix cache's warm-vs-cold check failed")
         verdict = ReuseVerdict(False, f"the check failed: {exc!r}")
+    else:
+        if fingerprint:
+            assert store is not None
+            store.put(fingerprint, pairing, verdict)
     log.info("prefix cache: %s (%s)", "serving" if verdict.exact or allow_inexact else "declined", verdict.reason)
     return PrefixCache(max_bytes, verdict, allow_inexact)

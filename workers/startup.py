@@ -227,9 +227,13 @@ def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSetting
     Not across ranks: which prompts hit is decided per rank by its own cache's bytes and evictions."""
     if loaded.shard is not None:
         raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
+    from workers.demo import cache_dir
     from workers.pins import unpinned
-    from workers.prefix_cache import checked
+    from workers.prefix_cache import CheckStore, checked
 
+    # Keyed like the probe's verdicts (weights, config, caches, backend, kernels), so a result
+    # measured once serves every later start of the same set-up.
+    serving = probe_setup(loaded, "none", store=False).pairing
     with unpinned("probe"):
         engine.prefix_cache = checked(
             engine.counted,
@@ -239,4 +243,6 @@ def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSetting
             window=sliding_window(loaded.config),
             context=loaded.info.context_length,
             allow_inexact=s.probe_policy.allow_inexact,
+            store=CheckStore(cache_dir() / "prefix-checks"),
+            serving=serving,
         )

@@ -73,6 +73,7 @@ from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.reference import known_bandwidth
+from scheduler.bench.rewrite import rewrite_prompts
 from scheduler.bench.spreads import rotated
 from scheduler.cli.demo import DEMO_PROMPTS
 
@@ -175,11 +176,18 @@ def _main(args: argparse.Namespace) -> int:
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
 
     def prompts_for(b: int, seed: int) -> list[list[int]]:
-        """The workload's prompts (``--prompts``): random token ids, or the demo's file-like openings."""
+        """The workload's prompts (``--prompts``): random token ids, the demo's file-like openings, or the
+        rewrite/copy chats rendered with the model's chat template."""
         if args.prompts == "demo":
             return text_prompts(loaded.tokenizer, DEMO_PROMPTS, b, seed)
+        if args.prompts == "rewrite":
+            return rewrite_prompts(loaded.tokenizer, b, seed)
         return random_prompts(b, args.prompt_tokens, vocab, seed)
 
+    # The prompts' mean length (text prompts have their own), found before any daemon starts, so
+    # that a prompt set the model cannot render is refused first.
+    sample = prompts_for(4, seed=0)
+    prompt_tokens = round(sum(len(p) for p in sample) / len(sample))
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     drafters = [d for d in (args.drafters or "").split(",") if d]
     samples: dict[tuple[str, int], list[float]] = {}
@@ -224,7 +232,7 @@ def _main(args: argparse.Namespace) -> int:
         min_seconds=args.min_seconds,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=loaded.info.kv_bytes_per_token,
-        context=args.prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
+        context=prompt_tokens + args.tokens // 2,  # the mean context over a sequence's decode
         gb_per_s=gb_per_s,
         raw_max_batch=getattr(args, "raw_max_batch", None),
     )
@@ -236,7 +244,7 @@ def _main(args: argparse.Namespace) -> int:
         "mlx": str(getattr(mx, "__version__", "unknown")),
         "row_kernel": qmv_launch.variant(),
         "tokens": args.tokens,
-        "prompt_tokens": args.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "prompts": args.prompts,
         "repeats": args.repeats,
         "min_seconds": args.min_seconds,

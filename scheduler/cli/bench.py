@@ -64,10 +64,12 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument(
         "--prompts",
-        choices=("random", "demo"),
+        choices=("random", "demo", "rewrite"),
         default="random",
         help="random: --prompt-tokens random token ids a request; demo: the demo command's file-like openings "
-        "(what the demo pair was trained on: its MTP head accepts far less on random ids)",
+        "(what the demo pair was trained on: its MTP head accepts far less on random ids); rewrite: chats "
+        "whose answer copies the prompt (rename a function in a file, summarise a document quoting it), "
+        "rendered with the model's chat template",
     )
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument(

@@ -41,6 +41,13 @@ if TYPE_CHECKING:
 
 #: The smallest ``--max-frame-bytes`` that still fits a short request with its options.
 MIN_FRAME_BYTES = 1024
+#: ``--prefix-cache-mb`` when not given: an upper bound, not an allocation (entries fill it as
+#: sequences end); 512 MiB holds 4,096 tokens of an 8B llama's KV (128 KiB a token), or a 135M
+#: model's whole context many times over.
+DEFAULT_PREFIX_CACHE_MB = 512.0
+#: With ``--kv-budget-mb`` and no ``--prefix-cache-mb``, the prefix cache takes this share of the
+#: budget (at most ``DEFAULT_PREFIX_CACHE_MB``), leaving requests the rest.
+PREFIX_CACHE_SHARE = 0.25
 #: Variables a launcher sets on every rank (``mlx.launch`` always sets ``MLX_RANK``); without one
 #: of them the process is not one of several and nothing distributed is imported.
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -179,9 +186,10 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument(
         "--prefix-cache-mb",
         type=non_negative_float,
-        default=0.0,
+        default=None,
         help="keep up to this much prompt KV for reuse by later requests sharing a prefix, per tenant "
-        "(docs/prefix-cache.md); 0 = off",
+        f"(docs/prefix-cache.md); counted in --kv-budget-mb. Default {DEFAULT_PREFIX_CACHE_MB:g}, or a "
+        f"{PREFIX_CACHE_SHARE:g} share of --kv-budget-mb when one is set; off (0) under mlx.launch; 0 = off",
     )
     p.add_argument(
         "--kv-budget-mb",
@@ -286,9 +294,21 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
             lookahead_choice=args.lookahead == "auto",
             draft_in_verify=args.draft_in_verify == "on",
         ),
-        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        prefix_cache_bytes=int(prefix_cache_mb(args) * 2**20),
         rank_timeout_s=args.rank_timeout,
     )
+
+
+def prefix_cache_mb(args: argparse.Namespace) -> float:
+    """The prefix cache's bound in MiB: what the user gave, else off under a launcher (it cannot serve
+    across ranks), else a share of the KV budget when there is one, else ``DEFAULT_PREFIX_CACHE_MB``."""
+    if args.prefix_cache_mb is not None:
+        return float(args.prefix_cache_mb)
+    if any(v in os.environ for v in _LAUNCH_VARS):
+        return 0.0
+    if args.kv_budget_mb:
+        return min(DEFAULT_PREFIX_CACHE_MB, PREFIX_CACHE_SHARE * args.kv_budget_mb)
+    return DEFAULT_PREFIX_CACHE_MB
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +342,7 @@ def check_ranks(args: argparse.Namespace) -> None:
 
     if args.engine_thread:
         raise DistributedError("--engine-thread cannot serve across ranks: the engine process joins the group")
-    if args.prefix_cache_mb > 0:
+    if args.prefix_cache_mb:  # only when given: the default is 0 under a launcher
         raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
     size = launched_size(os.environ)
     if size is not None and size > 1:

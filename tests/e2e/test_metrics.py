@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
 from tests.conftest import start_daemon, wait_for_verdict
+from tests.helpers.exposition import strict_problems
 
 
 def _free_port() -> int:
@@ -21,6 +22,7 @@ def _free_port() -> int:
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert strict_problems(text) == [], text  # what promtool would refuse
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
