@@ -215,6 +215,7 @@ class Control:
             kv_reserved_bytes=flight.kv_reserved,
             kv_budget_bytes=self.settings.kv_budget_bytes,
             clients_paused=self._transport.paused_count,
+            sequences_parked=flight.parked,
             unsent_messages=self._transport.unsent,
             engine=flight.engine.snapshot(),
         )

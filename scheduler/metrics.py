@@ -34,6 +34,12 @@ _FRONT: tuple[tuple[_Family, str, str, Callable[[StatsReply], float]], ...] = (
     ),
     (
         GaugeMetricFamily,
+        "parked_sequences",
+        "Sequences of connections that stopped reading, parked with their KV; their decode slots went to others",
+        lambda s: s.get("sequences_parked", 0),
+    ),
+    (
+        GaugeMetricFamily,
         "unsent_messages",
         "Messages waiting in the daemon's per-connection outboxes (beyond ZeroMQ's queue)",
         lambda s: s["unsent_messages"],

@@ -116,6 +116,7 @@ def build_stats(
     kv_reserved_bytes: int,
     kv_budget_bytes: int,
     clients_paused: int,
+    sequences_parked: int,
     unsent_messages: int,
     engine: EnginePart,
 ) -> StatsReply:
@@ -132,6 +133,7 @@ def build_stats(
         "kv_reserved_bytes": kv_reserved_bytes,
         "kv_budget_bytes": kv_budget_bytes,
         "clients_paused": clients_paused,
+        "sequences_parked": sequences_parked,
         "unsent_messages": unsent_messages,
         "clients_dropped": counters.clients_dropped,
         "outcomes": {t: dict(per) for t, per in outcomes.items() if only is None or t == only},

@@ -85,6 +85,8 @@ class StatsReply(TypedDict):
     kv_reserved_bytes: int
     kv_budget_bytes: int
     clients_paused: int
+    #: Sequences whose connection stopped reading and whose decode slots went to others.
+    sequences_parked: int
     unsent_messages: int
     clients_dropped: int
     #: Requests ended, by tenant then outcome: a finish reason (``stop``, ``length``,

@@ -75,6 +75,7 @@ from workers.startup import (
     buffer_cache_limit,
     check_environment,
     check_same_settings,
+    chosen_lines,
     configure_prefix_cache,
     start_probe,
     warm_up,
@@ -226,6 +227,9 @@ class EngineThread:
             elif s.probe_k is not None:
                 start_probe(engine, loaded, s, s.drafter, s.probe_k, self.world)
             engine.reset_counters()
+            if self.world.leader:
+                for line in chosen_lines(loaded, s, engine):
+                    log.info("serving with %s", line)
         except (ModelError, DistributedError, SettingError) as exc:  # a model or set-up that cannot serve: one line
             return Dead(str(exc))
         except Exception as exc:

@@ -222,6 +222,45 @@ def configure_bursts(engine: Engine, loaded: LoadedModel, s: EngineSettings, wor
     engine.configure_bursts(drafter, s.bursts, name)
 
 
+def quantization_line(config: dict[str, Any], model: Any) -> str:
+    """The weights' quantization as a reader wants it: ``4-bit, group 32`` (with the scales' dtype),
+    or the dtype of unquantized weights."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        scales = next((v.dtype for k, v in params.items() if k.endswith(".scales")), None)
+        mixed = " (mixed per layer)" if any(isinstance(v, dict) for v in q.values()) else ""
+        dtype = "" if scales is None else f", {str(scales).removeprefix('mlx.core.')} scales"
+        return f"{q['bits']}-bit, group {q.get('group_size', '?')}{mixed}{dtype}"
+    weight = next((v for k, v in params.items() if k.endswith("weight")), None)
+    return "none" if weight is None else f"none ({str(weight.dtype).removeprefix('mlx.core.')})"
+
+
+def chosen_lines(loaded: LoadedModel, s: EngineSettings, engine: Engine) -> list[str]:
+    """What the engine serves with, in a few readable lines for the start-up log: model,
+    quantization, context, drafter, prefix cache."""
+    info = loaded.info
+    drafter = s.mtp and f"MTP head {s.mtp}" or s.draft or "none (no speculative bursts)"
+    burst = f", K = {s.bursts.k}" if s.draft is not None or s.mtp is not None else ""
+    cache = engine.prefix_cache
+    if cache is None or cache.max_bytes <= 0:
+        prefix = "off (--prefix-cache-mb 0)"
+    else:
+        state = "serving" if cache.serving else "declined"
+        why = "" if cache.verdict is None else f": {cache.verdict.reason}"
+        stored = " (stored check)" if cache.verdict is not None and cache.verdict.from_cache else ""
+        prefix = f"up to {cache.max_bytes / 2**20:g} MiB, {state}{stored}{why}"
+    return [
+        f"model:          {info.name} ({info.model_type}, {info.path})",
+        f"quantization:   {quantization_line(loaded.config, loaded.model)}",
+        f"context:        {info.context_length} tokens, {info.kv_bytes_per_token} bytes of KV a token",
+        f"drafter:        {drafter}{burst}",
+        f"prefix cache:   {prefix}",
+    ]
+
+
 def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
     """Check warm-vs-cold reuse on the loaded model (once, before ``Ready``) and install the cache.
     Not across ranks: which prompts hit is decided per rank by its own cache's bytes and evictions."""

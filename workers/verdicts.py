@@ -8,8 +8,10 @@ set for the whole process as soon as it is reached.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from workers.kernels import Level, set_process_level
@@ -18,12 +20,17 @@ from workers.probe import Verdict, failed_verdict
 
 PinScope = Literal["scoped", "process"]
 
+log = logging.getLogger("mlx_batchd.probe")
+
 
 @dataclass
 class ProbeState:
     name: str
     steps: Generator[str, None, Verdict]
     label: str = "starting"
+    #: Draws started so far, and when the probe started (for its progress lines).
+    step: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class Verdicts:
@@ -54,11 +61,27 @@ class Verdicts:
         try:
             with unpinned("probe"):
                 state.label = next(state.steps)
+            state.step += 1
+            # A line per draw, so a start-up probe shows its progress instead of a silent wait.
+            log.info(
+                "probe %s: draw %d, %s (%.1f s so far)",
+                state.name,
+                state.step,
+                state.label,
+                time.monotonic() - state.started,
+            )
             return None
         except StopIteration as done:
             verdict: Verdict = done.value
         except Exception as exc:  # a probe that fails is a declined verdict, never a crash
             verdict = failed_verdict(state.name, exc)
+        log.info(
+            "probe %s: done after %d draws, %s (%s)",
+            state.name,
+            state.step,
+            "declined" if verdict.level is None else f"level {verdict.level}",
+            verdict.reason,
+        )
         self.probe_state = None
         self.by_name[state.name] = verdict
         if self.pin_scope == "process" and verdict.level is not None:

@@ -168,7 +168,7 @@ def test_a_connection_that_stops_reading_gives_its_slot_back_and_resumes_byte_ex
         assert stalled.poll(30_000)  # streaming; from here it reads nothing for a while
         with Client(d.address, timeout=60) as c:
             deadline = time.monotonic() + 60
-            while c.stats()["engine"].get("paused", 0) != 1:
+            while c.stats()["sequences_parked"] != 1:  # paused at once, parked after --park-after
                 assert time.monotonic() < deadline, c.stats()
                 time.sleep(0.05)
             other = c.generate(tokens=[3, 4, 5], max_tokens=16, temperature=0.0)

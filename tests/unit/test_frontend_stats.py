@@ -52,6 +52,7 @@ def _stats(only: str | None) -> StatsReply:
         kv_reserved_bytes=0,
         kv_budget_bytes=0,
         clients_paused=0,
+        sequences_parked=0,
         unsent_messages=0,
         engine={},
     )
