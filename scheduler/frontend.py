@@ -179,6 +179,7 @@ class FrontEnd:
             tg.start_soon(self._transport.tend)
             tg.start_soon(self._control.tend_stalled)
             tg.start_soon(self._flight.pump_on_refill)
+            tg.start_soon(self._intake.receive)  # from the start: health answers `loading`
             engine.start()
             if self.settings.handle_signals:
                 tg.start_soon(self._watch_signals)
@@ -201,8 +202,9 @@ class FrontEnd:
         return events.exit_code
 
     def _on_ready(self, sig: Ready) -> None:
-        """The model is loaded: start reading messages, and say where the daemon listens."""
-        self._tg.start_soon(self._intake.receive)
+        """The model is loaded: admit the requests that came while it loaded, and say where the
+        daemon listens."""
+        self._intake.on_ready()
         log.info("ready: model %s on %s", sig.info.name, self.settings.listen)
         print(f"mlx-batchd ready: model {sig.info.name} listening on {self.settings.listen}", flush=True)
         if self.settings.http is not None:

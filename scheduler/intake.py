@@ -67,11 +67,15 @@ class Intake:
         self._counters = counters
         self._send = transport.send
         self._tokenizer = FairTokenizer()
+        #: Requests that arrived while the model loaded, admitted once it is ready (``on_ready``).
+        self._early: list[Tracked] = []
 
     # ------------------------------------------------------------------ the socket
 
     async def receive(self) -> None:
-        """Read and route messages until cancelled (started once the engine is ready)."""
+        """Read and route messages until cancelled, from the start: while the model loads, health
+        answers ``loading`` and submits wait for ``on_ready`` (reading at once keeps a client from
+        filling the socket's queue, and stopping its input, while a model loads for minutes)."""
         transport = self._transport
         while True:
             frames = await transport.receive()
@@ -89,6 +93,8 @@ class Intake:
             except ProtocolError as exc:
                 if not transport.outbox_full(client):
                     self._refuse_message(client, exc, msg)
+                else:
+                    self._counters.messages_dropped += 1
                 continue
             if transport.outbox_full(client) and not isinstance(req, Cancel):
                 self._counters.messages_dropped += 1  # it is not reading: answers would only pile up
@@ -210,10 +216,23 @@ class Intake:
         if busy is not None:
             flight.finish_here(t, FinishReason.ERROR, (ErrorCode.BUSY, busy[0]), busy[1])
             return
-        if req.tokens is not None:
-            self._admit(t, list(req.tokens))  # nothing to tokenize: admit in order, at once
+        if flight.info is None:
+            self._early.append(t)  # the model is loading: counted against the limits, admitted when ready
+            return
+        self._start(t)
+
+    def _start(self, t: Tracked) -> None:
+        if t.req.tokens is not None:
+            self._admit(t, list(t.req.tokens))  # nothing to tokenize: admit in order, at once
         else:
             self.tasks.start_soon(self._tokenize_then_admit, t)
+
+    def on_ready(self) -> None:
+        """The model is loaded: the requests that came meanwhile go on, in arrival order."""
+        early, self._early = self._early, []
+        for t in early:
+            if self._flight.requests.holds(t):
+                self._start(t)
 
     def _busy(self, client: bytes, tenant: Tenant) -> tuple[str, float] | None:
         """Why a request just tracked for ``client`` must wait for others to end, and the retry hint;

@@ -22,7 +22,8 @@ FLOOD_S = 8.0
 STALL_S = 12.0
 
 #: Sends submits as fast as the socket takes them for ``argv[2]`` seconds and never reads, with the
-#: heartbeat settings the client library uses (PINGs every second, a 3 s timeout and a 6 s TTL).
+#: heartbeat settings the client library uses (PINGs every second, a 3 s timeout and a 6 s TTL). The
+#: flooder's own input is unbounded, so its own libzmq survives its heartbeat timeouts.
 FLOODER = """
 import sys, time, zmq
 from clients.protocol import PROTOCOL_VERSION, pack
@@ -31,6 +32,7 @@ s = ctx.socket(zmq.DEALER)
 s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
 s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
 s.setsockopt(zmq.HEARTBEAT_TTL, 6000)
+s.setsockopt(zmq.RCVHWM, 0)
 s.setsockopt(zmq.LINGER, 0)
 s.connect(sys.argv[1])
 stop_at, n = time.monotonic() + float(sys.argv[2]), 0
@@ -74,6 +76,13 @@ anyio.run(main)
 """
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 def test_a_flood_that_never_reads_does_not_stop_the_daemon_or_its_other_clients(tmp_path: Path) -> None:
     """The flood starts with the daemon: a queue it fills faster than the daemon reads stops the
     connection's input, the flooder's own heartbeats then time out and it hangs up on that stopped input.
@@ -89,6 +98,7 @@ def test_a_flood_that_never_reads_does_not_stop_the_daemon_or_its_other_clients(
         out, _ = flood.communicate(timeout=60)
         assert flood.returncode == 0 and int(out) > 10_000  # it did flood
         assert d.proc.poll() is None, d.log()
+        assert _rss_mib(d.proc.pid) < 1024, d.log()  # the socket's queue is bounded
         with Client(address, timeout=120) as c:
             assert c.generate(tokens=prompt, max_tokens=24, temperature=0.0).tokens == reference
             assert c.health()["status"] == "ready"

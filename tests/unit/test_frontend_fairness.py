@@ -184,3 +184,21 @@ def test_a_cancelled_wait_leaves_the_tokenizing_queue() -> None:
         return waiting, tok.running("a")
 
     assert anyio.run(main) == (0, 0)
+
+
+def test_requests_that_arrive_while_the_model_loads_count_against_the_limits_and_start_when_ready() -> None:
+    p = Parts(capacity=4, max_queued=2)
+    info, p.flight.info = p.flight.info, None  # still loading
+    p.connect(b"\x00A")
+    first, second = p.submit(b"\x00A", "local", "1"), p.submit(b"\x00A", "local", "2")
+    p.intake.submit(b"\x00A", p.flight.table.tenants["local"], Submit("3", tokens=[1], max_tokens=1))
+    [busy] = p.received(b"\x00A")
+    assert busy["id"] == "3" and busy["error"]["code"] == ErrorCode.BUSY.value
+    p.control.cancel("local", b"\x00A", "2")
+    assert p.engine.submitted() == []
+    p.flight.info = info
+    p.intake.on_ready()
+    assert p.engine.submitted() == [first.seq]
+    [cancelled] = p.received(b"\x00A")
+    assert cancelled["id"] == "2" and cancelled["finish_reason"] == FinishReason.CANCELLED.value
+    assert not p.flight.requests.holds(second)
