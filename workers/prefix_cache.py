@@ -337,6 +337,7 @@ def _check_consistent(verdict: ReuseVerdict, pairing: dict[str, Any]) -> None:
     window, context, step = pairing.get("window"), pairing.get("context"), pairing.get("prefill_step")
     if not (window is None or _is_count(window)) or not _is_count(context) or not _is_count(step) or not step:
         raise ValueError("its pairing does not say the check's window, context and prefill step")
+    assert isinstance(context, int) and isinstance(step, int)
     expected = [(d.prompt, d.cached, d.decoded, d.trimmed, d.past_window) for d in make_draws(step, window, context)]
     stored = [(d.prompt, d.cached, d.decoded, d.trimmed, d.past_window) for d in verdict.draws]
     if stored != expected:

@@ -10,7 +10,8 @@ import pytest
 from clients import Client
 from tests.conftest import start_daemon
 
-ARGS = ("--context-length", "512", "--default-max-tokens", "24", "--max-batch", "4")
+# The prefix cache off: its start-up check on this model is tested elsewhere, and would run here per cache.
+ARGS = ("--context-length", "512", "--default-max-tokens", "24", "--max-batch", "4", "--prefix-cache-mb", "0")
 
 
 def test_serve_gguf_converts_once_and_answers(

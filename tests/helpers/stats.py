@@ -135,6 +135,7 @@ def stats_snapshot(
                     "draws": [],
                     "seconds": 0.1,
                     "window_only": False,
+                    "from_cache": False,
                 },
             },
             "memory": {"active_bytes": 2**20, "cache_bytes": 0, "peak_bytes": 2**21},
