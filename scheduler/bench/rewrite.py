@@ -74,7 +74,7 @@ def rewrite_prompts(tokenizer: Any, b: int, seed: int) -> list[list[int]]:
     if not getattr(tokenizer, "has_chat_template", False) and not getattr(tokenizer, "chat_template", None):
         raise BenchError("--prompts rewrite needs a model with a chat template (this one has none)")
     encoded = [
-        [int(t) for t in tokenizer.apply_chat_template(chat, X
+        [int(t) for t in tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)]
         for chat in REWRITE_CHATS
     ]
     return [encoded[(seed + i) % len(encoded)] for i in range(b)]
