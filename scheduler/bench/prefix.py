@@ -195,7 +195,8 @@ def run_prefix(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mlx-batchd-bench-"))
     common = ["--max-tokens-cap", str(plan.max_tokens_cap), "--max-batch", str(max(32, plan.batch))]
     cache = [*common, "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]
-    daemons = {"no_cache": common, "cache": [*cache, "--allow-inexact"] if args.prefix_allow_inexact else cache}
+    no_cache = [*common, "--prefix-cache-mb", "0"]  # serve's default is a prefix cache
+    daemons = {"no_cache": no_cache, "cache": [*cache, "--allow-inexact"] if args.prefix_allow_inexact else cache}
     meta: dict[str, Any] = {
         "model": args.model,
         "device": str(mx.default_device()),
