@@ -117,8 +117,8 @@ def hostile(http: bool) -> st.SearchStrategy[Any]:
     return tree | st.lists(message, min_size=0, max_size=3) | st.builds(Deep, st.sampled_from(DEPTHS))
 
 
-def encode_json(body: dict[str, Any]) -> bytes:
-    deep: list[Deep] = []
+def _marking(deep: list[Deep]) -> Any:
+    """An encoder's ``default`` that writes each ``Deep`` as its mark and keeps it in ``deep``."""
 
     def default(value: Any) -> Any:
         if isinstance(value, Deep):
@@ -126,7 +126,12 @@ def encode_json(body: dict[str, Any]) -> bytes:
             return value.mark
         raise TypeError(type(value).__name__)
 
-    text = json.dumps(body, default=default)
+    return default
+
+
+def encode_json(body: dict[str, Any]) -> bytes:
+    deep: list[Deep] = []
+    text = json.dumps(body, default=_marking(deep))
     for d in deep:
         text = text.replace(json.dumps(d.mark), "[" * d.depth + "1" + "]" * d.depth)
     return text.encode()
@@ -134,14 +139,7 @@ def encode_json(body: dict[str, Any]) -> bytes:
 
 def encode_msgpack(msg: dict[str, Any]) -> bytes:
     deep: list[Deep] = []
-
-    def default(value: Any) -> Any:
-        if isinstance(value, Deep):
-            deep.append(value)
-            return value.mark
-        raise TypeError(type(value).__name__)
-
-    frame: bytes = msgpack.packb(msg, default=default, use_bin_type=True)
+    frame: bytes = msgpack.packb(msg, default=_marking(deep), use_bin_type=True)
     for d in deep:
         frame = frame.replace(msgpack.packb(d.mark), b"\x91" * d.depth + b"\x01")
     return frame
