@@ -282,7 +282,7 @@ class EngineProcess:
         #: A shutdown came before ``ready`` and terminated the child: its end is a stop, not a death.
         self._stopped_early = False
         self._receiver = Receiver(self._events, self._on_message, self._on_end, "mlx-batchd-engine-events")
-        self._watchdog = Watchdog(engine_timeout_s, self._hung, self._words_waiting) if engine_timeout_s > 0 else None
+        self._watchdog = Watchdog(engine_timeout_s, self._hung, self._words_waiting)
 
     def start(self) -> None:
         self._tokenizer_loader.start()
@@ -311,8 +311,7 @@ class EngineProcess:
         # Events are read once the tokenizer is loaded (``ready`` needs it): in the daemon's event
         # loop when this is called from it, else on a thread.
         self._receiver.start(after=self._tokenizer_loader)
-        if self._watchdog is not None:
-            self._watchdog.start()
+        self._watchdog.start()
 
     def join(self, timeout: float | None = None) -> None:
         self._receiver.done.wait(timeout)
@@ -350,23 +349,19 @@ class EngineProcess:
             timings = Timings(None, None, None, 0.0)
             self._emit([Finished(job.seq, FinishReason.ERROR, len(job.prompt), 0, timings, "bad_field", why)])
             return
-        if self._watchdog is not None:
-            self._watchdog.submitted(job.seq)
+        self._watchdog.submitted(job.seq)
         self._send(cmd, frame)
 
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancelled(seq)
+        self._watchdog.cancelled(seq)
         self._send({"c": "cancel", "seq": seq, "reason": reason, "code": code, "message": message})
 
     def pause(self, seq: int) -> None:
-        if self._watchdog is not None:
-            self._watchdog.paused(seq)
+        self._watchdog.paused(seq)
         self._send({"c": "pause", "seq": seq})
 
     def resume(self, seq: int) -> None:
-        if self._watchdog is not None:
-            self._watchdog.resumed(seq)
+        self._watchdog.resumed(seq)
         self._send({"c": "resume", "seq": seq})
 
     def measure_tax(self) -> None:
@@ -380,8 +375,7 @@ class EngineProcess:
                 self._stopped_early = True
                 self._proc.terminate()
                 return
-        if self._watchdog is not None:
-            self._watchdog.stopping()
+        self._watchdog.stopping()
         self._send({"c": "shutdown", "reason": reason, "code": code, "message": message})
 
     def _send(self, cmd: dict[str, Any], frame: bytes | None = None) -> None:
@@ -413,8 +407,7 @@ class EngineProcess:
         """One message's events to ``emit``; ``True`` for the final one."""
         if "snapshot" in msg:
             self._snapshot = msg["snapshot"]
-        if self._watchdog is not None:
-            self._watchdog.heard(msg["events"])  # before the conversion, which consumes the maps
+        self._watchdog.heard(msg["events"])  # before the conversion, which consumes the maps
         try:
             signals = signals_from_wire(msg["events"], self._tokenizer_for)
         except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
@@ -432,20 +425,19 @@ class EngineProcess:
                 self._send(
                     {"c": "shutdown", "reason": "error", "code": "shutdown", "message": "the daemon is shutting down"}
                 )
-            elif self._watchdog is not None:
+            else:
                 self._watchdog.ready()
         if signals:
             self._emit(signals)
         final = any(isinstance(s, (Stopped, Dead)) for s in signals)
-        if final and self._watchdog is not None:
+        if final:
             self._watchdog.close()  # the engine's last word: it owes nothing more
         return final
 
     def _on_end(self) -> None:
         """The pipe ended without a final word: the child is gone (this may wait to reap it)."""
         assert self._proc is not None
-        if self._watchdog is not None:
-            self._watchdog.close()
+        self._watchdog.close()
         try:
             code: int | str = self._proc.wait(REAP_S)
         except subprocess.TimeoutExpired:
@@ -454,7 +446,7 @@ class EngineProcess:
             log.info("the engine process was stopped before it was ready")
             self._emit([Stopped()])
             return
-        if self._watchdog is not None and self._watchdog.fired:
+        if self._watchdog.fired:
             return  # the watchdog killed it, and has said why
         self._emit([Dead(f"the engine process exited with code {code} before it said why")])
 
@@ -475,8 +467,7 @@ class EngineProcess:
         return not self._receiver.done.is_set() and unread(self._events)
 
     def _close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.close()
+        self._watchdog.close()
         with self._lock:
             self._cmd.close(linger=0)
         if self._receiver.done.is_set():  # never close a descriptor another thread reads

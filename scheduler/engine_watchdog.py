@@ -68,6 +68,9 @@ class Watchdog:
         self.fired = False
 
     def start(self) -> None:
+        """Start watching; with ``timeout_s`` 0 (``--engine-timeout 0``) nothing is watched."""
+        if self.timeout_s <= 0:
+            return
         threading.Thread(target=self._run, name="mlx-batchd-engine-watchdog", daemon=True).start()
 
     def close(self) -> None:
