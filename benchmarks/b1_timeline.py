@@ -2,8 +2,8 @@
 engine's own account of it, and the wall time outside the engine's steps.
 
     python benchmarks/b1_timeline.py --model demo --tokens 128 --repeats 6 --out timeline.json
-    python benchmarks/b1_timeline.py --model /tmp/m8b --batches 1,8 --out timeline.json
-    python benchmarks/b1_timeline.py --model demo --daemon-args=--engine-thread --out thread.json
+    python benchmarks/b1_timeline.py --model "$M" --batches 1,8 --out timeline.json
+    python benchmarks/b1_timeline.py --model demo --daemon-args='--admit-window-ms 0' --out nowindow.json
 
 One daemon (``mlx-batchd serve``, its defaults unless ``--daemon-args``), B requests at a time, all
 streamed from one event loop through one client (as ``mlx-batchd bench``'s daemon arm sends them).
@@ -202,7 +202,7 @@ def main() -> int:
             json.dumps(
                 {
                     "args": vars(a),
-                    # The project's switches the daemon inherited (MLX_BATCHD_EMIT_THREAD, ...).
+                    # The project's variables the daemon inherited (workers/envs.py, clients/envs.py).
                     "environment": {k: v for k, v in os.environ.items() if k.startswith("MLX_BATCHD_")},
                     "placement": placement,
                     "rows": rows,

@@ -1,6 +1,6 @@
 """Device measurement: batched decode with the decoder layers compiled around attention, against plain (issue 15).
 
-    python benchmarks/compiled_layers_probe.py --model /tmp/m8b --out compiled.json
+    python benchmarks/compiled_layers_probe.py --model "$M" --out compiled.json
 
 For each B: the engine's decode step (``Engine.step``, steps overlapping as in serving), milliseconds
 a step, median of 24 steps, in arms alternating plain / compiled / plain / compiled on one engine

@@ -1,6 +1,6 @@
 """Device measurement: does a host-bound decode step's speed depend on which CPU the engine thread runs on?
 
-    python benchmarks/cpu_placement_probe.py --model /tmp/m8b --tokens 128 --rounds 3 --out placement.json
+    python benchmarks/cpu_placement_probe.py --model "$M" --tokens 128 --rounds 3 --out placement.json
 
 On the H200 host a B = 1 decode step of the 8B synth moved between 4.4 and 7.5 ms from one process to
 another with the same kernel plans, and on the H100 host the engine thread's own CPU time was 97 % of

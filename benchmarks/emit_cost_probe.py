@@ -1,7 +1,7 @@
 """What handing one step's events from the engine process to the daemon costs the engine thread, by piece.
 
     python benchmarks/emit_cost_probe.py --model demo
-    python benchmarks/emit_cost_probe.py --model /tmp/m8b --out emit.json
+    python benchmarks/emit_cost_probe.py --model "$M" --out emit.json
 
 Each piece is timed ``--n`` times with a pause of ``--gap-ms`` before each call, so the reader on
 the other side has gone idle, as it has between decode steps: the engine's stats snapshot, packing

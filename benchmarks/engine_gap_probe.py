@@ -1,6 +1,6 @@
 """Device measurement: where the daemon's engine loses step time against the engine alone.
 
-    python benchmarks/engine_gap_probe.py --model /tmp/m8b --out gap.json
+    python benchmarks/engine_gap_probe.py --model "$M" --out gap.json
 
 ``mlx-batchd bench`` showed the daemon's engine taking the same number of decode steps as the
 engine alone, each slower (H200, 8B synth, B = 64: 52-58 ms against 40 ms). The same decode
@@ -52,7 +52,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from scheduler.engine_outbox import emit_thread_wanted
 from scheduler.engine_process import EngineProcess
 from workers import profiling
 from workers.engine import Engine
@@ -110,7 +109,7 @@ class Hosted:
         if kind == "loop":
             self.handle: Any = EngineThread(load_fn, self.emit, settings)
         else:
-            self.handle = EngineProcess(model, None, self.emit, settings, emit_thread=emit_thread_wanted())
+            self.handle = EngineProcess(model, None, self.emit, settings)
         self.handle.start()
         if not self.ready.wait(600):
             raise RuntimeError(f"{kind}: no ready")

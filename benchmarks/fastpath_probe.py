@@ -1,6 +1,6 @@
 """Device measurements behind ``workers/fastpath.py``'s policies (run on the machine being tuned).
 
-    python benchmarks/fastpath_probe.py --model /tmp/m8b --out results.json
+    python benchmarks/fastpath_probe.py --model "$M" --out results.json
 
 1. Quantized projection cost by row count M (2-D input), to place the padding bands.
 2. Whole-model decode step by B under each policy (``off`` = stock mlx-lm, ``generic`` = flattened

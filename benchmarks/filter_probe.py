@@ -1,7 +1,7 @@
 """Device measurement behind ``workers/batch_filter.py``: what a step in which a sequence finishes
 costs over a plain decode step, with mlx-lm's per-layer ``filter`` and with the project's.
 
-    python benchmarks/filter_probe.py --model /tmp/m8b --out filter.json
+    python benchmarks/filter_probe.py --model "$M" --out filter.json
 
 A ``BatchGenerator`` decodes B sequences whose budgets end one sequence every other step, so that
 finishing steps and plain steps alternate; each ``next()`` is timed to the end of its device work.

@@ -1,6 +1,6 @@
 """Device measurement: the engine's decode step under MLX CUDA's graph limits.
 
-    python benchmarks/graph_limits_probe.py --model /tmp/m8b --out graph.json
+    python benchmarks/graph_limits_probe.py --model "$M" --out graph.json
 
 MLX CUDA records the kernels of an evaluation as CUDA graphs and commits one each time it holds
 ``MLX_MAX_OPS_PER_BUFFER`` nodes or ``MLX_MAX_MB_PER_BUFFER`` megabytes (MLX's defaults on an H100 /

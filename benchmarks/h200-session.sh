@@ -15,23 +15,19 @@
 # without (lookahead_probe.py, a drafter that knows the continuation).
 # PART=a: where a batched step goes with the plans that the chained timings and the whole-forward check
 # chose (step_anatomy: its forward_check has each row count's forward milliseconds per candidate).
-# Suggested order with 30 device minutes: k, m, a, c (then p, x, d).
+# Suggested order with 30 device minutes: k, m, a (then p, x, d).
 # PART=p: the probe (8B synth, prompt lookup, K = 2, 4, 8) and B = 1 prompt lookup over 512 tokens.
 #   (a probe takes ~100 s on the H200 host with the model's load and kernel checks; 90 s was too short.)
-# PART=c: classic B = 1 without and with the contiguous K/V copies (MLX_BATCHD_CONTIGUOUS_KV=0|1): the
-# probe's chain-vs-chain draws say whether decode stays reproducible without them (cuDNN attention
-# is off by default now), the bench whether the engine's B = 1 steps (9.3-9.7 ms against raw's 8.3 in
-# section 16) get closer to raw's.
 # PART=m: the bench matrix, raw up to B = 64 (the B = 64 target read in one run); DARGS: the daemon's extra
 #   options (e.g. DARGS="--admit-idle-window-ms 3"); TOKENS (64) per request; BW: the physical reference's GB/s
 #   (default: the vendor's peak for the device MLX names, which knows the H200 and the H100 SXM);
 # BATCHES (1,4,8,16,32,64,128) and RAW (64) override. Every target of issue 15 in one run within one
 # call: TOKENS=192 BATCHES=1,4,8,16,32,64 (about 480 s warm; 256 tokens needs about 600 s); POISSON=4 adds the
 # Poisson arrivals' TTFT/ITL to the same run (issue 15 asks for every target in one run: with TOKENS=128
-# BATCHES=1,4,8,16,32,64 the matrix took 452 s in section 30, so MT=588 BUDGET=592 on a warm machine).
+# BATCHES=1,4,8,16,32,64 the matrix took 452 s on the H200, so MT=588 BUDGET=592 on a warm machine).
 #   The Poisson requests ask for POISSON_TOKENS (64, issue 15's outputs) each, whatever TOKENS is. MINS (5): each
 #   B repeats until every arm has timed that many seconds (at most 12 repeats): B = 1-8's one-second runs
-#   get 4-8 repeats (~30 s more in all at TOKENS=128; the full matrix took 508-553 s in section 34 without).
+#   get 4-8 repeats (~30 s more in all at TOKENS=128; the full matrix took 508-553 s on the H200 without).
 # PART=x: the prefix cache at a 0 % hit rate, B = 16, 7 repeats.
 # PART=e: prompt lookup where it drafts: the echo synth (llama-8b-4bit-echo, the 8B shapes with a
 # greedy output that repeats itself), B = 1 through the daemon, 512 tokens; the B = 1 table gives the
@@ -44,8 +40,8 @@
 # 5-token verify took ~1.46 s each on the echo synth; 2-token rounds in session 14 did not).
 # PART=o: the engine's decode step at B = 1, 4, 8, 32 under MLX CUDA's graph limits (ops and megabytes a
 # graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
-# PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp;
-#   the fastest by rows is kept in /root/qmv-per-warp, which later calls on the machine use.
+# PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp
+#   (the fastest by rows is in the report's per_warp, against workers/qmv_launch.py's constants).
 # PART=q: the verify's cost chained as a burst with its next verify built ahead pays it (rowkernel_probe
 #   --chained, 4 outputs per warp), then the bench at B = 1, 4, 8 (192 tokens; raw up to 8) with the
 #   kernel plans checked on chained decode steps.
@@ -55,8 +51,8 @@
 #   (launch_cost_probe), then the verify chained and synchronous at 4 outputs per warp with cProfile's
 #   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
 # PART=qv: the project kernel's variants (benchmarks/qmv_variants_probe.py: outputs per warp and warps a
-#   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4,
-#   5 and 8 rows at the defaults and at the fastest exact variants (kept in /root/qmv-env for later parts).
+#   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4, 5 and 8 rows
+#   with the launch settings workers/qmv_launch.py fixes.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
 #   ahead (lookahead_probe), then through the daemon with lookahead on and off (--lookahead on|off), 5 repeats each.
@@ -64,7 +60,7 @@
 #   with --lookahead auto (the default: rounds timed each way, the faster kept) and off (AHEAD overrides the
 #   list, e.g. AHEAD="auto on off"); each run takes ~190 s on the H200 (start, probe, 20 timed runs).
 # PART=dp: part dt's bench (2 repeats, --lookahead auto) with every daemon's engine thread under cProfile: where a
-#   round's time goes in the daemon (5.2-6.5 ms in section 26) against ~3.8 ms forced in-process (lookahead_probe).
+#   round's time goes in the daemon (5.2-6.5 ms on the H200) against ~3.8 ms forced in-process (lookahead_probe).
 # PART=df: the demo pair's MTP bursts with the drafts computed in the verify's evaluation (the default) against
 #   evaluated first (--draft-in-verify off): lookahead_probe in-process (its 4 arms), then the daemon on demo
 #   prompts, lookahead off with each, then --lookahead auto, then the first again (the lease's drift).
@@ -76,7 +72,7 @@
 # PART=ek: part e's prompt lookup at K = 4 (its default) and 7 in one bench (KDRAFTERS overrides): whether
 #   prompt lookup should draft as many as an MTP head (an 8-row verify of the 8B costs more than a 5-row one).
 # PART=dv: the demo pair's MTP bursts through the daemon with the default settings (K = 7 for an MTP head)
-#   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats. (10 of 12 repeats took 170 s in section 33.)
+#   against K = 4 in the same bench, RUNS (1 2 3) benches of 12 repeats. (10 of 12 repeats took 170 s on the H200.)
 # PART=cl: batched decode with the decoder layers compiled around attention against plain, one engine, arms
 #   alternating (benchmarks/compiled_layers_probe.py: engine steps, sync forwards and their build, logits bytes).
 # PART=tl: where a request's time goes through the daemon at B = 1 and 8 (benchmarks/b1_timeline.py: the engine's
@@ -87,10 +83,6 @@
 #   daemon at --max-batch 128): the engine thread's CPU inside its steps and its preemptions (host- or
 #   device-bound steps), the hand-overs, CPU a token of the front end, the client and the engine process, and a
 #   request's sent / first token / end / hops; read gpu.csv against each repeat's started_at.
-# PART=et: b1_timeline at B = 1 and 128 with the engine process's events written by the engine thread and by a
-#   writer thread (MLX_BATCHD_EMIT_THREAD=0|1, scheduler/engine_outbox.py), alternating (WRITERS, default "0 1 0 1";
-#   REPEATS (3) a daemon): the hand-overs (emit_ms), the steps and the wall outside them, each way. A daemon
-#   takes 110-130 s to start on a warm H100 (kernel checks): four need ~550 s; on a fresh machine, two.
 # PART=pl: B = 1 decode steps with the engine thread pinned to each CPU in turn and left to the OS
 #   (benchmarks/cpu_placement_probe.py; ROUNDS (3), TOKENS (128), CPUS), with the host's NUMA nodes and the GPU's;
 #   PLARMS instead names the arms, e.g. PLARMS=2,2+spin:15,2+write:15,2+spin:9 ROUNDS=8: what another busy
@@ -102,72 +94,59 @@ source benchmarks/h200-steps.sh
 for PART in ${PART:-k}; do
 if [ "$PART" = g ]; then
   step sdpa 80 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
-  step probe-k4 100 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k 4 --no-store
-  step lookahead 240 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+  step probe-k4 100 python3 -m scheduler probe --model "$M" --draft prompt-lookup -k 4 --no-store
+  step lookahead 240 python3 benchmarks/lookahead_probe.py --model "$M" --tokens 128 --out "$R/lookahead.json"
 elif [ "$PART" = l ]; then
-  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model /tmp/m8b --tokens 256 --out "$R/lone-8b.json"
+  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model "$M" --tokens 256 --out "$R/lone-8b.json"
   step lone-demo 90 python3 benchmarks/lone_path_probe.py --model demo --tokens 256 --out "$R/lone-demo.json"
 elif [ "$PART" = v ]; then
-  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model /tmp/m8b --tokens 256 --out "$R/lone-8b.json"
-  step lookahead 240 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+  step lone-8b 150 python3 benchmarks/lone_path_probe.py --model "$M" --tokens 256 --out "$R/lone-8b.json"
+  step lookahead 240 python3 benchmarks/lookahead_probe.py --model "$M" --tokens 128 --out "$R/lookahead.json"
 elif [ "$PART" = k ]; then
   step sdpa 90 python3 benchmarks/sdpa_rows_probe.py --out "$R/sdpa.json"
-  step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --out "$R/rowkernel.json"
-  step lookahead 200 python3 benchmarks/lookahead_probe.py --model /tmp/m8b --tokens 128 --out "$R/lookahead.json"
+  step rowkernel 240 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only --out "$R/rowkernel.json"
+  step lookahead 200 python3 benchmarks/lookahead_probe.py --model "$M" --tokens 128 --out "$R/lookahead.json"
 elif [ "$PART" = w ]; then
-  step rowkernel 420 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
-    --out "$R/rowkernel.json" --per-warp-out /root/qmv-per-warp
-  [ -s /root/qmv-per-warp ] && export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
+  step rowkernel 420 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only --blocks 1,4,5,8 \
+    --out "$R/rowkernel.json"
 elif [ "$PART" = q ]; then
-  step chained 200 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,5 --outs "${OUTS:-4}" \
+  step chained 200 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only --blocks 1,5 --outs "${OUTS:-4}" \
     --chained --out "$R/chained.json"
-  step matrix 400 python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8}" \
+  step matrix 400 python3 -m scheduler bench --model "$M" --batch-sizes "${BATCHES:-1,4,8}" \
     --tokens "${TOKENS:-192}" --repeats 3 --raw-max-batch "${RAW:-8}" --out "$R/matrix"
 elif [ "$PART" = h ]; then
   step launch 120 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
-  TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only \
+  TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only \
     --blocks 1,5 --outs 4 --chained --profile-build 45 --out "$R/chained.json"
 elif [ "$PART" = qv ]; then
-  TAIL=${TAIL:-40} step variants 320 python3 benchmarks/qmv_variants_probe.py --out "$R/variants.json" --env-out /root/qmv-env
-  step whole-base 150 env -u MLX_BATCHD_QMV_WARPS python3 benchmarks/rowkernel_probe.py \
-    --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 --outs 0 --out "$R/whole-base.json"
-  if [ -s /root/qmv-env ]; then
-    source /root/qmv-env && cat /root/qmv-env
-    step whole-best 150 python3 benchmarks/rowkernel_probe.py --model /tmp/m8b --quick --whole-only --blocks 1,4,5,8 \
-      --outs 0 --out "$R/whole-best.json"
-  fi
+  TAIL=${TAIL:-40} step variants 320 python3 benchmarks/qmv_variants_probe.py --out "$R/variants.json"
+  step whole-base 150 python3 benchmarks/rowkernel_probe.py \
+    --model "$M" --quick --whole-only --blocks 1,4,5,8 --outs 0 --out "$R/whole-base.json"
 elif [ "$PART" = pl ]; then
-  step placement 240 python3 benchmarks/cpu_placement_probe.py --model /tmp/m8b --tokens "${TOKENS:-128}" \
+  step placement 240 python3 benchmarks/cpu_placement_probe.py --model "$M" --tokens "${TOKENS:-128}" \
     --rounds "${ROUNDS:-3}" --cpus "${CPUS:-}" --arms "${PLARMS:-}" --out "$R/placement.json"
 elif [ "$PART" = lc ]; then
   step launch 90 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
 elif [ "$PART" = cl ]; then
-  step compiled 300 python3 benchmarks/compiled_layers_probe.py --model /tmp/m8b --batches "${BATCHES:-2,4,8,16,32}" \
+  step compiled 300 python3 benchmarks/compiled_layers_probe.py --model "$M" --batches "${BATCHES:-2,4,8,16,32}" \
     --out "$R/compiled.json"
 elif [ "$PART" = a ]; then
-  step anatomy 300 python3 benchmarks/step_anatomy.py --model /tmp/m8b --batches 1,2,4,8,16 --out "$R/anatomy.json"
+  step anatomy 300 python3 benchmarks/step_anatomy.py --model "$M" --batches 1,2,4,8,16 --out "$R/anatomy.json"
 elif [ "$PART" = p ]; then
   for k in 2 4 8; do
-    step "probe-k$k" 150 python3 -m scheduler probe --model /tmp/m8b --draft prompt-lookup -k "$k" --no-store
+    step "probe-k$k" 150 python3 -m scheduler probe --model "$M" --draft prompt-lookup -k "$k" --no-store
   done
-  step bench1 280 python3 -m scheduler bench --model /tmp/m8b --batch-sizes 1 --drafters prompt-lookup \
+  step bench1 280 python3 -m scheduler bench --model "$M" --batch-sizes 1 --drafters prompt-lookup \
     --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/bench1"
-elif [ "$PART" = c ]; then
-  for copies in 0 1; do
-    MLX_BATCHD_CONTIGUOUS_KV=$copies step "probe-copies$copies" 90 python3 -m scheduler probe --model /tmp/m8b \
-      --draft prompt-lookup -k 4 --no-store
-    MLX_BATCHD_CONTIGUOUS_KV=$copies step "b1-copies$copies" 150 python3 -m scheduler bench --model /tmp/m8b \
-      --batch-sizes 1 --tokens 256 --repeats 3 --raw-max-batch 1 --out "$R/b1-copies$copies"
-  done
 elif [ "$PART" = m ]; then
   dargs=(); [ -n "${DARGS:-}" ] && dargs=(--daemon-args="$DARGS")
-  step matrix "${MT:-560}" python3 -m scheduler bench --model /tmp/m8b --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
+  step matrix "${MT:-560}" python3 -m scheduler bench --model "$M" --batch-sizes "${BATCHES:-1,4,8,16,32,64,128}" \
     --tokens "${TOKENS:-64}" --repeats 3 --min-seconds "${MINS:-5}" --raw-max-batch "${RAW:-64}" --poisson-rate "${POISSON:-0}" \
     --bandwidth-gbs "${BW:-0}" --poisson-tokens "${POISSON_TOKENS:-64}" --out "$R/matrix" \
     "${dargs[@]}"
 elif [ "$PART" = x ]; then
   step prefix 540 python3 -m scheduler bench --prefix-scenario --prefix-parts throughput --prefix-allow-inexact \
-    --model /tmp/m8b --repeats 7 --out "$R/prefix"
+    --model "$M" --repeats 7 --out "$R/prefix"
 elif [ "$PART" = d ]; then
   step gemv 90 python3 benchmarks/gemv_rows_check.py --model demo --out "$R/gemv.json"
   step lookahead-mtp 120 python3 benchmarks/lookahead_probe.py --model demo --drafter mtp:demo --tokens 256 \
@@ -225,38 +204,30 @@ elif [ "$PART" = dp ]; then
 elif [ "$PART" = dd ]; then
   step demo 120 python3 -m scheduler demo
 elif [ "$PART" = tl ]; then
-  step timeline 240 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,8}" --tokens 128 \
+  step timeline 240 python3 benchmarks/b1_timeline.py --model "$M" --batches "${BATCHES:-1,8}" --tokens 128 \
     --repeats 3 --out "$R/timeline.json"
-  step emit 90 python3 benchmarks/emit_cost_probe.py --model /tmp/m8b --out "$R/emit.json"
-  step timeline-os 240 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,8}" --tokens 128 \
+  step emit 90 python3 benchmarks/emit_cost_probe.py --model "$M" --out "$R/emit.json"
+  step timeline-os 240 python3 benchmarks/b1_timeline.py --model "$M" --batches "${BATCHES:-1,8}" --tokens 128 \
     --repeats 3 --daemon-args="--cpu-affinity off" --out "$R/timeline-os.json"
 elif [ "$PART" = t128 ]; then
-  step timeline128 300 python3 benchmarks/b1_timeline.py --model /tmp/m8b --batches "${BATCHES:-1,128}" --tokens 128 \
+  step timeline128 300 python3 benchmarks/b1_timeline.py --model "$M" --batches "${BATCHES:-1,128}" --tokens 128 \
     --repeats "${REPEATS:-6}" --daemon-args="--max-batch 128" --out "$R/timeline128.json"
-elif [ "$PART" = et ]; then
-  i=0
-  for writer in ${WRITERS:-0 1 0 1}; do
-    i=$((i + 1))
-    MLX_BATCHD_EMIT_THREAD=$writer step "timeline-writer$writer-$i" 300 python3 benchmarks/b1_timeline.py --model /tmp/m8b \
-      --batches "${BATCHES:-1,128}" --tokens 128 --repeats "${REPEATS:-3}" --daemon-args="--max-batch 128" \
-      --out "$R/timeline-writer$writer-$i.json"
-  done
 elif [ "$PART" = r ]; then
-  step gap 300 python3 benchmarks/engine_gap_probe.py --model /tmp/m8b --batches "${BATCHES:-1,4}" --tokens 128 \
+  step gap 300 python3 benchmarks/engine_gap_probe.py --model "$M" --batches "${BATCHES:-1,4}" --tokens 128 \
     --repeats 5 --arms "${ARMS:-main,thread,loop,process,daemon}" --out "$R/gap.json"
 elif [ "$PART" = ep ]; then
-  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
-  MLX_BATCHD_PROFILE_DIR="$R/echo-prof" step echo-prof 300 python3 -m scheduler bench --model /tmp/m8e \
+  [ -f "$E/config.json" ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out "$E" >/dev/null
+  MLX_BATCHD_PROFILE_DIR="$R/echo-prof" step echo-prof 300 python3 -m scheduler bench --model "$E" \
     --batch-sizes 1 --drafters prompt-lookup --tokens 256 --repeats 1 --raw-max-batch 1 --out "$R/echo-prof"
 elif [ "$PART" = o ]; then
-  step graph 420 python3 benchmarks/graph_limits_probe.py --model /tmp/m8b --out "$R/graph.json"
+  step graph 420 python3 benchmarks/graph_limits_probe.py --model "$M" --out "$R/graph.json"
 elif [ "$PART" = e ]; then
-  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
-  step echo-b1 300 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 --drafters prompt-lookup \
+  [ -f "$E/config.json" ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out "$E" >/dev/null
+  step echo-b1 300 python3 -m scheduler bench --model "$E" --batch-sizes 1 --drafters prompt-lookup \
     --tokens 512 --repeats 3 --raw-max-batch 1 --out "$R/echo-b1"
 elif [ "$PART" = ek ]; then
-  [ -f /tmp/m8e/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out /tmp/m8e >/dev/null
-  step echo-k 420 python3 -m scheduler bench --model /tmp/m8e --batch-sizes 1 \
+  [ -f "$E/config.json" ] || python3 -m scheduler synth --preset llama-8b-4bit-echo --out "$E" >/dev/null
+  step echo-k 420 python3 -m scheduler bench --model "$E" --batch-sizes 1 \
     --drafters ${KDRAFTERS:-prompt-lookup,prompt-lookup@7} --tokens 512 --repeats ${REPEATS:-3} --raw-max-batch 1 \
     --out "$R/echo-k"
 fi

@@ -1,20 +1,19 @@
-# Sourced by the device scripts that run timed steps (h200-padded.sh, h200-rowwise.sh): MLX CUDA in
-# /tmp/site (installed by an earlier call on the same warm machine, or part2 carried), the
-# environment, the 8B synth at /tmp/m8b, and `step`, which runs a command within what is left of BUDGET.
+# Sourced by benchmarks/h200-session.sh on the device machine, from the repository root: MLX CUDA in
+# $SITE (installed by an earlier call on the same warm machine, or from the staged pieces), the
+# environment, the 8B synth at $M, and `step`, which runs a command within what is left of BUDGET.
+# Every file goes under $WORK (default: $TMPDIR, else /tmp), which later calls on the same warm machine
+# find again; results go to $OUT/r, which the device tool brings back.
+TMP=${TMPDIR:-/tmp}
+WORK=${WORK:-$TMP}
+export SITE=$WORK/site
+M=${M:-$WORK/m8b}   # the 8B synth (llama-8b-4bit)
+E=${E:-$WORK/m8e}   # the echo synth (llama-8b-4bit-echo), made by the parts that use it
 # MLX's compiled kernels from an earlier machine, where carried (.mlx-cuda/ptx): spares minutes of JIT.
-[ -f .mlx-cuda/ptx/ptx.tgz ] && [ ! -d /tmp/mlx ] && tar xzf .mlx-cuda/ptx/ptx.tgz -C /tmp
-[ -d /tmp/site/mlx ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=/tmp/mbc
-R=$OUT/r && mkdir -p $R
-# The project kernel's outputs per warp by rows, as an earlier call on this machine measured them (part w).
-if [ -z "${MLX_BATCHD_QMV_PER_WARP:-}" ] && [ -s /root/qmv-per-warp ]; then
-  export MLX_BATCHD_QMV_PER_WARP=$(cat /root/qmv-per-warp)
-fi
-# The project kernel's fastest exact launch settings by rows, as an earlier call measured them (part qv).
-if [ -z "${MLX_BATCHD_QMV_WARPS:-}" ] && [ -s /root/qmv-env ]; then
-  source /root/qmv-env
-fi
-echo "MLX_BATCHD_QMV_PER_WARP=${MLX_BATCHD_QMV_PER_WARP:-} WARPS=${MLX_BATCHD_QMV_WARPS:-}"
+# MLX keeps them under the system's temporary directory ($TMP/mlx/<version>/ptx).
+[ -f .mlx-cuda/ptx/ptx.tgz ] && [ ! -d "$TMP/mlx" ] && tar xzf .mlx-cuda/ptx/ptx.tgz -C "$TMP"
+[ -d "$SITE/mlx" ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=$WORK/mbc
+R=$OUT/r && mkdir -p "$R"
 START=$SECONDS
 step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; print rc and the log's tail
   local name=$1 t=$2; shift 2
@@ -24,9 +23,9 @@ step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; pri
   timeout "$t" "$@" > "$R/$name.log" 2>&1
   echo "== $name rc=$? at $((SECONDS - START)) s"; tail -"${TAIL:-6}" "$R/$name.log"
 }
-[ -f /tmp/m8b/config.json ] || python3 -m scheduler synth --preset llama-8b-4bit --out /tmp/m8b >/dev/null || exit 4
+[ -f "$M/config.json" ] || python3 -m scheduler synth --preset llama-8b-4bit --out "$M" >/dev/null || exit 4
 # The GPU's clocks, power and load every 0.5 s for the whole call (gpu.csv): whether a step that moves
-# between runs (section 34: a B = 1 step at 4.4 ms in one run, 7.5 in the next) moves with the clocks.
+# between runs (on the H200 a B = 1 step ran at 4.4 ms in one run, 7.5 in the next) moves with the clocks.
 GPULOG_PID=
 if [ "${GPULOG:-1}" = 1 ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
@@ -37,6 +36,6 @@ fi
 finish() { # what every call brings back besides its steps' output: the kernel plans and MLX's compiled kernels
   [ -n "$GPULOG_PID" ] && kill "$GPULOG_PID" 2>/dev/null
   rm -f "$R"/*/*.png
-  find /tmp/mbc -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
-  tar czf "$OUT/ptx.tgz" -C /tmp mlx 2>/dev/null
+  find "$WORK/mbc" -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
+  tar czf "$OUT/ptx.tgz" -C "$TMP" mlx 2>/dev/null
 }

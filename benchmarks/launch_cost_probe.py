@@ -3,7 +3,7 @@
     python benchmarks/launch_cost_probe.py --out launch.json
 
 Why: on the H200 8B synth a mirrored 5-token verify block spends 9-11 ms building its graph against
-2.5-3.5 ms for a classic step (docs/benchmarks.md section 23), while building five such blocks on the
+2.5-3.5 ms for a classic step (H200, 2026-12-03), while building five such blocks on the
 CPU, with the kernel launches replaced by one MLX call each, makes only 1.8x a step's Python calls.
 What this CPU cannot show is the host cost of ``mx.fast.cuda_kernel`` itself: MLX assembles the
 kernel's source text on every call and hashes it when the graph is evaluated. Here N calls of a

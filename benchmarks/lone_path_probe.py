@@ -1,6 +1,6 @@
 """Device measurement: whether the engine's classic B = 1 decode computes the bytes a burst's chain does.
 
-    python benchmarks/lone_path_probe.py --model /tmp/m8b --tokens 128 --out lone.json
+    python benchmarks/lone_path_probe.py --model "$M" --tokens 128 --out lone.json
 
 A lone sequence's classic steps run inside mlx-lm's ``BatchGenerator``: the prompt prefilled in a
 single-sequence ``KVCache``, then merged into a ``BatchKVCache`` of one row, whose decode passes an

@@ -1,13 +1,13 @@
 """Device measurement: how fast the project's quantized row kernel reads the weights, by variant (MLX CUDA).
 
-    python benchmarks/qmv_variants_probe.py --out variants.json [--quick] [--env-out FILE]
+    python benchmarks/qmv_variants_probe.py --out variants.json [--quick]
     python benchmarks/qmv_variants_probe.py --plot "4-byte loads=a.json" "16-byte loads=b.json" --out loads.png
 
 Why: the kernel's arithmetic is fixed (each output must be MLX's one-row call's, byte for byte), but
 how a call is laid out over the GPU is not: outputs per warp (each x tile shared by more outputs, more
 registers a lane) and warps a block (smaller blocks let an SM hold more of them when a lane needs many
 registers). Which suits which row count is measured here, not reasoned: on the H200 the kernel is
-bound by its instructions and the L1's wavefronts, not by HBM (docs/benchmarks.md section 25).
+bound by its instructions and the L1's wavefronts, not by HBM (measured with this probe, 2026-12-04).
 
 For each shape (out x in: 4096x4096, 14336x4096, 4096x14336) and row count, each variant's rows are
 compared byte for byte with MLX's one-row ``quantized_matmul`` of each row, and timed: CALLS calls
@@ -16,7 +16,8 @@ median of ROUNDS, microseconds a call and GB/s of weights, scales and biases rea
 same bytes with 16-byte loads and no arithmetic (what a call could cost), ``mlx`` is MLX's quantized
 matmul on the rows as mlx-lm calls it, ``add`` is one MLX op on a tiny array (a graph node's floor).
 ``best`` weighs each shape by how often an 8B layer reads it and names, by row count, the fastest exact
-variant and the ``MLX_BATCHD_QMV_*`` settings that select it (``--env-out``). Exits 2 where MLX has no CUDA device.
+variant (outputs per warp, warps a block: what ``workers/qmv_launch.py``'s ``PER_WARP`` and ``BLOCK_WARPS``
+fix). Exits 2 where MLX has no CUDA device.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def _timed(calls: list[Callable[[], mx.array]]) -> float:
     return statistics.median(times)
 
 
-#: (outputs per warp, warps a block) tried by row count; the first is ``qmv_rows``' default before
-#: section 25 of docs/benchmarks.md.
+#: (outputs per warp, warps a block) tried by row count; the first is the launch ``qmv_rows`` used before
+#: this probe chose today's defaults.
 VARIANTS = {
     1: [(4, 8), (2, 8), (2, 4), (1, 4)],
     4: [(4, 8), (2, 8), (2, 4), (1, 4)],
@@ -156,8 +157,8 @@ def measure_shape(n: int, k: int, rows: list[int]) -> dict[str, Any]:
 
 
 def best(report: dict[str, Any], rows: list[int]) -> dict[str, Any]:
-    """By row count, the exact variant with the least 8B-layer-weighted time over the shapes, and the
-    environment that selects it in ``qmv_rows``."""
+    """By row count, the exact variant with the least 8B-layer-weighted time over the shapes (its
+    outputs per warp and warps a block, as ``workers/qmv_launch.py`` names them)."""
     chosen: dict[int, tuple[int, int]] = {}
     table: dict[str, Any] = {}
     for m in rows:
@@ -174,11 +175,8 @@ def best(report: dict[str, Any], rows: list[int]) -> dict[str, Any]:
             "layer_us": {_name(*v): round(t, 1) for v, t in totals.items()},
             "mlx_layer_us": round(mlx, 1),
         }
-    env = {
-        "MLX_BATCHD_QMV_PER_WARP": ",".join(f"{m}:{v[0]}" for m, v in chosen.items()),
-        "MLX_BATCHD_QMV_WARPS": ",".join(f"{m}:{v[1]}" for m, v in chosen.items()),
-    }
-    return {"table": table, "env": env}
+    fastest = {f"rows{m}": {"per_warp": v[0], "warps": v[1]} for m, v in chosen.items()}
+    return {"table": table, "fastest": fastest}
 
 
 def plot(reports: list[str], labels: list[str], png: str) -> None:
@@ -211,7 +209,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="rows 1 and 5 only")
-    ap.add_argument("--env-out", help="write the fastest exact settings here as shell exports")
     ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON", help="only plot earlier reports to --out (a PNG)")
     a = ap.parse_args()
     if a.plot:
@@ -236,9 +233,6 @@ def main() -> int:
     print(json.dumps(report["best"], indent=1), flush=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
-    if a.env_out:
-        with open(a.env_out, "w") as f:
-            f.writelines(f"export {k}={v}\n" for k, v in report["best"]["env"].items())
     return 0
 
 

@@ -2,8 +2,9 @@
 to the daemon moved its cost, read from the benches' own JSON (ratio of medians, whiskers the range
 the two arms' samples allow).
 
-    python benchmarks/ratio_plot.py docs/bench/cpu-s27/split=split docs/bench/cpu-s27/os="OS places" \
-        --out docs/bench/cpu-s27/daemon_vs_engine.png
+    python benchmarks/ratio_plot.py r/split=split r/os="OS places" --out daemon_vs_engine.png
+
+(``r/split`` and ``r/os``: two ``mlx-batchd bench --out`` folders.)
 """
 
 from __future__ import annotations

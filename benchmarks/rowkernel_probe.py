@@ -1,6 +1,6 @@
 """Device measurement behind ``workers/rowkernel.py`` (run where MLX runs on CUDA).
 
-    python benchmarks/rowkernel_probe.py --model /tmp/m8b --out rowkernel.json
+    python benchmarks/rowkernel_probe.py --model "$M" --out rowkernel.json
 
 1. Per projection shape of the model: the kernel against the plain-MLX reference (max abs error
    over max |reference|), row-exactness (each row of an M-row call byte-equal to the 1-row call),
@@ -34,7 +34,6 @@ import pstats
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -66,7 +65,7 @@ CHAIN = 6
 def use(variant: tuple[int, int]) -> None:
     """A rowkernel variant (outputs per warp, words per load), or (-r, u): the mirrored kernel with r
     outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default), or (0, u):
-    the mirrored kernel's configured launch settings by row count (``MLX_BATCHD_QMV_*``)."""
+    the mirrored kernel's launch settings by row count (``workers/qmv_launch.py``'s constants)."""
     if variant[0] == 0:
         use(VARIANTS[0])
         return
@@ -76,7 +75,7 @@ def use(variant: tuple[int, int]) -> None:
         variant = VARIANTS[0]
     else:
         qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL = MIRRORED[0]
-        qmv_launch.PER_WARP = qmv_launch._per_warp()
+        qmv_launch.PER_WARP = dict(qmv_launch.FEWER_OUTS)
     rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS = variant
 
 
@@ -185,7 +184,7 @@ def mirrored_row(m: Any, x: mx.array) -> dict[str, Any]:
                 },
             }
     qmv_launch.OUTS_PER_WARP, qmv_launch.UNROLL = MIRRORED[0]
-    qmv_launch.PER_WARP = qmv_launch._per_warp()
+    qmv_launch.PER_WARP = dict(qmv_launch.FEWER_OUTS)
     return row
 
 
@@ -396,7 +395,6 @@ def main() -> None:
     )
     ap.add_argument("--profile-build", type=int, default=0, help="profile building steps and blocks: top N")
     ap.add_argument("--only", default="", help="whole-model rungs whose names start so (comma-separated; wide always)")
-    ap.add_argument("--per-warp-out", help="write the fastest outputs per warp by rows here (MLX_BATCHD_QMV_PER_WARP)")
     a = ap.parse_args()
     install()
     print("implementation", rowkernel.implementation(), "usable", rowkernel.usable(), flush=True)
@@ -418,9 +416,7 @@ def main() -> None:
     if a.profile_build:
         report["build_profile"] = build_profile(loaded.model, loaded.info.vocab_size, a.profile_build)
     report["per_warp"] = best_per_warp(report["whole_model"], blocks, outs)
-    print("fastest outputs per warp by rows (MLX_BATCHD_QMV_PER_WARP):", report["per_warp"], flush=True)
-    if a.per_warp_out:
-        Path(a.per_warp_out).write_text(report["per_warp"])
+    print("fastest outputs per warp by rows (rows:outputs):", report["per_warp"], flush=True)
     report["mirrored_shapes"] = qmv_rows.report()
     print(json.dumps(report["whole_model"], indent=1))
     with open(a.out, "w") as f:

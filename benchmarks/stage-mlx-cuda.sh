@@ -1,25 +1,40 @@
 #!/usr/bin/env bash
-# Re-split .mlx-cuda (from the shared prepare script) into three device calls: the repository's tracked
-# files (~22 MB with the demo weights) plus one 44 MiB part no longer fit the 64 MiB a call carries.
-# Afterwards: call 1 carries .mlx-cuda/part1, call 2 .mlx-cuda/part1b (both run
-# `mkdir -p /root/mlx-stage && cp .mlx-cuda/part1*/* /root/mlx-stage/`), call 3 carries .mlx-cuda/part2 and
-# runs the benchmark (its install joins every staged piece in name order).
+# Split the MLX CUDA wheel set (from the shared prepare script) into three device calls: the
+# repository's files (~20 MB) plus one part must stay under the 64 MiB a call carries. Also fetches the
+# daemon's wheels a device machine lacks (starlette, uvicorn, sse-starlette, h11, click, llguidance).
+# Calls 1 and 2 carry .mlx-cuda/part1 and .mlx-cuda/part1b and run
+# `mkdir -p ~/mlx-stage && cp .mlx-cuda/part1*/* ~/mlx-stage/`; call 3 carries .mlx-cuda/part2 and runs
+# `bash .mlx-cuda/part2/install-on-device.sh` before the work (make each call within the machine's
+# idle release, which can be 30 s). The install goes to $SITE (default
+# $TMPDIR/site, else /tmp/site) and is skipped when already there.
 set -euo pipefail
-cd "$(git rev-parse --show-toplevel)/.mlx-cuda"
-[ -f part1/cuda.part.aa ] && [ -f part2/cuda.part.ab ] || { echo "run the shared prepare-mlx-cuda.sh first" >&2; exit 2; }
-cat part1/cuda.part.aa part2/cuda.part.ab > whole.whl && rm part1/cuda.part.aa part2/cuda.part.ab
-mkdir -p part1b && split -b 30m -a 2 whole.whl piece. && rm whole.whl
-mv piece.aa part1/cuda.part.aa && mv piece.ab part1b/cuda.part.ab && mv piece.ac part2/cuda.part.ac
+root=$(git rev-parse --show-toplevel)
+cd "$root/.mlx-cuda"
+if [ ! -f part1/w.a ]; then
+  [ -f part1/cuda.part.aa ] && [ -f part2/cuda.part.ab ] || { echo "run the shared prepare-mlx-cuda.sh first" >&2; exit 2; }
+  cat part1/cuda.part.aa part2/cuda.part.ab > whole.whl && rm part1/cuda.part.aa part2/cuda.part.ab
+  mkdir -p part1b && split -b 32000000 -a 1 whole.whl piece. && rm whole.whl
+  mv piece.a part1/w.a && mv piece.b part1b/w.b && mv piece.c part2/w.c
+fi
+"$root/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any -d part1b \
+  starlette uvicorn sse-starlette h11 click "llguidance>=1.9,<2"
 cat > part2/install-on-device.sh <<'INNER'
 #!/usr/bin/env bash
 set -euo pipefail
-stage=/root/mlx-stage
-[ -f "$stage/cuda.part.aa" ] && [ -f "$stage/cuda.part.ab" ] || { echo "staged parts missing: repeat calls 1 and 2" >&2; exit 3; }
-name=$(cat .mlx-cuda/part2/WHEEL_NAME)
-cat "$stage"/cuda.part.aa "$stage"/cuda.part.ab .mlx-cuda/part2/cuda.part.ac > "$stage/$name"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  "$stage/$name" .mlx-cuda/part2/mlx-*.whl .mlx-cuda/part2/mlx_lm-*.whl .mlx-cuda/part2/pyzmq-*.whl
-PYTHONPATH=/tmp/site python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); import zmq; print('mlx', mx.__version__, mx.default_device(), 'pyzmq', zmq.__version__)"
+site=${SITE:-${TMPDIR:-/tmp}/site}
+stage=~/mlx-stage
+if [ ! -f "$site/.installed" ]; then
+  [ -f "$stage/w.a" ] && [ -f "$stage/w.b" ] || { echo "staged parts missing: repeat calls 1 and 2" >&2; exit 3; }
+  name=$(cat .mlx-cuda/part2/WHEEL_NAME)
+  mkdir -p "$stage/joined"
+  cat "$stage/w.a" "$stage/w.b" .mlx-cuda/part2/w.c > "$stage/joined/$name"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$stage/joined/$name" .mlx-cuda/part2/mlx-*.whl .mlx-cuda/part2/mlx_lm-*.whl .mlx-cuda/part2/pyzmq-*.whl \
+    "$stage"/*.whl
+  touch "$site/.installed"
+fi
+PYTHONPATH=$site python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); import zmq, uvicorn, llguidance; print('mlx', mx.__version__, mx.default_device(), 'pyzmq', zmq.__version__)"
 INNER
 chmod +x part2/install-on-device.sh
 du -sh part1 part1b part2

@@ -1,6 +1,6 @@
 """Device measurement: where a batched decode step's time goes (issue 15).
 
-    python benchmarks/step_anatomy.py --model /tmp/m8b --out anatomy.json
+    python benchmarks/step_anatomy.py --model "$M" --out anatomy.json
 
 On the H200 8B synth an engine decode step costs ~9 ms at B = 1 and ~20-23 ms at B = 4 and 16,
 although MLX's quantized matmul at 16 rows costs about what its one-row kernel does. For each B this

@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from clients import envs
+
 IPC_PREFIX = "ipc://"
 
 
@@ -26,7 +28,7 @@ def runtime_dir() -> Path:
 
 def default_address() -> str:
     """``$MLX_BATCHD_ADDR`` if set, else the per-user ipc socket."""
-    return os.environ.get("MLX_BATCHD_ADDR") or f"{IPC_PREFIX}{runtime_dir() / 'daemon.sock'}"
+    return envs.addr() or f"{IPC_PREFIX}{runtime_dir() / 'daemon.sock'}"
 
 
 def ipc_path(address: str) -> Path | None:

@@ -13,7 +13,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, overload
 
 import anyio
@@ -26,8 +26,11 @@ from clients.protocol import (
     MAX_GROUP_SIZE,
     ErrorCode,
     MsgType,
+    ProtocolError,
     SamplingOptions,
     Submit,
+    expand_n,
+    parse_response_format,
     simple_message,
     submit_message,
 )
@@ -86,11 +89,9 @@ class AsyncClient(Connection):
         """The daemon's status, model and limits. Answered once the model is loaded."""
         return await self._call(MsgType.HEALTH, timeout)
 
-    async def stats(self, timeout: float | None = None, measure_tax: bool = False) -> dict[str, Any]:
-        """Counters from the front end and the engine. ``measure_tax`` asks the engine to time a
-        batched step pinned vs wide; the result shows in later replies (``engine.pin_tax``)."""
-        extra = {"measure_tax": True} if measure_tax else None
-        return (await self._call(MsgType.STATS, timeout, extra))["stats"]
+    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """Counters from the front end and the engine."""
+        return (await self._call(MsgType.STATS, timeout))["stats"]
 
     async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Block until the daemon answers health with status ``ready`` (the ready handshake). A
@@ -136,6 +137,13 @@ class AsyncClient(Connection):
         request_id: str | None = None,
         timeout: float | None = None,
         group: tuple[str, int] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        response_format: Mapping[str, Any] | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Submit a job and yield its events: ``TokenEvent`` s, then exactly one ``EndEvent``.
 
@@ -148,6 +156,15 @@ class AsyncClient(Connection):
         bounds the whole request; when it passes, the request is cancelled and ``TimeoutError``
         raised. ``RequestError`` is raised, with no ``EndEvent``, when the daemon goes away
         (``daemon_gone``) or the client is closed (``closed``) meanwhile.
+
+        Logits controls, per sequence (a batch's other sequences are untouched): ``presence_penalty``
+        and ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in (0, 10] (mlx-lm's, over the
+        last 20 tokens), ``logit_bias`` (token id -> bias in [-100, 100]), ``min_tokens`` (no
+        end-of-sequence or stop token before that many tokens) and ``ignore_eos``.
+
+        Structured output: ``response_format`` as the wire takes it, e.g. ``{"type": "json_schema",
+        "schema": {...}}``, ``{"type": "json_object"}``, ``{"type": "regex", "pattern": "..."}`` or
+        ``{"type": "grammar", "grammar": "<lark>"}``; the tokens follow it (``docs/protocol.md``).
         """
         req = Submit(
             id=request_id or uuid.uuid4().hex,
@@ -155,7 +172,20 @@ class AsyncClient(Connection):
             tokens=tokens,
             messages=messages,
             max_tokens=max_tokens,
-            sampling=SamplingOptions(temperature, top_p, top_k, min_p, seed),
+            sampling=SamplingOptions(
+                temperature,
+                top_p,
+                top_k,
+                min_p,
+                seed,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+                logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
+                min_tokens=min_tokens,
+                ignore_eos=ignore_eos,
+                response_format=parse_response_format(None if response_format is None else dict(response_format), None),
+            ),
             stop=list(stop or []),
             stop_token_ids=list(stop_token_ids or []),
             logprobs=logprobs or top_logprobs > 0,
@@ -207,6 +237,33 @@ class AsyncClient(Connection):
         assert result is not None
         return result
 
+    async def generate_n(self, prompt: str | None = None, *, n: int, **kwargs: Any) -> list[Result]:
+        """``n`` sequences for one request (``protocol.expand_n``): ``n`` submits with ids
+        ``<request_id>/<i>``, sent as one group so one prefill wave takes them, each seeded
+        ``seed + i`` when ``seed`` is given. Results in order; an error in one cancels the others
+        and is raised. The daemon prefills the prompt once for all of them where its prefix cache serves."""
+        if "group" in kwargs:
+            raise TypeError("generate_n declares the group itself")
+        proto = Submit(
+            id=kwargs.pop("request_id", None) or uuid.uuid4().hex,
+            prompt=prompt,
+            sampling=SamplingOptions(seed=kwargs.pop("seed", None)),
+        )
+        try:
+            subs = expand_n(proto, n)
+        except ProtocolError as exc:
+            raise ValueError(exc.message) from None
+        results: list[Result | None] = [None] * len(subs)
+
+        async def one(i: int) -> None:
+            sub = subs[i]
+            results[i] = await self.generate(
+                prompt, request_id=sub.id, seed=sub.sampling.seed, group=sub.group, **kwargs
+            )
+
+        await _run_all(len(subs), one)
+        return [r for r in results if r is not None]
+
     @overload
     async def generate_many(
         self,
@@ -241,7 +298,7 @@ class AsyncClient(Connection):
         tens of milliseconds, and the daemon can only wait for a quiet gap (128 of them split into two
         waves, a few percent slower).
         ``concurrency`` caps the jobs in flight: the daemon ends jobs past its limits with ``busy``
-        (``--max-inflight-per-client``, its waiting queues), and a large batch stays under them with it.
+        (``max_inflight_per_client``, its waiting queues), and a large batch stays under them with it.
         A job that ends with an error (``RequestError``, or ``TimeoutError`` from its ``timeout``)
         cancels the others and is raised, unless ``return_errors``: then the error takes that job's
         place in the list. Every job's arguments are checked before any is sent."""
@@ -257,9 +314,8 @@ class AsyncClient(Connection):
                 job["group"] = (name, first)
         limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
         results: list[Outcome | None] = [None] * len(jobs)
-        failure: list[BaseException] = []
 
-        async def run(i: int, group: TaskGroup) -> None:
+        async def one(i: int) -> None:
             try:
                 if limiter is None:
                     results[i] = await self.generate(**jobs[i])
@@ -267,26 +323,36 @@ class AsyncClient(Connection):
                     async with limiter:
                         results[i] = await self.generate(**jobs[i])
             except (RequestError, TimeoutError) as exc:
-                if return_errors:
-                    results[i] = exc
-                    return
-                failure.append(exc)
-                group.cancel_scope.cancel()
-            except Exception as exc:  # anything else ends the batch, raised as itself (not in a group)
-                failure.append(exc)
-                group.cancel_scope.cancel()
+                if not return_errors:
+                    raise
+                results[i] = exc
 
-        async with anyio.create_task_group() as group:
-            for i in range(len(jobs)):
-                group.start_soon(run, i, group)
-        if failure:
-            raise failure[0]
+        await _run_all(len(jobs), one)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
 
 #: What one job of ``generate_many`` may set: ``stream``'s keyword arguments.
 _JOB_KEYS = frozenset(name for name, p in inspect.signature(AsyncClient.stream).parameters.items() if name != "self")
+
+
+async def _run_all(count: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``one(i)`` for every ``i < count`` at once; the first that raises cancels the others, and
+    its exception is raised as itself (not in an exception group)."""
+    failure: list[BaseException] = []
+
+    async def run(i: int, group: TaskGroup) -> None:
+        try:
+            await one(i)
+        except Exception as exc:
+            failure.append(exc)
+            group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        for i in range(count):
+            group.start_soon(run, i, group)
+    if failure:
+        raise failure[0]
 
 
 def _job_kwargs(index: int, request: Any) -> dict[str, Any]:

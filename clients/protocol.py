@@ -12,8 +12,9 @@ See ``docs/protocol.md`` for the prose version of what is defined here.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from clients.wire import DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES
@@ -26,6 +27,16 @@ MAX_ID_LENGTH = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
+#: The most token ids one ``logit_bias`` may name, and the bound on each bias (OpenAI's).
+MAX_LOGIT_BIAS = 1024
+MAX_BIAS = 100.0
+#: OpenAI's bound on the presence and frequency penalties; the repetition penalty is in (0, 10].
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
+#: The tokens (prompt included) the penalties look back over: mlx-lm's default context size.
+PENALTY_CONTEXT = 20
+#: The most sequences one ``n`` asks for (``expand_n``).
+MAX_N = 16
 MAX_MESSAGES = 1024
 #: The most alternatives a token may report (``top_logprobs``), as OpenAI's API bounds it.
 MAX_TOP_LOGPROBS = 20
@@ -46,13 +57,42 @@ SHOWN_CHARS = 40
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """How to pick each token. ``temperature == 0`` is greedy (argmax) and ignores the rest."""
+    """How to pick each token. ``temperature == 0`` is greedy (argmax) and ignores the filters
+    (``top_p``, ``top_k``, ``min_p``); the logits controls below apply either way."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    #: Logits controls, applied per sequence before sampling (greedy included), with mlx-lm's own
+    #: processors over the last ``PENALTY_CONTEXT`` tokens (prompt included): OpenAI's additive
+    #: presence and frequency penalties, the multiplicative repetition penalty (``None``: off) and an
+    #: additive bias per token id, as ``(token_id, bias)`` pairs by id (the wire sends a map).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: End-of-sequence and ``stop_token_ids`` are impossible until this many tokens are out.
+    min_tokens: int = 0
+    #: The model's end-of-sequence tokens do not stop the sequence (``stop_token_ids`` still do).
+    ignore_eos: bool = False
+    #: Structured output as ``(kind, text)`` (``parse_response_format``): ``json_object`` (text
+    #: empty), ``json_schema`` (the schema as JSON), ``regex`` or ``grammar`` (llguidance's Lark);
+    #: ``None``: free text.
+    response_format: tuple[str, str] | None = None
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether a logits processor runs for these options (``ignore_eos`` needs none)."""
+        return bool(
+            self.response_format is not None
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty is not None
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -97,8 +137,6 @@ class Health:
 @dataclass(frozen=True)
 class Stats:
     id: str
-    #: Ask the engine to time one batched step pinned vs wide (the reply carries the last result).
-    measure_tax: bool = False
 
 
 Request = Submit | Cancel | Health | Stats
@@ -219,13 +257,35 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
     top_p = _number(msg, "top_p", rid, 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise ProtocolError(ErrorCode.BAD_FIELD, "field 'top_p' must be in (0, 1]", rid)
+    repetition = _get(msg, "repetition_penalty", (int, float), rid, None)
+    if repetition is not None and not (0 < repetition <= MAX_REPETITION_PENALTY):  # NaN fails too
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY}], got {_show(repetition)}",
+            rid,
+        )
+    min_tokens = _int(msg, "min_tokens", rid, 0, 0, MAX_COUNT)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field 'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", rid
+        )
     sampling = SamplingOptions(
         temperature=_number(msg, "temperature", rid, 0.0, 0.0, 100.0),
         top_p=top_p,
         top_k=top_k,
         min_p=_number(msg, "min_p", rid, 0.0, 0.0, 1.0),
         seed=seed,
+        presence_penalty=_number(msg, "presence_penalty", rid, 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(msg, "frequency_penalty", rid, 0.0, -MAX_PENALTY, MAX_PENALTY),
+        # 1 multiplies nothing: the same as off, and no processor runs for it.
+        repetition_penalty=None if repetition is None or repetition == 1 else float(repetition),
+        logit_bias=_logit_bias(msg, rid),
+        min_tokens=min_tokens,
+        ignore_eos=bool(_get(msg, "ignore_eos", bool, rid, False)),
+        response_format=parse_response_format(_get(msg, "response_format", dict, rid, None), rid),
     )
+    if sampling.min_tokens and sampling.response_format is not None:  # the grammar says where the output ends
+        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'min_tokens' cannot be combined with 'response_format'", rid)
 
     stop = _get(msg, "stop", (list, str), rid, [])
     if isinstance(stop, str):
@@ -237,6 +297,13 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
             ErrorCode.BAD_FIELD,
             f"field 'stop' must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
             f"{MAX_STOP_STRING_LENGTH} characters",
+            rid,
+        )
+    n = _get(msg, "n", int, rid, 1)
+    if n != 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'n' must be 1 on the wire, got {_show(n)}: send n submits (the client library's n does)",
             rid,
         )
     stop_token_ids = _int_list(msg, "stop_token_ids", rid, MAX_STOP_TOKEN_IDS, ErrorCode.BAD_FIELD) or []
@@ -257,6 +324,88 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         priority=priority,
         batch=bool(_get(msg, "batch", bool, rid, False)),
     )
+
+
+def _logit_bias(msg: dict[str, Any], rid: str) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: a map from token id (a decimal string, as JSON spells it; msgpack map keys
+    are strings here too) to a bias in ``[-MAX_BIAS, MAX_BIAS]``. The vocabulary is checked later,
+    once the daemon knows the model."""
+    value = _get(msg, "logit_bias", dict, rid, None)
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'logit_bias' holds at most {MAX_LOGIT_BIAS} token ids", rid)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        ok_key = isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit()
+        if not ok_key or int(key) > MAX_COUNT:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field 'logit_bias' has key {_show(key)}; keys are token ids in [0, {MAX_COUNT}] written as decimal strings",
+                rid,
+            )
+        good = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not (good and -MAX_BIAS <= bias <= MAX_BIAS):  # NaN fails the comparison, a huge int too
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field 'logit_bias' maps {key} to {_show(bias)}; a bias is a number in [{-MAX_BIAS}, {MAX_BIAS}]",
+                rid,
+            )
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+#: The response format kinds and the key that holds each one's text (``json_object`` has none).
+RESPONSE_FORMATS = {
+    "text": None,
+    "json_object": None,
+    "json_schema": "schema",
+    "regex": "pattern",
+    "grammar": "grammar",
+}
+#: The longest schema (as JSON), regex or grammar a request may send.
+MAX_FORMAT_CHARS = 65536
+
+
+def parse_response_format(value: dict[str, Any] | None, rid: str | None) -> tuple[str, str] | None:
+    """``response_format``: ``{"type": "json_object"}``, ``{"type": "json_schema", "schema": {...}}``,
+    ``{"type": "regex", "pattern": "..."}``, ``{"type": "grammar", "grammar": "<lark>"}`` or
+    ``{"type": "text"}`` (free text, the same as none). Whether it compiles is the daemon's check."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMATS:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'response_format' has type {_show(kind)}; expected one of {', '.join(RESPONSE_FORMATS)}",
+            rid,
+        )
+    key = RESPONSE_FORMATS[kind]
+    if key is None:
+        return None if kind == "text" else (kind, "")
+    text = value.get(key)
+    if kind == "json_schema":
+        if not isinstance(text, dict):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field 'response_format' needs 'schema', a JSON schema object, got {_show(text)}",
+                rid,
+            )
+        try:
+            text = json.dumps(text, allow_nan=False)  # key order kept: a schema's property order is the output's
+        except (TypeError, ValueError, RecursionError):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                "field 'response_format' needs 'schema', a JSON schema object (JSON values only)",
+                rid,
+            ) from None
+    if not isinstance(text, str) or not 0 < len(text) <= MAX_FORMAT_CHARS:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'response_format' needs '{key}', a non-empty string of at most {MAX_FORMAT_CHARS} characters",
+            rid,
+        )
+    return kind, text
 
 
 def _group(msg: dict[str, Any], rid: str) -> tuple[str, int] | None:
@@ -309,7 +458,28 @@ def parse_request(msg: dict[str, Any]) -> Request:
         return Cancel(rid)
     if kind == MsgType.HEALTH:
         return Health(rid)
-    return Stats(rid, measure_tax=bool(_get(msg, "measure_tax", bool, rid, False)))
+    return Stats(rid)
+
+
+def expand_n(req: Submit, n: int) -> list[Submit]:
+    """``n`` sequences for one request: ``n`` submits with ids ``<id>/<i>``, declared one group so
+    one prefill wave takes them all, each seeded ``seed + i`` when ``seed`` is given (else each draws
+    its own). ``n == 1`` is the request itself. Raises ``ProtocolError`` naming ``n`` outside
+    ``[1, MAX_N]``, or when the ids would be too long."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field 'n' must be in [1, {MAX_N}], got {_show(n)}", req.id)
+    if n == 1:
+        return [req]
+    if len(f"{req.id}/{n - 1}") > MAX_ID_LENGTH:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"field 'id' leaves no room for n's suffixes ('/<i>'): {MAX_ID_LENGTH} at most", req.id
+        )
+    s = req.sampling
+    out = []
+    for i in range(n):
+        seed = None if s.seed is None else (s.seed + i) % (MAX_SEED + 1)
+        out.append(replace(req, id=f"{req.id}/{i}", sampling=replace(s, seed=seed), group=(req.id, n)))
+    return out
 
 
 # --------------------------------------------------------------------------- builders
@@ -330,6 +500,24 @@ def submit_message(req: Submit) -> dict[str, Any]:
     msg.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
     if s.seed is not None:
         msg["seed"] = s.seed
+    if s.presence_penalty:
+        msg["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        msg["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty is not None:
+        msg["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        msg["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.min_tokens:
+        msg["min_tokens"] = s.min_tokens
+    if s.ignore_eos:
+        msg["ignore_eos"] = True
+    if s.response_format is not None:
+        kind, text = s.response_format
+        key = RESPONSE_FORMATS[kind]
+        msg["response_format"] = {"type": kind}
+        if key is not None:
+            msg["response_format"][key] = json.loads(text) if kind == "json_schema" else text
     if req.stop:
         msg["stop"] = list(req.stop)
     if req.stop_token_ids:

@@ -221,8 +221,8 @@ class Client:
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         return self._run(lambda: self._client.health(timeout))
 
-    def stats(self, timeout: float | None = None, measure_tax: bool = False) -> dict[str, Any]:
-        return self._run(lambda: self._client.stats(timeout, measure_tax))
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(lambda: self._client.stats(timeout))
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         return self._run(lambda: self._client.wait_ready(timeout))
@@ -233,6 +233,10 @@ class Client:
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """See ``AsyncClient.generate``."""
         return self._run(lambda: self._client.generate(prompt, **kwargs))
+
+    def generate_n(self, prompt: str | None = None, *, n: int, **kwargs: Any) -> list[Result]:
+        """See ``AsyncClient.generate_n``."""
+        return self._run(lambda: self._client.generate_n(prompt, n=n, **kwargs))
 
     @overload
     def generate_many(

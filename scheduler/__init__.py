@@ -1,1 +1,1 @@
-"""The daemon: a ZeroMQ front end joined to one engine thread."""
+"""The daemon: a ZeroMQ front end joined to the engine, which runs in a process of its own."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clients.protocol import ErrorCode, ProtocolError, Submit
+from scheduler import response_format
 from scheduler.tenants import Tenant
 from workers.models import ModelInfo
 
@@ -27,7 +28,9 @@ class Admitted:
 
 
 def prompt_ids(req: Submit, tokenizer: Any, info: ModelInfo) -> list[int]:
-    """The prompt as token ids. May be slow for long text: the caller runs it off the event loop."""
+    """The prompt as token ids. May be slow for long text: the caller runs it off the event loop,
+    which is also where a ``response_format`` is checked to compile for the tokenizer."""
+    response_format.check(req, tokenizer, info.vocab_size)
     if req.tokens is not None:
         return list(req.tokens)
     if req.messages is not None:
@@ -56,6 +59,13 @@ def admit(req: Submit, ids: list[int], info: ModelInfo, limits: Limits, tenant: 
             if not 0 <= t < vocab:
                 code = ErrorCode.TOKEN_OUT_OF_RANGE if name == "tokens" else ErrorCode.BAD_FIELD
                 raise ProtocolError(code, f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})", req.id)
+    for t, _ in req.sampling.logit_bias:
+        if t >= vocab:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field 'logit_bias' names token id {t}, outside the vocabulary [0, {vocab})",
+                req.id,
+            )
     n, ctx = len(ids), info.context_length
     if n >= ctx:
         raise ProtocolError(

@@ -5,13 +5,13 @@ Every decode step the engine process hands its events to the front end, which wa
 clients in turn. Linux tends to run a woken thread on or near the CPU of the thread that woke it, so
 on a small machine the front end and the clients land on the CPU the engine thread was using and
 preempt it, and the engine's own threads (its Python thread and MLX's worker) hand work to each other
-across CPUs. Measured on the 2-CPU development VM (demo model, 128-token requests through the daemon,
-docs/benchmarks.md section 32): B = 1 went from 106-117 tok/s with both processes left to the OS to
-153-156 with the engine process on one CPU and the front end on the other, B = 4 from 239-287 to
-310-315; the engine process alone on one CPU ran B = 16 within 1 % of two.
+across CPUs. On a 2-CPU machine, the engine process on one CPU and the front end on the other made
+the daemon's small batches markedly faster than leaving both to the OS, and the engine process
+alone on one CPU lost nothing at larger batches; on a 16-CPU GPU host the split neither helps nor
+hurts.
 
 The split is taken from the CPUs the daemon was started with (``taskset``, a cgroup's cpuset), so it
-never widens what the operator allowed. ``--cpu-affinity off`` leaves placement to the OS: the choice
+never widens what the operator allowed. ``cpu_affinity = "off"`` leaves placement to the OS: the choice
 for several daemons sharing a small machine, whose engines would otherwise share the same CPUs.
 """
 

@@ -19,16 +19,8 @@ import anyio
 from clients.protocol import ErrorCode, FinishReason, ProtocolError, Stats
 from scheduler.flight import Flight
 from scheduler.settings import FrontEndSettings
-from scheduler.stats import (
-    Counters,
-    TaxGate,
-    build_stats,
-    health_message,
-    measure_tax_forbidden,
-    stats_message,
-    visible_tenant,
-)
-from scheduler.stats_types import StatsReply, TaxAnswer
+from scheduler.stats import Counters, build_stats, health_message, stats_message, visible_tenant
+from scheduler.stats_types import StatsReply
 from scheduler.tenants import Tenant, TenantsError, load_tenants
 from scheduler.transport import Transport
 
@@ -47,7 +39,6 @@ class Control:
         self._flight = flight
         self._transport = transport
         self._counters = counters
-        self._tax = TaxGate(settings.tax_min_interval_s)
         self._started = time.monotonic()
         #: Connections whose reader fell behind, and since when (reset when their requests are ended).
         self._stalled_since: dict[bytes, float] = {}
@@ -115,7 +106,10 @@ class Control:
             if not mine:
                 continue
             log.warning("client %s read nothing for %.0f s: ending its %d requests", client.hex(), stalled, len(mine))
-            ended = (ErrorCode.DISCONNECTED, f"the client read nothing for {stalled:.0f} s (--park-timeout)")
+            ended = (
+                ErrorCode.DISCONNECTED,
+                f"the client read nothing for {stalled:.0f} s (park_timeout in the config file)",
+            )
             for t in mine:
                 if t.in_engine:
                     if not t.muted:
@@ -177,22 +171,8 @@ class Control:
         return health_message(rid, self._flight.status, self._flight.info, s.limits, s.max_frame_bytes)
 
     def stats_reply(self, tenant: Tenant, req: Stats) -> dict[str, Any]:
-        """What the asker may see (``scheduler.stats``); ``measure_tax`` from a tenant that is not the
-        operator raises ``forbidden``."""
-        only = visible_tenant(self._flight.table, tenant)
-        if req.measure_tax and only is not None:
-            raise measure_tax_forbidden(req.id)
-        stats = self.reply(only)
-        if req.measure_tax:
-            stats["measure_tax"] = self._ask_for_tax()
-        return stats_message(req.id, stats)
-
-    def _ask_for_tax(self) -> TaxAnswer:
-        """``queued`` (a measurement is asked of the engine) or ``skipped`` (``TaxGate``)."""
-        answer = self._tax.ask(time.monotonic())
-        if answer is TaxAnswer.QUEUED:
-            self._flight.engine.measure_tax()
-        return answer
+        """What the asker may see (``scheduler.stats``)."""
+        return stats_message(req.id, self.reply(visible_tenant(self._flight.table, tenant)))
 
     def stats(self, only: str | None = None) -> dict[str, Any]:
         """``reply`` as the plain map ``FrontEnd.stats`` declares (the metrics read its published

@@ -1,4 +1,4 @@
-"""Joining the pieces: a front end on anyio's asyncio backend and one engine thread."""
+"""Joining the pieces: a front end on anyio's asyncio backend and the engine in its own process."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from pathlib import Path
 import anyio
 
 from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_process, plan_split
-from scheduler.engine_outbox import emit_thread_wanted
 from scheduler.engine_process import EngineProcess
 from scheduler.engine_watchdog import ENGINE_TIMEOUT_S
 from scheduler.frontend import FrontEnd, FrontEndSettings
-from workers.loop import EngineSettings, EngineThread, Signal, release_thread_streams
+from workers.loop import EngineSettings, Signal, release_thread_streams
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -31,9 +30,6 @@ class DaemonSettings:
     model: str = "demo"
     context_length: int | None = None
     engine: EngineSettings = field(default_factory=EngineSettings)
-    #: Run the engine in its own process (``scheduler.engine_process``), so the front end's work
-    #: never competes with decode steps for one GIL; ``False`` keeps it on a thread of the daemon.
-    engine_process: bool = True
     #: ``split``: the front end and the engine process on CPUs of their own (``scheduler.affinity``);
     #: ``off``: the OS places both.
     cpu_affinity: str = "split"
@@ -44,7 +40,7 @@ class DaemonSettings:
 
 def check_models(settings: DaemonSettings) -> None:
     """Refuse a model or drafter directory that cannot load (``ModelError``), before the socket is
-    bound: the engine thread loads them later, and a failure there would come after the daemon
+    bound: the engine process loads them later, and a failure there would come after the daemon
     took its address, as a traceback in the log."""
     from workers.models import ModelError, check_model
 
@@ -61,39 +57,34 @@ def serve(settings: DaemonSettings) -> int:
 
     A configuration that must not start raises (``ModelError``, ``SettingError``, ``ConfigError``,
     ``TenantsError``) before anything is bound; the command line turns those into one line."""
-    from workers.models import load
     from workers.startup import check_environment
 
     check_models(settings)
     check_environment()
-    emit_thread = emit_thread_wanted()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineThread | EngineProcess:
+    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineProcess:
         # Called once the checks passed and the address is bound: a daemon that refuses to start
         # says one line, and moves nothing.
-        if settings.engine_process:
-            split = place_processes(settings)
-            cpus = None if split is None else split.engine
-            return EngineProcess(
-                settings.model,
-                settings.context_length,
-                emit,
-                settings.engine,
-                cpus,
-                emit_thread,
-                settings.engine_timeout_s,
-            )
-        return EngineThread(lambda: load(settings.model, settings.context_length), emit, settings.engine)
+        split = place_processes(settings)
+        cpus = None if split is None else split.engine
+        return EngineProcess(
+            settings.model,
+            settings.context_length,
+            emit,
+            settings.engine,
+            cpus,
+            settings.engine_timeout_s,
+        )
 
     # The front end hands the engine at most one batch's worth of sequences at a time.
     front_settings = replace(
         settings.front, capacity=settings.engine.max_batch, prefix_cache_bytes=settings.engine.prefix_cache_bytes
     )
     front = FrontEnd(front_settings, make_engine)
-    # The engine thread and the event loop share the GIL. A short switch interval keeps the
-    # loop's bookkeeping from holding up the next decode step by up to the default 5 ms.
+    # The event loop shares the GIL with the engine process's receiver thread. A short switch
+    # interval keeps the loop's bookkeeping from holding up the next batch of events by up to 5 ms.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         return anyio.run(front.run, backend="asyncio")
@@ -104,11 +95,11 @@ def serve(settings: DaemonSettings) -> int:
 def place_processes(settings: DaemonSettings) -> CpuSplit | None:
     """Move this process (the front end) onto its share of the CPUs and return the split, whose
     ``engine`` part the engine process takes when it starts; ``None`` where nothing is split: turned
-    off, the engine on a thread of this process, ranks started by ``mlx.launch`` (their placement is
+    off, ranks started by ``mlx.launch`` (their placement is
     the launcher's), fewer than two CPUs, or an OS that refuses."""
     from workers.distributed import launched_size
 
-    if settings.cpu_affinity == "off" or not settings.engine_process:
+    if settings.cpu_affinity == "off":
         return None
     size = launched_size(os.environ)
     if size is not None and size > 1:
@@ -122,7 +113,7 @@ def place_processes(settings: DaemonSettings) -> CpuSplit | None:
         log.warning("%s; leaving the daemon's placement to the OS", exc)
         return None
     log.info(
-        "front end on CPUs %s, engine process on CPUs %s (--cpu-affinity off leaves both to the OS)",
+        "front end on CPUs %s, engine process on CPUs %s (cpu_affinity = 'off' in the config file leaves both to the OS)",
         _cpu_list(split.front_end),
         _cpu_list(split.engine),
     )

@@ -20,6 +20,8 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import anyio
 
@@ -28,8 +30,20 @@ from scheduler.flight import Flight
 from scheduler.transport import Transport
 from workers.engine import Finished, StepInfo, Tokens
 from workers.loop import Dead, Ready, Signal, Stopped
+from workers.models import ModelInfo
 
 log = logging.getLogger("mlx_batchd")
+
+
+def with_chat_template(info: ModelInfo, tokenizer: Any, template: str) -> ModelInfo:
+    """Render every chat from now on with ``template`` (``--chat-template``) instead of the model's
+    own: the Hugging Face tokenizer's template, which ``apply_chat_template`` renders, and no custom
+    renderer of mlx-lm's in its way."""
+    tokenizer.chat_template = template
+    tokenizer.has_chat_template = True
+    if getattr(tokenizer, "_chat_template", None) is not None:
+        tokenizer._chat_template = None
+    return replace(info, has_chat_template=True)
 
 
 class EngineEvents:
@@ -50,8 +64,8 @@ class EngineEvents:
         self._loop_thread = threading.get_ident()
 
     def emit(self, signals: list[Signal]) -> None:
-        """The engine's callback, from any thread: the engine thread's (``--engine-thread``), or the
-        loop's own where the engine process's events are read in the loop (then no hop at all)."""
+        """The engine's callback, from any thread: the engine process's receiver thread, or the
+        loop's own where its events are read in the loop (then no hop at all)."""
         if threading.get_ident() == self._loop_thread:
             self._put(signals)
         else:
@@ -102,6 +116,8 @@ class EngineEvents:
                 self._on_finished(sig)
             elif isinstance(sig, Ready):
                 flight.info, flight.tokenizer = sig.info, sig.tokenizer
+                if flight.settings.chat_template is not None:
+                    flight.info = with_chat_template(sig.info, sig.tokenizer, flight.settings.chat_template)
                 flight.status = "ready"
                 self._on_ready(sig)
             elif isinstance(sig, Stopped):

@@ -1,16 +1,15 @@
 """The engine in its own process: the daemon's front end and its engine no longer share a GIL.
 
 With the engine on a thread of the daemon, every decode step's events are handled by the event
-loop on the same interpreter: on an H200 (8B-shaped 4-bit llama) the daemon then ran at 0.69 of
-the engine alone at B = 64 and 0.76 at B = 32, the loop's per-step work and the GIL hand-overs it
-causes landing between decode steps. Here the engine runs in a child process (the vLLM v1
+loop on the same interpreter: the loop's per-step work and the GIL hand-overs it causes land
+between decode steps, and on a GPU the daemon fell well short of the engine alone at large B. Here the engine runs in a child process (the vLLM v1
 ``EngineCore`` pattern) and the two talk over ZeroMQ with msgpack maps, one conversion each way:
 
-- commands (``submit``, ``cancel``, ``pause``, ``resume``, ``measure_tax``, ``shutdown``) go
+- commands (``submit``, ``cancel``, ``pause``, ``resume``, ``shutdown``) go
   parent -> child on a PUSH socket; the child's main thread applies them to an ``EngineThread``;
 - each batch of engine events goes child -> parent as one message over a pipe (``event_pipe``: a
   write costs microseconds where a ZeroMQ send woke an I/O thread on every step), converted and
-  written by the engine thread between its steps, or by a writer thread (``engine_outbox``),
+  written by the engine thread between its steps (``engine_outbox``),
   with the engine's stats snapshot attached when it may have changed (so ``stats`` read after an
   ``end`` is current); the pipe's end of stream is how the parent learns the child is gone;
 - the lifecycle is the thread's: ``ready`` (the parent loads the tokenizer itself: only the model's
@@ -27,7 +26,7 @@ msgpack map on stdin.
 No engine outlives its daemon, and no daemon waits on a hung engine (``engine_lifetime``,
 ``engine_watchdog``): on Linux the child dies with the thread that started it (the parent-death
 signal), elsewhere a polling thread stops it; a daemon whose engine owes work and has said nothing for
-``--engine-timeout`` seconds kills it and reports it dead. The child ignores SIGTERM once it is ready
+``engine_timeout`` seconds kills it and reports it dead. The child ignores SIGTERM once it is ready
 (a control-group stop signals every process at once): the daemon's shutdown command stops it cleanly.
 
 At about 620 lines it is over the ~400 of the other modules because its one idea is one protocol
@@ -81,7 +80,7 @@ REAP_S = 10.0
 #: Seconds an engine process whose daemon is gone waits for its engine to stop before it exits anyway.
 ORPHAN_GRACE_S = 15.0
 #: Seconds a follower rank given SIGTERM waits for rank 0's stop (beyond the daemon's drain) when
-#: ``--rank-timeout`` is off.
+#: ``rank_timeout`` is off.
 FOLLOWER_STOP_GRACE_S = 60.0
 
 
@@ -145,11 +144,9 @@ def signals_to_wire(signals: list[Signal]) -> list[dict[str, Any]]:
     """A step's events as wire maps, each run of two or more plain tokens (one batched token, no top
     logprobs: what a decode step gives each of its sequences) as one map of columns.
 
-    A decode step at B = 128 is 128 such tokens: as 128 maps, converting and packing them cost the
-    engine thread 76 µs a step on the development CPU and unpacking them back into events the front
-    end 257 µs (8,125 bytes); as columns 21 and 55 µs (610 bytes). The H200 host runs the same Python
-    3-4x slower, next to ~34 ms B = 128 steps. Runs keep the events' order, so a sequence's end still
-    follows its tokens."""
+    A decode step at B = 128 is 128 such tokens: as columns, packing them on the engine thread and
+    unpacking them in the front end cost a fraction of what 128 maps do, in a thirteenth of the bytes.
+    Runs keep the events' order, so a sequence's end still follows its tokens."""
     wire: list[dict[str, Any]] = []
     run: list[Tokens] = []
     batched = TokenMode.BATCHED
@@ -218,7 +215,7 @@ def signal_from_wire(d: dict[str, Any], tokenizer: Callable[[ModelInfo], Any]) -
 
 
 class EngineHandle(Protocol):
-    """What the front end drives: ``EngineThread`` or ``EngineProcess``."""
+    """What the front end drives: ``EngineProcess`` (a test's fake in its place)."""
 
     def start(self) -> None: ...
     def join(self, timeout: float | None = None) -> None: ...
@@ -229,7 +226,6 @@ class EngineHandle(Protocol):
     ) -> None: ...
     def pause(self, seq: int) -> None: ...
     def resume(self, seq: int) -> None: ...
-    def measure_tax(self) -> None: ...
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
     ) -> None: ...
@@ -248,17 +244,14 @@ class EngineProcess:
         emit: Callable[[list[Signal]], None],
         settings: EngineSettings | None = None,
         cpus: tuple[int, ...] | None = None,
-        emit_thread: bool = False,
         engine_timeout_s: float = ENGINE_TIMEOUT_S,
     ) -> None:
         """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
-        the OS puts it. ``emit_thread``: the child writes its events from a writer thread
-        (``engine_outbox``), else from the engine thread. ``engine_timeout_s``: pending work without
+        the OS puts it. ``engine_timeout_s``: pending work without
         a word from the engine for this long kills it and reports it ``Dead`` (``engine_watchdog``;
         0 = never)."""
         self._model = model
         self._cpus = cpus
-        self._emit_thread = emit_thread
         self._context_length = context_length
         self._emit = emit
         self._settings = settings or EngineSettings()
@@ -293,7 +286,7 @@ class EngineProcess:
             "folder": str(self._folder),
             "events_fd": self._events_w,
             "cpus": None if self._cpus is None else list(self._cpus),
-            "emit_thread": self._emit_thread,
+            "log_level": logging.getLogger().getEffectiveLevel(),
         }
         # The parent-death signal fires when the thread that starts the child ends: asked for only
         # from the main thread (the daemon's), which lives as long as the daemon.
@@ -363,9 +356,6 @@ class EngineProcess:
     def resume(self, seq: int) -> None:
         self._watchdog.resumed(seq)
         self._send({"c": "resume", "seq": seq})
-
-    def measure_tax(self) -> None:
-        self._send({"c": "measure_tax"})
 
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
@@ -489,8 +479,6 @@ def _apply(engine: EngineThread, cmd: dict[str, Any]) -> None:
         engine.pause(cmd["seq"])
     elif kind == "resume":
         engine.resume(cmd["seq"])
-    elif kind == "measure_tax":
-        engine.measure_tax()
     elif kind == "shutdown":
         engine.shutdown(cmd["reason"], cmd["code"], cmd["message"])
 
@@ -514,6 +502,7 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = unpack(sys.stdin.buffer.read())
+    logging.getLogger().setLevel(spec.get("log_level", logging.INFO))  # the daemon's --log-level
     if spec.get("cpus"):
         try:  # before the engine thread starts: every thread it and MLX start inherits the mask
             pin_process(spec["cpus"])
@@ -527,7 +516,7 @@ def child_main(argv: list[str] | None = None) -> int:
     os.set_inheritable(spec["events_fd"], False)  # no process this one starts may hold the pipe open
     events = PipeWriter(spec["events_fd"])
     holder: list[EngineThread] = []
-    outbox = Outbox(events, lambda: holder[0], signals_to_wire, spec["emit_thread"])
+    outbox = Outbox(events, lambda: holder[0], signals_to_wire)
 
     def emit(signals: list[Signal]) -> None:
         if not ready.is_set() and any(isinstance(s, Ready) for s in signals):
@@ -556,8 +545,7 @@ def child_main(argv: list[str] | None = None) -> int:
         if time.monotonic() - last_snapshot >= SNAPSHOT_POLL_S:
             outbox.snapshot_if_changed()
             last_snapshot = time.monotonic()
-    engine.join()
-    outbox.close()  # the final signal is in the pipe now
+    engine.join()  # the final signal is in the pipe now
     events.close()
     commands.close(linger=0)
     ctx.term()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-#: Seconds of pending work without a word from the engine before it is presumed hung (``--engine-timeout``).
+#: Seconds of pending work without a word from the engine before it is presumed hung (``engine_timeout``).
 ENGINE_TIMEOUT_S = 60.0
 #: The limit is at least this many times the longest step the engine reported.
 STEP_MARGIN = 2.0
@@ -68,7 +68,7 @@ class Watchdog:
         self.fired = False
 
     def start(self) -> None:
-        """Start watching; with ``timeout_s`` 0 (``--engine-timeout 0``) nothing is watched."""
+        """Start watching; with ``timeout_s`` 0 (``engine_timeout = 0``) nothing is watched."""
         if self.timeout_s <= 0:
             return
         threading.Thread(target=self._run, name="mlx-batchd-engine-watchdog", daemon=True).start()
@@ -177,7 +177,7 @@ class Watchdog:
         what = f"{owed} sequence{'s' if owed != 1 else ''}" if owed else "a shutdown"
         return (
             f"the engine made no progress for {quiet:.0f} s with work pending ({what}); limit "
-            f"{limit:g} s (--engine-timeout {self.timeout_s:g}): presumed hung"
+            f"{limit:g} s (engine_timeout = {self.timeout_s:g} in the config file): presumed hung"
         )
 
     def _run(self) -> None:

@@ -2,9 +2,8 @@
 
 Every decode step sends one message (from the engine process's writer thread, ``engine_outbox``, or
 from the engine thread itself between two steps). A ZeroMQ PUSH over ipc paid for waking its I/O
-thread on every send: 40 us a send with the reader idle between sends (median of 400, this
-development CPU; ~55 us an emit measured on the H200 host, where a B = 1 decode step is ~7 ms),
-against 2.7 us for a write to a pipe read by another process. The pipe is also the liveness signal:
+thread on every send, about ten times what a write to a pipe read by another process costs
+(``benchmarks/emit_cost_probe.py`` measures both). The pipe is also the liveness signal:
 its reader sees the end of the stream once every write end is closed, which is when the engine
 process is gone, however it went.
 

@@ -263,7 +263,7 @@ class FrontEnd:
 
     async def _serve_http(self, listeners: Listeners) -> None:
         try:
-            await listeners.serve(self, self._flight.outputs.obs.registry, self._http_stop)
+            await listeners.serve(self, self._flight.outputs.obs, self._http_stop)
         finally:
             self._http_done.set()
 

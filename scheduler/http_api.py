@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``.
+"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``
+(gathered with the other doors' routes into one app by ``scheduler.http_app``).
 
 Each generation request opens one in-process connection to the front end
 (``FrontEnd.open_local``), submits one wire ``Submit`` on it and turns the wire events back into
@@ -12,25 +13,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from sse_starlette import EventSourceResponse
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from scheduler import http_choices, tool_calls
+from scheduler.chat_reply import SplitReply
 from scheduler.http_auth import tenant_for
-from scheduler.http_openai import HTTPError, Parsed, from_protocol, load_json, parse_body, with_tokens
+from scheduler.http_errors import HTTPError
+from scheduler.http_openai import Parsed, from_protocol, load_json, parse_body, with_tokens
 from scheduler.http_shapes import DONE, Reply, sse
 from scheduler.transport import HARD_FRAME_FACTOR
 
 if TYPE_CHECKING:
-    from scheduler.frontend import FrontEnd, LocalConnection
+    from clients.protocol import Submit
+    from scheduler.http_front import Front
+    from scheduler.local import LocalConnection
 
 #: Bodies up to this multiple of the limit are read and answered 413; larger ones are answered at
 #: once and the connection closed, as ZeroMQ frames are.
@@ -39,11 +43,7 @@ HARD_BODY_FACTOR = HARD_FRAME_FACTOR
 PING_S = 15.0
 
 
-def error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-class _Stream(EventSourceResponse):
+class Stream(EventSourceResponse):
     """An SSE answer that owns its connection: it is closed however the response ends, also when
     the client leaves before the first chunk is sent (the body generator never ran then)."""
 
@@ -59,7 +59,7 @@ class _Stream(EventSourceResponse):
 
 
 class Api:
-    def __init__(self, front: FrontEnd) -> None:
+    def __init__(self, front: Front) -> None:
         self.front = front
         self.started = int(time.time())
 
@@ -152,9 +152,12 @@ class Api:
         body = await self._body(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         parsed = parse_body(body, chat=chat, model=info.name, rid=rid)
-        if parsed.template_kwargs:
-            parsed = await self._render(parsed, info)
-        reply = Reply(
+        tokenizer, reasoning_first = self.front.tokenizer, False
+        if chat and tool_calls.renders_here(parsed, tokenizer):
+            parsed, reasoning_first = await self._render(parsed, info)
+        splits = chat and tool_calls.splits(parsed, tokenizer)
+        make: Any = partial(SplitReply, tools=parsed.tools, reasoning_first=reasoning_first) if splits else Reply
+        reply = make(
             chat=chat,
             rid=rid,
             model=info.name,
@@ -166,37 +169,63 @@ class Api:
         conn = self.front.open_local(tenant)
         streaming = False
         try:
-            conn.submit(parsed.submit)
-            got = await self._read(conn, request, whole=not parsed.stream)
-            if got is None:
-                return Response(status_code=499)  # the client is gone; nobody reads this
-            if got[-1]["type"] != "token":
-                self._raise_for(got[-1], parsed, chat)
-            if not parsed.stream:
-                return JSONResponse(reply.whole(got))
-            streaming = True
-            return _Stream(self._chunks(conn, reply, got[0]), conn)
+            if parsed.n > 1:  # n sequences on this connection, merged into n choices
+                subs = parsed.submits
+                for sub in subs:
+                    conn.submit(sub)
+                replies = [reply.for_choice(i) for i in range(len(subs))]
+                out = await http_choices.answer(
+                    conn,
+                    request,
+                    [s.id for s in subs],
+                    replies,
+                    parsed.stream,
+                    lambda m: self._raise_for(m, parsed, chat),
+                )
+                if out is None:
+                    return Response(status_code=499)
+                if isinstance(out, dict):
+                    return JSONResponse(out)
+                streaming = True
+                return Stream(out, conn)
+            response = await self._answer_one(
+                conn,
+                request,
+                parsed.submit,
+                stream=parsed.stream,
+                raise_for=lambda m: self._raise_for(m, parsed, chat),
+                whole=reply.whole,
+                events=partial(self._chunks, conn, reply),
+            )
+            streaming = isinstance(response, Stream)
+            return response
         finally:
             if not streaming:
                 conn.close()  # a stream's response closes it when the stream ends
 
-    async def _render(self, parsed: Parsed, info: Any) -> Parsed:
-        """Chat template variables (``chat_template_kwargs``) need the template rendered here; the
-        same tokenizer call as the front end's, with the variables added."""
+    async def _render(self, parsed: Parsed, info: Any) -> tuple[Parsed, bool]:
+        """The chat rendered here, not by the front end: the same tokenizer call with the template
+        variables (``chat_template_kwargs``), tools and tool messages added; and whether the prompt
+        leaves a think block open (the answer then starts in reasoning)."""
         if not info.has_chat_template:
             raise HTTPError(400, f"model {info.name!r} has no chat template", param="messages", code="no_chat_template")
-        messages, kwargs, tokenizer = parsed.submit.messages, parsed.template_kwargs, self.front.tokenizer
+        kwargs, tokenizer = parsed.template_kwargs, self.front.tokenizer
+        tools = parsed.tools.tools if parsed.tools is not None else None
+        if tools:
+            await anyio.to_thread.run_sync(tool_calls.require_support, tokenizer, info.name)
 
-        def render() -> list[int]:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+        def render() -> tuple[list[int], bool]:
+            ids = tool_calls.render(tokenizer, parsed.chat_messages, tools, **kwargs)
+            return ids, tool_calls.opens_thinking(tokenizer, ids)
 
         try:
-            ids = await anyio.to_thread.run_sync(render)
+            ids, reasoning_first = await anyio.to_thread.run_sync(render)
         except Exception as exc:
+            param = "chat_template_kwargs" if kwargs else "messages"
             raise HTTPError(
-                400, f"the chat template rejected the request: {exc}", param="chat_template_kwargs", code="bad_field"
+                400, f"the chat template rejected the request: {exc}", param=param, code="bad_field"
             ) from None
-        return with_tokens(parsed, ids)
+        return with_tokens(parsed, ids), reasoning_first
 
     @staticmethod
     def _raise_for(msg: dict[str, Any], parsed: Parsed, chat: bool) -> None:
@@ -210,28 +239,41 @@ class Api:
             code, message, chat=chat, max_tokens_field=parsed.max_tokens_field, retry_after_s=err.get("retry_after_s")
         )
 
+    async def _answer_one(
+        self,
+        conn: LocalConnection,
+        request: Request,
+        submit: Submit,
+        *,
+        stream: bool,
+        raise_for: Callable[[dict[str, Any]], None],
+        whole: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        events: Callable[[dict[str, Any]], AsyncIterator[bytes]],
+    ) -> Response:
+        """One request on ``conn``, answered whole (``whole`` of its events, as JSON) or as a
+        ``Stream`` (``events`` from its first event on; the stream then owns ``conn``); an error
+        before the answer began is ``raise_for``'s HTTP error, and a client that left first a 499."""
+        conn.submit(submit)
+        got = await self._read(conn, request, whole=not stream)
+        if got is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if got[-1]["type"] != "token":
+            raise_for(got[-1])
+        if not stream:
+            return JSONResponse(whole(got))
+        return Stream(events(got[0]), conn)
+
     @staticmethod
     async def _read(conn: LocalConnection, request: Request, *, whole: bool) -> list[dict[str, Any]] | None:
         """The first event (``whole`` False) or every event up to the end; ``None`` if the client
         disconnected first."""
         got: list[dict[str, Any]] = []
-        gone = False
-        async with anyio.create_task_group() as tg:
 
-            async def watch() -> None:
-                nonlocal gone
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                gone = True
-                tg.cancel_scope.cancel()
+        def take(msg: dict[str, Any]) -> bool:
+            got.append(msg)
+            return not whole or msg["type"] != "token"
 
-            tg.start_soon(watch)
-            async for msg in conn.events:
-                got.append(msg)
-                if not whole or msg["type"] != "token":
-                    break
-            tg.cancel_scope.cancel()
-        return None if gone or not got else got
+        return got if await http_choices.read_until(conn, request, take) and got else None
 
     async def _chunks(self, conn: LocalConnection, reply: Reply, first: dict[str, Any]) -> AsyncIterator[bytes]:
         opening = reply.first_chunk()
@@ -240,8 +282,7 @@ class Api:
         msg: dict[str, Any] | None = first
         while msg is not None:
             if msg["type"] == "token":
-                chunk = reply.token_chunk(msg)
-                if chunk is not None:
+                for chunk in reply.token_chunks(msg):
                     yield sse(chunk)
             else:
                 err = msg.get("error") if msg["type"] == "end" else msg
@@ -257,31 +298,3 @@ class Api:
                 msg = await conn.events.receive()
             except anyio.EndOfStream:
                 msg = None
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPError)
-    return error_response(exc)
-
-
-async def _starlette_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    return error_response(HTTPError(500, f"internal error: {exc!r}", code="internal_error", kind="server_error"))
-
-
-def build_app(front: FrontEnd) -> Starlette:
-    api = Api(front)
-    routes = [
-        Route("/health", api.health, methods=["GET"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-    ]
-    handlers = {HTTPError: _http_error, HTTPException: _starlette_error, Exception: _server_error}
-    return Starlette(routes=routes, exception_handlers=handlers)

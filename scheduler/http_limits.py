@@ -43,7 +43,7 @@ HEAD_TIMEOUT_S = 5.0
 BODY_GRACE_S = 1.0
 #: Connections the metrics listener holds at once (scrapers are few).
 METRICS_MAX_CONNECTIONS = 16
-#: ``--http-max-connections`` when not given.
+#: ``http_max_connections`` when not given.
 DEFAULT_HTTP_MAX_CONNECTIONS = 1024
 #: Descriptors kept out of the HTTP listeners' reach: a quarter of the limit, within these bounds.
 RESERVE_MIN, RESERVE_MAX = 64, 512
@@ -196,7 +196,7 @@ def connection_cap(wanted: int, others: int = 0) -> int:
     room = max(1, limit - open_descriptors() - others - reserve)
     if room < wanted:
         log.warning(
-            "--http-max-connections %d lowered to %d: the descriptor limit (RLIMIT_NOFILE) is %d", wanted, room, limit
+            "http_max_connections %d lowered to %d: the descriptor limit (RLIMIT_NOFILE) is %d", wanted, room, limit
         )
         return room
     return wanted

@@ -3,7 +3,8 @@
 The body is translated into the wire protocol's submit map and checked by ``clients.protocol``'s
 own ``parse_request``, so an HTTP request is held to exactly the rules of a ZeroMQ one; what only
 OpenAI has (``n``, ``tools``, ``response_format``, its two spellings of logprobs, ...) is checked
-here, and what the daemon cannot do yet is a 400 naming the field rather than silently ignored.
+here (``n`` becomes ``n`` sequences, ``Parsed.submits``), and what the daemon cannot do yet is a 400
+naming the field rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
-from clients.protocol import MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit, parse_request
+from clients.protocol import MAX_N, MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit, expand_n, parse_request
+from scheduler.http_errors import HTTPError, unsupported
+from scheduler.response_format import from_openai
+from scheduler.tool_calls import parse_tools, template_message
 
 #: HTTP status and OpenAI error type per wire error code; anything else is a 400.
 _STATUS: dict[str, tuple[int, str]] = {
@@ -47,6 +51,24 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 _FIELD = re.compile(r"field '(\w+)'")
+#: Body fields handed to the wire as they are (the wire checks them): OpenAI's, and the ones vLLM
+#: takes at the top level (the openai SDK's ``extra_body`` lands there).
+_PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "priority",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+)
 #: The deepest nesting of arrays and objects a body may have. OpenAI's bodies need about 5 levels;
 #: the bound is checked on the bytes before they are parsed, so no depth reaches the parser's recursion.
 MAX_JSON_DEPTH = 64
@@ -57,31 +79,6 @@ _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 #: Characters of a client's value that an error message quotes.
 _SHOWN = 40
-
-
-class HTTPError(Exception):
-    """An answer other than 200: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def unsupported(name: str, why: str) -> HTTPError:
-    return HTTPError(400, f"'{name}' {why}", param=name, code="unsupported_parameter")
 
 
 @dataclass(frozen=True)
@@ -95,6 +92,16 @@ class Parsed:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The body's name for the token budget, for errors about it.
     max_tokens_field: str = "max_tokens"
+    #: Choices asked for: ``submits`` are the sequences that answer them (``protocol.expand_n``).
+    n: int = 1
+    #: The chat as the template takes it (tool messages and calls kept; ``submit.messages`` has
+    #: only roles and text) and the request's tools (``scheduler.tool_calls``).
+    chat_messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: Any = None
+
+    @property
+    def submits(self) -> list[Submit]:
+        return expand_n(self.submit, self.n)
 
 
 def json_depth(raw: bytes) -> int:
@@ -124,31 +131,40 @@ def _clip(text: str, limit: int = _SHOWN) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
-    """Check an OpenAI body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    asked = body.get("model")
-    if asked is not None and not isinstance(asked, str):
+def check_model(asked: Any, model: str) -> None:
+    """A body's ``model``, where it names one, must be the model served (every door: OpenAI's,
+    Anthropic's, tokenize): a 400 when it is not a string, a 404 ``model_not_found`` otherwise."""
+    if asked is None:
+        return
+    if not isinstance(asked, str):
         raise HTTPError(400, "'model' must be a string", param="model", code=ErrorCode.BAD_FIELD.value)
-    if asked is not None and asked != model:
+    if asked != model:
         raise HTTPError(
             404,
             f"the model {_clip(repr(asked))} does not exist; this server serves {model!r} (GET /v1/models)",
             param="model",
             code="model_not_found",
         )
+
+
+def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
+    """Check an OpenAI body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    check_model(body.get("model"), model)
     _refuse_unsupported(body, chat)
     wire: dict[str, Any] = {"v": 1, "type": MsgType.SUBMIT.value, "id": rid}
+    messages: list[dict[str, Any]] = []
     if chat:
-        wire["messages"] = _messages(body.get("messages"))
+        messages = _messages(body.get("messages"))
+        wire["messages"] = [{k: v for k, v in m.items() if isinstance(v, str)} for m in messages]
     else:
         _prompt(body.get("prompt"), wire)
     budget = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         budget = "max_completion_tokens"
     wire["max_tokens"] = body.get(budget)
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "priority"):
+    for name in _PASSED:
         wire[name] = body.get(name)
     wire["logprobs"], wire["top_logprobs"] = _logprobs(body, chat)
     user = body.get("user")
@@ -158,11 +174,16 @@ def parse_body(body: Any, *, chat: bool, model: str, rid: str) -> Parsed:
     if stream is not None and not isinstance(stream, bool):
         raise HTTPError(400, "'stream' must be a boolean", param="stream", code=ErrorCode.BAD_FIELD.value)
     try:
+        wire["response_format"] = from_openai(body.get("response_format"))
         req = parse_request(wire)
     except ProtocolError as exc:
         raise from_protocol(exc.code, exc.message, chat=chat, max_tokens_field=budget) from None
     assert isinstance(req, Submit)
+    n = _choices(body.get("n"), rid)
     return Parsed(
+        n=n,
+        chat_messages=messages,
+        tools=parse_tools(body) if chat else None,
         submit=req,
         stream=bool(stream),
         include_usage=_include_usage(body.get("stream_options")),
@@ -197,24 +218,26 @@ def from_protocol(
     return HTTPError(status, message, param=param, code=code, kind=kind, headers=headers)
 
 
+def _choices(n: Any, rid: str) -> int:
+    """``n``: how many choices, in ``[1, MAX_N]``; a 400 naming ``n`` otherwise."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise HTTPError(
+            400,
+            f"'n' must be an integer in [1, {MAX_N}], got {_clip(repr(n))}",
+            param="n",
+            code=ErrorCode.BAD_FIELD.value,
+        )
+    return n
+
+
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise unsupported("n", "must be 1: one choice per request (send several requests for several choices)")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise unsupported(name, "is not supported: this server does not call tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise unsupported("tool_choice", "is not supported: this server does not call tools")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "other than {'type': 'text'} is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise unsupported(name, "is not supported (only 0)")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias", "is not supported")
+    if body.get("functions") or body.get("function_call") is not None:
+        name = "functions" if body.get("functions") else "function_call"
+        raise unsupported(name, "(deprecated by OpenAI) is not supported: send 'tools' and 'tool_choice'")
+    if not chat and (body.get("tools") or body.get("tool_choice") is not None):
+        raise unsupported("tools" if body.get("tools") else "tool_choice", "is for /v1/chat/completions only")
     if not chat:
         if body.get("echo"):
             raise unsupported("echo", "is not supported")
@@ -278,20 +301,24 @@ def _prompt(prompt: Any, wire: dict[str, Any]) -> None:
         )
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as the wire takes them: role and text content (text parts joined)."""
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages: role and text content (text parts joined); tool messages and assistant tool
+    calls as the chat template takes them (``tool_calls.template_message``)."""
     if not isinstance(messages, list):
         raise HTTPError(400, "'messages' must be a list", param="messages", code=ErrorCode.BAD_FIELD.value)
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HTTPError(400, f"{where} must be an object with a 'role'", param="messages", code="bad_field")
         role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant"):
-            raise unsupported("messages", f"role {_clip(repr(m['role']))} in {where} is not supported (tools are not)")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise unsupported("messages", f"tool calls in {where} are not supported")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise unsupported("messages", f"role {_clip(repr(m['role']))} in {where} is not supported")
+        if m.get("function_call"):
+            raise unsupported("messages", f"'function_call' in {where} is deprecated: send 'tool_calls'")
+        if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+            out.append(template_message({**m, "role": role}, where))
+            continue
         msg = {"role": role, "content": _content(m.get("content"), where)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]

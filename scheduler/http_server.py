@@ -37,9 +37,8 @@ from scheduler.settings import BindError, ConfigError, FrontEndSettings
 from scheduler.tenants import TenantTable
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
-    from scheduler.frontend import FrontEnd
+    from scheduler.http_front import Front
+    from scheduler.metrics import Observations
 
 log = logging.getLogger("mlx_batchd")
 
@@ -109,6 +108,14 @@ async def serve_app(app: Any, sock: socket.socket, stop: anyio.Event, limits: Li
         tg.cancel_scope.cancel()
 
 
+async def _publish_stats(front: Front, stop: anyio.Event, period: float = 0.25) -> None:
+    """Keep ``front.published`` (what a scrape reads) fresh for ``/metrics`` on the HTTP door."""
+    while not stop.is_set():
+        front.published = front.stats()
+        with anyio.move_on_after(period):
+            await stop.wait()
+
+
 class Listeners:
     """The HTTP and metrics sockets, taken before the engine starts, and what serving them needs:
     the HTTP connection cap, and the local key where only the daemon's own user is served."""
@@ -176,13 +183,24 @@ class Listeners:
         if self.key_file is not None:
             unlink_if_same(*self.key_file)
 
-    async def serve(self, front: FrontEnd, registry: CollectorRegistry, stop: anyio.Event) -> None:
-        """Serve both until ``stop`` is set (the metrics of ``registry`` and of the published stats)."""
+    async def serve(self, front: Front, obs: Observations, stop: anyio.Event) -> None:
+        """Serve both until ``stop`` is set (the metrics of ``obs`` and of the published stats, with
+        their ``vllm:`` aliases, on the metrics listener and at the HTTP door's ``/metrics``)."""
+        from scheduler.metrics import metrics_app
+
+        def model() -> str | None:
+            info = front.model_info
+            return None if info is None else info.name
+
+        # One app: it registers its collectors.
+        exposition = metrics_app(lambda: front.published, obs.registry, model=model, observations=obs)
         async with anyio.create_task_group() as tg:
             if self.http is not None:
-                from scheduler.http_api import build_app
+                from scheduler.http_app import build_app
 
-                app: Any = build_app(front)
+                if self.metrics is None:  # the --metrics listener's stats publisher is not running
+                    tg.start_soon(_publish_stats, front, stop)
+                app: Any = build_app(front, exposition)
                 if self.key_file is not None:
                     app = LocalUserOnly(
                         app,
@@ -194,8 +212,5 @@ class Listeners:
                 limits = ListenerLimits(self.http_cap, self.settings.http_body_timeout_s)
                 tg.start_soon(serve_app, app, self.http, stop, limits)
             if self.metrics is not None:
-                from scheduler.metrics import metrics_app
-
-                exposition = metrics_app(lambda: front.published, registry)
                 limits = ListenerLimits(METRICS_MAX_CONNECTIONS, HEAD_TIMEOUT_S, "metrics")
                 tg.start_soon(serve_app, exposition, self.metrics, stop, limits)

@@ -8,6 +8,7 @@ for completions, ``finish_reason`` ``stop`` or ``length``, ``usage`` with ``tota
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -31,13 +32,30 @@ class Reply:
     """Builds the objects of one request's answer."""
 
     def __init__(
-        self, *, chat: bool, rid: str, model: str, created: int, tokenizer: Any, logprobs: bool, include_usage: bool
+        self,
+        *,
+        chat: bool,
+        rid: str,
+        model: str,
+        created: int,
+        tokenizer: Any,
+        logprobs: bool,
+        include_usage: bool,
+        index: int = 0,
     ) -> None:
         self.chat, self.rid, self.model, self.created = chat, rid, model, created
+        #: The choice this reply builds (``n`` choices: one ``Reply`` each, all with the same ``rid``).
+        self.index = index
         self._tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
         self._offset = 0  # completions' text_offset: characters of token text so far
+
+    def for_choice(self, index: int) -> Reply:
+        """The same request's reply for choice ``index`` (its own text offsets)."""
+        other = copy.copy(self)
+        other.index, other._offset = index, 0
+        return other
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         if self.chat:
@@ -92,12 +110,12 @@ class Reply:
 
     def _choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None, chunk: bool) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if chunk:
             delta = {"content": text} if text or finish is None else {}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": text, "refusal": None}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def _with_usage(self, obj: dict[str, Any], usage: dict[str, int] | None) -> dict[str, Any]:
         if self.include_usage:
@@ -110,7 +128,12 @@ class Reply:
         """Chat streams open with the assistant's role and empty content; completions have none."""
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": self.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._with_usage({**self._head(True), "choices": [choice]}, None)
 
     def token_chunk(self, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -122,13 +145,27 @@ class Reply:
         choice = self._choice(text, self.logprobs_of(tokens, msg.get("logprobs"), msg.get("top_logprobs")), None, True)
         return self._with_usage({**self._head(True), "choices": [choice]}, None)
 
-    def final_chunks(self, end: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chunk with ``finish_reason``, then the usage chunk when ``include_usage``."""
-        finish = _FINISH.get(str(end.get("finish_reason")), "stop")
-        out = [self._with_usage({**self._head(True), "choices": [self._choice("", None, finish, True)]}, None)]
+    def token_chunks(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks for a wire ``token`` message (a reply that splits its text may send several)."""
+        chunk = self.token_chunk(msg)
+        return [] if chunk is None else [chunk]
+
+    def finish_chunks(self, end: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks that end this choice: what it still held, then the one with ``finish_reason``."""
+        return [self.finish_chunk(end)]
+
+    def final_chunks(self, end: dict[str, Any], usage: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        """The chunk with ``finish_reason``, then the usage chunk when ``include_usage`` (``usage``:
+        the whole request's, where it is not this ``end``'s alone)."""
+        out = self.finish_chunks(end)
         if self.include_usage:
-            out.append({**self._head(True), "choices": [], "usage": usage_of(end)})
+            out.append({**self._head(True), "choices": [], "usage": usage or usage_of(end)})
         return out
+
+    def finish_chunk(self, end: dict[str, Any]) -> dict[str, Any]:
+        """The chunk with this choice's ``finish_reason``."""
+        finish = _FINISH.get(str(end.get("finish_reason")), "stop")
+        return self._with_usage({**self._head(True), "choices": [self._choice("", None, finish, True)]}, None)
 
     # ------------------------------------------------------------------ whole answers
 
@@ -148,3 +185,18 @@ class Reply:
         finish = _FINISH.get(str(end.get("finish_reason")), "stop")
         choice = self._choice("".join(text), self.logprobs_of(tokens, lps, tops), finish, False)
         return {**self._head(False), "choices": [choice], "usage": usage_of(end)}
+
+
+def usage_of_all(ends: list[dict[str, Any]]) -> dict[str, int]:
+    """One request's usage over its ``n`` sequences: the prompt once, every completion token."""
+    each = [usage_of(e) for e in ends]
+    prompt = max((u["prompt_tokens"] for u in each), default=0)
+    completion = sum(u["completion_tokens"] for u in each)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def whole_of_all(replies: list[Reply], messages: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The non-streamed answer with one choice per sequence (``messages[i]``: choice ``i``'s wire
+    messages, its ``end`` last)."""
+    objs = [reply.whole(msgs) for reply, msgs in zip(replies, messages)]
+    return {**objs[0], "choices": [o["choices"][0] for o in objs], "usage": usage_of_all([m[-1] for m in messages])}

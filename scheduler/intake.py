@@ -36,6 +36,7 @@ from scheduler.control import Control
 from scheduler.flight import Flight
 from scheduler.outputs import refused_submit_end
 from scheduler.requests import Tracked
+from scheduler.response_format import grammar_of
 from scheduler.settings import FrontEndSettings, request_kv_budget
 from scheduler.stats import Counters
 from scheduler.stopping import StopStrings
@@ -343,7 +344,18 @@ def job_for(t: Tracked, admitted: Admitted, tenant: Tenant) -> Job:
         prompt=admitted.prompt,
         max_tokens=admitted.max_tokens,
         sampling=SamplingParams(
-            temperature=wire.temperature, top_p=wire.top_p, top_k=wire.top_k, min_p=wire.min_p, seed=wire.seed
+            temperature=wire.temperature,
+            top_p=wire.top_p,
+            top_k=wire.top_k,
+            min_p=wire.min_p,
+            seed=wire.seed,
+            presence_penalty=wire.presence_penalty,
+            frequency_penalty=wire.frequency_penalty,
+            repetition_penalty=wire.repetition_penalty,
+            logit_bias=wire.logit_bias,
+            min_tokens=wire.min_tokens,
+            ignore_eos=wire.ignore_eos,
+            grammar=grammar_of(t.req),
         ),
         stop_token_ids=tuple(t.req.stop_token_ids),
         logprobs=t.req.logprobs,

@@ -39,9 +39,6 @@ class FrontEndSettings:
     park_after_s: float = 5.0
     #: Seconds a connection may read nothing before its requests end ``disconnected``.
     park_timeout_s: float = 600.0
-    #: Seconds between two pin-tax measurements asked for with ``stats.measure_tax``; one asked for
-    #: sooner gets the last figure.
-    tax_min_interval_s: float = 30.0
     handle_signals: bool = True
     #: Sequences handed to the engine at once (its batch size); the rest wait in the fair queue.
     capacity: int = 32
@@ -69,6 +66,8 @@ class FrontEndSettings:
     #: Without tenants and ``insecure``, how local HTTP tells the daemon's own user: ``uid`` (the
     #: peer's uid where the OS says it, else the key file's key) or ``key`` (always the key).
     http_local_auth: str = "uid"
+    #: A chat template (its text) used instead of the model's own (``--chat-template``), or ``None``.
+    chat_template: str | None = None
 
 
 def request_kv_budget(s: FrontEndSettings) -> int:

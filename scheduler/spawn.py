@@ -31,12 +31,14 @@ class DaemonProcess:
         *extra: str,
         log: IO[str] | None = None,
         client_kwargs: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """``client_kwargs`` are what a client needs to be let in (CURVE keys) for the handshake."""
+        """``client_kwargs`` are what a client needs to be let in (CURVE keys) for the handshake;
+        ``env``: variables set for this daemon on top of this process's environment."""
         self.address = address
         self.client_kwargs = client_kwargs or {}
         self.cmd = [sys.executable, "-m", "scheduler", "serve", "--model", str(model), "--listen", address, *extra]
-        kwargs: dict[str, Any] = {"env": {**os.environ, "PYTHONUNBUFFERED": "1"}, "text": True}
+        kwargs: dict[str, Any] = {"env": {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, "text": True}
         if log is not None:
             kwargs.update(stdout=log, stderr=subprocess.STDOUT)
         self.proc = subprocess.Popen(self.cmd, **kwargs)

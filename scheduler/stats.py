@@ -1,8 +1,8 @@
 """The ``health`` and ``stats`` replies, and who may see what in them.
 
 The operator (the local user without a tenants file, or a tenant with ``admin = true``) sees every
-tenant and may ask for a pin-tax measurement; any other tenant sees its own rows of the per-tenant
-tables and the global aggregates, and ``measure_tax`` is ``forbidden`` to it. The figures come in
+tenant; any other tenant sees its own rows of the per-tenant tables and the global aggregates. The
+figures come in
 as arguments, so a reply can be built (and checked) without a socket or an engine.
 """
 
@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clients.protocol import PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError
+from clients.protocol import PROTOCOL_VERSION, MsgType
 from scheduler.admission import Limits
 from scheduler.affinity import allowed_cpus
 from scheduler.fairness import FairQueue
-from scheduler.stats_types import StatsReply, TaxAnswer, TenantRow
+from scheduler.stats_types import StatsReply, TenantRow
 from scheduler.tenants import Tenant, TenantTable
 from workers.models import ModelInfo
 from workers.snapshot import EnginePart
@@ -36,30 +36,6 @@ class Counters:
 def visible_tenant(table: TenantTable, tenant: Tenant) -> str | None:
     """The one tenant whose rows ``tenant`` may see, or ``None`` for all of them (the operator)."""
     return None if table.is_operator(tenant) else tenant.name
-
-
-def measure_tax_forbidden(rid: str) -> ProtocolError:
-    return ProtocolError(
-        ErrorCode.FORBIDDEN,
-        "measure_tax is for the operator: the local user without a tenants file, or a tenant with admin = true",
-        rid,
-    )
-
-
-class TaxGate:
-    """Lets a pin-tax measurement through at most once per ``min_interval_s``: each one stalls
-    decoding for a few forwards, so asking cannot queue more than one."""
-
-    def __init__(self, min_interval_s: float) -> None:
-        self.min_interval_s = min_interval_s
-        self._asked_at: float | None = None
-
-    def ask(self, now: float) -> TaxAnswer:
-        """``queued`` (the caller starts a measurement), or ``skipped`` within the interval."""
-        if self._asked_at is not None and now - self._asked_at < self.min_interval_s:
-            return TaxAnswer.SKIPPED
-        self._asked_at = now
-        return TaxAnswer.QUEUED
 
 
 def stats_message(rid: str, stats: StatsReply) -> dict[str, Any]:

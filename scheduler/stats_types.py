@@ -14,14 +14,14 @@ client-side commands do not load MLX.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, TypedDict, cast
 
 from workers.snapshot import (
     BurstSummary,
     EnginePart,
     EngineSnapshot,
     MemorySnapshot,
+    PinCostRow,
     PinRow,
     PinsSnapshot,
     PinTax,
@@ -35,27 +35,18 @@ __all__ = [
     "BurstSummary",
     "EngineSnapshot",
     "MemorySnapshot",
+    "PinCostRow",
     "PinRow",
     "PinTax",
     "PinsSnapshot",
     "PrefixCacheSnapshot",
     "ProbingRow",
     "StatsReply",
-    "TaxAnswer",
     "TenantRow",
     "VerdictRow",
     "engine_of",
     "read_stats",
 ]
-
-
-class TaxAnswer(StrEnum):
-    """What ``stats.measure_tax`` says to a ``measure_tax`` ask."""
-
-    #: A measurement was asked of the engine; its figure shows in later replies' ``engine.pin_tax``.
-    QUEUED = "queued"
-    #: The last one was asked for too recently (``TaxGate``); its figure stands.
-    SKIPPED = "skipped"
 
 
 class TenantRow(TypedDict):
@@ -97,8 +88,6 @@ class StatsReply(TypedDict):
     #: ``engine.loop.cpus`` (``scheduler.affinity``).
     front_end_cpus: list[int] | None
     engine: EnginePart
-    #: Only in the reply to a ``stats`` that asked for a measurement.
-    measure_tax: NotRequired[TaxAnswer]
 
 
 def read_stats(reply: Mapping[str, Any]) -> StatsReply:

@@ -87,7 +87,7 @@ class Tenant:
     max_new_tokens: int = _UNLIMITED
     token_rate: float = 0.0
     token_burst: float = 0.0
-    #: Sees every tenant's usage in ``stats`` and may ask for operator-only work (``measure_tax``).
+    #: Sees every tenant's usage in ``stats`` and in the HTTP door's ``/metrics``.
     admin: bool = False
     #: Its prompts' cached prefixes are shared with every other tenant marked so (a shared system
     #: prompt); otherwise a tenant only ever reuses prefixes it created itself.

@@ -3,11 +3,9 @@
 Every group of prompts that joins a decoding batch costs mlx-lm's ``BatchGenerator`` a prefill
 forward, a split of its prompt batch and a merge of every layer's cache into the decode batch; the
 group then tends to finish together, and every step in which sequences finish filters every
-layer's cache. Requests that reach the engine over a few milliseconds (64 clients starting at once
-through the front end) would otherwise join one or two per engine iteration. On the H200 8B synth
-at B = 64 that is what the daemon's engine did against the same 64 requests submitted at once: about
-3x the cache filters, twice the prefill time, 56-70 ms per decode step against 39-47
-(docs/benchmarks.md, "Where the daemon's engine loses step time").
+layer's cache. Requests that reach the engine over a few milliseconds (many clients starting at
+once through the front end) would otherwise join one or two per engine iteration, multiplying those
+costs against the same requests submitted at once.
 
 So while the engine has work, arrivals are held for at most ``window_s`` (from the first held one),
 and released as soon as a full prefill wave (``wave`` prompts) waits; never past a command that must
@@ -15,25 +13,13 @@ keep its order behind them (a cancel, pause, resume or shutdown releases every h
 The trade is TGI's ``max_waiting_tokens``: a bounded wait before the first token of a request that
 arrives mid-batch, for fewer interruptions of everyone's decode. ``window_s = 0`` turns it off.
 
-An idle engine holds arrivals until none has come for ``idle_window_s`` (the engine's default is
-10 ms; 0: not at all), and never past ``IDLE_HOLD_MAX`` windows (at least ``IDLE_HOLD_S``) from the
-first held one. Clients that start together reach an idle engine some milliseconds apart, and the
-first then starts a prefill wave of its own while the rest queue for the next: on the H200 8B synth,
-B = 16 from 16 client threads made 5 prefill and 4 finishing steps against 4 and 2 for the same prompts submitted at once;
-on the development CPU, B = 8 made two waves, and one with an idle window of 10-20 ms. On the H200,
-16 clients decoded at 0.955 of the engine alone with a 10 ms idle window against 0.854 without. A
-window counted from the first arrival still split larger groups: 64 client threads reached the H200
-daemon in 2-3 waves (192-196 decode steps for 192 tokens, the engine alone 192), and the development
-CPU's B = 64 in 2 waves every repeat; so the window is a quiet gap that each arrival restarts. The
-cost is one window on a lone request's first token, at most the cap on any (50 ms at the default
-window; a shorter window keeps that cap, so it costs a lone request less without splitting a group whose
-arrivals come closer together than the window: measured on the H200, 8 client threads' requests
-reached the engine 0.2-1.2 ms apart, a lone request paying 10.5 ms of its ~990, section 31). On the
-development CPU that did not remove the second wave (64 threads of one client: 36 + 28 and 42 + 22
-against 3 + 56 + 5 and 3 + 61 before): its front end took ~1.4 ms a request, so the 64 spanned more
-than the cap. On the H200, 128 client threads still reached the engine in two waves (4 prefill and 130
-decode steps for 128 tokens, 0.948 of the engine alone); a client sending from one event loop
-(``generate_many``) gets one wave at B = 64 and 128 on the development CPU (docs/benchmarks.md section 33).
+An idle engine holds arrivals until none has come for ``idle_window_s`` (0: not at all), and never
+past ``IDLE_HOLD_MAX`` windows (at least ``IDLE_HOLD_S``) from the first held one. Clients that start
+together reach an idle engine some milliseconds apart, and without the hold the first would start a
+prefill wave of its own while the rest queue for the next. The window is a quiet gap that each
+arrival restarts (a window counted from the first arrival still split large groups); its cost is one
+window on a lone request's first token, and at most the cap on any. Threads that each send one request
+can still spread past the cap; a client sending from one event loop (``generate_many``) does not.
 
 A client that knows its group says so (``Submit.group``: a name and a size; ``generate_many`` does): held
 arrivals go in as soon as every one of them belongs to a declared group that has all its members, so a

@@ -11,40 +11,23 @@ import re
 
 import mlx.core as mx
 
-
-class SettingError(ValueError):
-    """A process setting read from the environment (``MLX_BATCHD_*``) that is not one of its values:
-    written for the operator, reported in one line before anything starts."""
-
-
-def env_switch(name: str) -> bool | None:
-    """An on/off ``MLX_BATCHD_*`` setting: ``None`` where it is unset or empty, else 0 or 1; any other
-    value is refused in one line (``SettingError``)."""
-    value = os.environ.get(name)
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise SettingError(f"{name}={value!r}: expected 0 or 1")
-    return value == "1"
-
+from workers.envs import SettingError as SettingError
 
 #: MLX CUDA's switch for its cuDNN attention. MLX reads it once per process, at the first attention
 #: call, so it is set before the engine's first forward.
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
-#: Whether cuDNN attention is on where neither the environment nor ``--cudnn-attention`` says.
+#: Whether cuDNN attention is on where neither the environment nor ``cudnn_attention`` says.
 CUDNN_ATTENTION_DEFAULT = False
 
 
 def configure_attention(cudnn: bool) -> bool:
     """Whether MLX CUDA may run attention through cuDNN in this process: the operator's
-    ``MLX_CUDA_USE_CUDNN_SDPA`` where it is set, else ``cudnn`` (off by default, ``--cudnn-attention``).
+    ``MLX_CUDA_USE_CUDNN_SDPA`` where it is set, else ``cudnn`` (off by default, ``cudnn_attention``).
 
     Why off: cuDNN builds an attention graph for each exact prefill shape (batch and prompt length) in
-    each process, so every new prompt length pays for one in its time to first token. On the H200 8B
-    synth, Poisson arrivals with random prompt lengths read TTFT p50 456 ms against 215 ms for one
-    length; with cuDNN off, 223 and 215 ms; a 2,050-token prefill took 317-318 ms without cuDNN and
-    311-331 ms with it (docs/benchmarks.md section 15). Without it MLX runs prefill attention as
-    matrix products and decode attention in its own vector kernel. Other backends ignore the variable."""
+    each process, so every new prompt length pays for one in its time to first token, while a long
+    prefill gains little from it. Without it MLX runs prefill attention as matrix products and decode
+    attention in its own vector kernel. Other backends ignore the variable."""
     value = os.environ.get(CUDNN_ATTENTION_ENV)
     if value is None:
         os.environ[CUDNN_ATTENTION_ENV] = "1" if cudnn else "0"

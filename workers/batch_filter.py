@@ -4,11 +4,9 @@ When a sequence of the decode batch finishes (or a prefilling one is cancelled),
 ``GenerationBatch.filter`` (and ``PromptProcessingBatch.filter``) calls ``filter`` on every layer's
 cache, and each ``BatchKVCache`` layer reads its kept sequences' left padding back to the host
 (``min(left_padding.tolist())``) to trim the padding they all share: one device round trip per
-layer, each queued behind the step already in flight. On an H200 (8B-shaped 4-bit llama, 32
-layers, B = 16) a profile of the engine thread put those calls at 0.44-0.57 ms each, about 15 ms
-for every step in which a sequence finished, about a decode step's own time. The daemon, whose
-requests arrive spread over several steps, finishes them over several steps too, and paid it
-several times per batch (1,088 layer filters in one bench run against 288 for the engine alone).
+layer, each queued behind the step already in flight: on a GPU, about a decode step's own time
+for every step in which a sequence finished. The daemon, whose requests arrive spread over several
+steps, finishes them over several steps too, and paid it several times per batch.
 
 ``filtered`` gathers every ``BatchKVCache`` layer's kept padding and evaluates them together (one
 round trip); each layer's own ``filter`` then indexes a stand-in (``_Gathered``) that hands it that

@@ -28,12 +28,10 @@ from workers.sampling import SeededSampler
 DEFAULT_K = 4
 #: An MTP head's drafted tokens a round when the operator names none: the most whose verify block
 #: (K + 1 rows) is one call of the project's row kernels (``MAX_ROWS``). Its drafts are chained head
-#: steps computed on the device in the verify's evaluation, so a draft more costs a head step (on the
-#: H200 0.3-0.5 ms of a 5 ms round) while its acceptance stays high: the demo pair through the
-#: daemon, K = 4, 6, 7 and 8 alternating in one bench, read paired speedups of 1.21-1.33 at K = 4,
-#: 1.46-1.51 at 6, 1.50-1.51 at 7 and 1.21-1.37 at 8, whose 9-row block is two calls
-#: (docs/benchmarks.md section 29). Other drafters keep ``DEFAULT_K``: prompt lookup's 8B figures were
-#: measured at 4, and a bigger verify block costs a large target more.
+#: steps computed on the device in the verify's evaluation, so a draft more costs a small share of a
+#: round while its acceptance stays high; past ``MAX_ROWS`` the block takes two calls and the gain is
+#: gone (measured K = 4, 6, 7 and 8 on the demo pair: 7 paid best). Other drafters keep ``DEFAULT_K``:
+#: prompt lookup was measured at 4, and a bigger verify block costs a large target more.
 MTP_K = MAX_ROWS - 1
 
 
@@ -57,10 +55,9 @@ class BurstSettings:
     window_rounds: int = 64
     #: Seconds bursting stays off after the measured speedup fell below 1: ``reprofile_first_s`` the
     #: first time, doubling with each pause that follows without a window that paid in between, at
-    #: most ``reprofile_after_s``. Why not the longest at once: on the H200 a 16-round window paused
-    #: the demo pair's bursts at 0.98-0.99x (unpaused: 1.17-1.55x), and 30 s of classic decode cost
-    #: more than every burst had won (docs/benchmarks.md section 28); a pairing that never pays is
-    #: still retried less and less often.
+    #: most ``reprofile_after_s``. Why not the longest at once: a window of rounds that reads just under
+    #: 1 can pause bursts that pay, and a long pause of classic decode then costs more than the bursts
+    #: had won; a pairing that never pays is still retried less and less often.
     reprofile_first_s: float = 1.0
     reprofile_after_s: float = 30.0
     seed: int = 0
@@ -124,8 +121,7 @@ class Adaptive:
     sample among many and not the level every later sample decays from) and the mean tokens a round
     emitted (bounded by K + 1, and what throughput follows). A moving average seeded by its first
     sample let one round that waited on first-use compilation (the demo MTP head's projection is
-    checked at its first use, during the first bursts) outweigh dozens of later rounds
-    (docs/benchmarks.md section 26)."""
+    checked at its first use, during the first bursts) outweigh dozens of later rounds."""
 
     settings: BurstSettings
     rounds: int = 0
@@ -157,14 +153,12 @@ class Adaptive:
         afresh every ``REEXPLORE_ROUNDS`` rounds and after a pause.
 
         Why interleaved, after a warm-up: timed one way after the other from a daemon's first bursts,
-        the way timed first took its first uses and the host's moment (through the daemon on the
-        H200 the demo pair's rounds built ahead read 6.5-8.0 ms against 4.8-5.0 not, while forced
-        in-process on the same machine they were the faster way, docs/benchmarks.md section 27).
+        the way timed first took its first uses and the host's moment, and read slower through the
+        daemon than the same way forced in-process on the same machine.
 
-        Why measured and not fixed: on the H200 the demo pair's forced bursts ran at 1.628x classic
-        without building ahead and 1.190x with it on one lease, 1.247x and 1.379x on the next
-        (docs/benchmarks.md section 26): a round of a small model is host work, and which way is
-        faster follows the host. Both ways give the same bytes (``workers.lookahead``)."""
+        Why measured and not fixed: on a GPU building ahead paid on one lease and cost on the next: a
+        round of a small model is host work, and which way is faster follows the host. Both ways give
+        the same bytes (``workers.lookahead``)."""
         if not self.settings.lookahead:
             return False
         if not self.settings.lookahead_choice:

@@ -143,9 +143,8 @@ class BurstRunner:
         the step and waited, which is no part of it.
 
         Why to the next start: timed inside the step, a classic step left out the loop's work for its
-        one token, which a round pays once for its four or five. On the H200 the demo pair's classic
-        steps timed 1.07-1.09 ms inside against 1.37-1.67 ms a token through the daemon, and the gate
-        paused bursts at 0.98-0.99x that, unpaused, read 1.17-1.55x (docs/benchmarks.md section 28)."""
+        one token, which a round pays once for its four or five. With a small model that work is a
+        large share of a classic token's cost, and leaving it out paused bursts that paid."""
         cycle, self._cycle = self._cycle, None
         if cycle is None or now is None:
             return

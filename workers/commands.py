@@ -67,12 +67,7 @@ class Shutdown:
     message: str
 
 
-@dataclass
-class MeasureTax:
-    pass
-
-
-Command = Submit | Cancel | Pause | Resume | Shutdown | MeasureTax
+Command = Submit | Cancel | Pause | Resume | Shutdown
 
 
 #: The fields a plain job map carries, read once: the map is built field by field, since
@@ -106,9 +101,7 @@ def command_to_plain(cmd: Command) -> dict[str, Any]:
         return {"c": "pause", "seq": cmd.seq}
     if isinstance(cmd, Resume):
         return {"c": "resume", "seq": cmd.seq}
-    if isinstance(cmd, Shutdown):
-        return {"c": "shutdown", "reason": cmd.reason, "code": cmd.code, "message": cmd.message}
-    return {"c": "measure_tax"}
+    return {"c": "shutdown", "reason": cmd.reason, "code": cmd.code, "message": cmd.message}
 
 
 def command_from_plain(d: dict[str, Any]) -> Command:
@@ -123,8 +116,6 @@ def command_from_plain(d: dict[str, Any]) -> Command:
         return Resume(d["seq"])
     if kind == "shutdown":
         return Shutdown(d["reason"], d["code"], d["message"])
-    if kind == "measure_tax":
-        return MeasureTax()
     raise DistributedError(f"a plan carried an unknown command {kind!r}; the ranks run different versions")
 
 

@@ -1,8 +1,8 @@
 """Decode steps' layers as two compiled halves around the attention core.
 
-At B <= 8 on MLX CUDA a decode step is set by the host, not the device: an 8B 4-bit step reads ~4.5 GB
-(under 1 ms on an H200) while building its graph in Python took 5-7.5 ms at B = 4 (the project's
-per-projection routing included) and MLX's evaluation ~4.5 us an op on top. ``mx.compile`` traces a
+At B <= 8 on MLX CUDA a decode step is set by the host, not the device: building its graph in Python
+(the project's per-projection routing included) and MLX's per-op evaluation take several times what
+reading the weights takes. ``mx.compile`` traces a
 function once per input shape and then replays its graph from C++, fusing elementwise ops, so none of
 that Python runs again. A whole layer cannot be traced once, though: its cache returns keys and
 values that grow by one position a step. So each layer of a decode step runs in three parts:
@@ -19,14 +19,13 @@ attention output for the attention's result. What a half does not need (the tail
 MLP) is not in its traced graph, so nothing runs twice.
 
 Scope: decode steps (one new token per sequence) at ``wide``, classic B = 1 decode included (the
-policy's ``compiled_lone``; ``MLX_BATCHD_COMPILED_LONE=0`` keeps it plain, for measuring), on mlx-lm
+policy's ``compiled_lone``), on mlx-lm
 layer classes of the families in ``FAMILIES`` (each covered by a test that compares the compiled
 step's logits with the plain step's, byte for byte on the CPU), over mlx-lm's ``BatchKVCache`` (which
 the engine's lone sequence decodes on too). Prefill, verify blocks and every
 pinned level run mlx-lm's code unchanged. Classic B = 1 decode is the chain bursts must reproduce: the
 probe measures it as it runs (through the engine's model) and its verdicts are keyed by whether it is
-compiled (``lone``); on the H200 the compiled and plain steps gave the same logits byte for byte at
-B = 1-32. A layer's halves are traced at a batch size only after one plain step at that size (the
+compiled (``lone``). A layer's halves are traced at a batch size only after one plain step at that size (the
 project's kernels check themselves at first use, which evaluates), and traced again whenever the
 kernel plans or the fast-path policy change (both are read while tracing).
 """

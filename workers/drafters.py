@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from workers.arrays import as_int
-from workers.lookahead import restore, save
+from workers.kv_state import restore, save
 from workers.sampling import SeededSampler
 
 

@@ -5,12 +5,13 @@ and every MLX object in it. It speaks in plain dataclasses (jobs in, events out)
 nothing of sockets, so it can be driven directly by tests and benchmarks.
 
 It owns the sequences and the batch; what it holds besides lives in its own module: the burst
-runner (``workers.bursting``), the verdict holder (``workers.verdicts``) and the pin's tax
-measurement (``workers.pintax``). The types it speaks are in ``workers.jobs`` and exported here.
+runner (``workers.bursting``) and the verdict holder (``workers.verdicts``; a verdict carries what a
+process-wide pin would cost, ``workers.probe_pin_cost``). The types it speaks are in ``workers.jobs``
+and exported here.
 At about 500 lines it is over the ~400 of the other modules because its one idea, a sequence's life
 in the batch (admit, step, pause, resume, cancel, finish, its KV handed to the prefix cache), does
 not split further without passing the sequence table around; the accessors at the end that keep
-the engine's surface (verdicts, burst counters, the pin's tax) delegate in a line each.
+the engine's surface (verdicts, burst counters, the pin's cost) delegate in a line each.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from workers import compiled_layers, fastpath, faults, mlxlm, plan_timing, thread_clock
+from workers import compiled_layers, envs, fastpath, faults, mlxlm, plan_timing, thread_clock
 from workers.arrays import as_float, as_int
 from workers.burst import Adaptive, BurstCounters, BurstSeq, BurstSettings, Gate, emit_in_order
 from workers.bursting import BurstRunner
 from workers.demo import cache_dir
 from workers.drafters import Drafter
+from workers.grammar import DECLINE_REASON as GRAMMAR_DECLINE
+from workers.grammar import GrammarState, lltokenizer
 from workers.jobs import (
     EngineCounters,
     Event,
@@ -46,13 +49,16 @@ from workers.jobs import (
     top_logprobs,
 )
 from workers.kernels import Level, process_level
+from workers.logits_controls import DECLINE_REASON, processors_for, stop_ids
 from workers.params import FinishReason
 from workers.pins import CountedModel, PinLedger, pinned, unpinned
-from workers.pintax import PinTax
 from workers.prefill_wave import PREFILL_TOKENS, most_prompts, wave_size
 from workers.prefix_cache import PrefixCache
 from workers.probe import Verdict
+from workers.probe_pin_cost import bucket
+from workers.probe_pin_cost import summary as pin_cost_summary
 from workers.sampling import make_sampler
+from workers.shared_prefill import SharedPrefill
 from workers.verdicts import PinScope, Verdicts
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -71,10 +77,10 @@ class Engine:
         prefill_batch: int | None = None,
         prefill_step: int = 2048,
         prefill_tokens: int = PREFILL_TOKENS,
-        pin_scope: PinScope = "scoped",
         lockstep: bool = False,
     ) -> None:
-        self.pin_scope = pin_scope
+        #: ``process`` only in the bench's arm that pins the whole process (``envs.BENCH_PROCESS_PIN``).
+        self.pin_scope: PinScope = "process" if envs.switch(envs.BENCH_PROCESS_PIN) else "scoped"
         #: One of several ranks stepping the same batch (``workers.loop``): a failed step cannot be
         #: recovered from on one rank alone, so it raises instead (and every rank stops).
         self.lockstep = lockstep
@@ -84,6 +90,8 @@ class Engine:
         self.counted = CountedModel(model, self.ledger)
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        #: The model's tokenizer (``workers.loop`` sets it): what a grammar's token masks are built from.
+        self.tokenizer: Any = None
         self.max_batch = max_batch
         #: Most prompts one prefill wave takes (``None``: the decode batch's size); the wave is sized
         #: by ``prefill_tokens`` within it (``workers.prefill_wave``).
@@ -91,10 +99,13 @@ class Engine:
         self.prefill_step = prefill_step
         self.prefill_tokens = prefill_tokens
         self.counters = EngineCounters()
-        self._verdicts = Verdicts(pin_scope)
+        self._verdicts = Verdicts(self.pin_scope)
         self.runner = BurstRunner(self, self._verdicts)
-        self._tax = PinTax(model, self.counted, self.ledger, vocab_size, pin_scope)
+        #: Batched decode seconds by batch bucket (``probe_pin_cost.bucket``): what scoping saved.
+        self.decode_seconds_by_batch: dict[int, float] = {}
         self._seqs: dict[int, Sequence] = {}  # by caller seq
+        #: Siblings of one request waiting for their leader's prefill (``workers.shared_prefill``).
+        self.shared = SharedPrefill()
         self._by_uid: dict[int, Sequence] = {}
         #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
         self.prefix_cache: PrefixCache | None = None
@@ -117,6 +128,7 @@ class Engine:
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""
         self.counters = EngineCounters()
+        self.decode_seconds_by_batch = {}
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -154,16 +166,43 @@ class Engine:
     # ------------------------------------------------------------------ commands
 
     def submit(self, job: Job) -> None:
-        stops = frozenset((*self.eos_token_ids, *job.stop_token_ids))
-        seq = Sequence(job=job, uid=-1, sampler=make_sampler(job.sampling, self.vocab_size), stops=stops)
+        stops = stop_ids(job.sampling, self.eos_token_ids, job.stop_token_ids)
+        processors = processors_for(job.sampling, len(job.prompt), stops)
+        sampler = make_sampler(job.sampling, self.vocab_size)
+        if job.sampling.grammar is not None:  # the mask runs last: what the grammar refuses stays refused
+            state = GrammarState(lltokenizer(self.tokenizer, self.vocab_size), job.sampling.grammar, stops, sampler)
+            processors.append(state.processor)
+            sampler = state.sampler  # type: ignore[assignment]
+        seq = Sequence(job=job, uid=-1, sampler=sampler, stops=stops, processors=processors)
+        if processors:  # a burst's verify does not run them: classic decode only, counted as declined
+            seq.no_burst = GRAMMAR_DECLINE if job.sampling.grammar is not None else DECLINE_REASON
+        pc = self.prefix_cache
+        leader = self.shared.leader_for(seq, self._seqs.values()) if pc is not None and pc.serving else None
+        if leader is not None:  # a sibling of one request: it takes the leader's prompt KV (``shared_prefill``)
+            self.shared.hold(leader, seq)
+        else:
+            self._place(seq)
+        self._seqs[job.seq] = seq
+        self.counters.submitted += 1
+
+    def _place(self, seq: Sequence) -> None:
+        """Put a new sequence into the batch, on the prefix cache's KV where it has the prompt's start."""
+        job = seq.job
         hit = None if self.prefix_cache is None else self.prefix_cache.lookup(job.cache_salt, job.prompt)
         if hit is None or hit.cache is None:
             seq.uid = self._insert(seq, [job.prompt], job.max_tokens, None, [])
         else:  # only the suffix is prefilled, on a private copy of the cached prefix's KV
             seq.cached = len(hit.cached)
             seq.uid = self._insert(seq, [hit.rest], job.max_tokens, hit.cache, hit.cached)
-        self._seqs[job.seq] = seq
-        self.counters.submitted += 1
+
+    def _place_followers(self) -> None:
+        """Siblings whose leader has its first token (or will not get one soon) enter the batch; the
+        leader's prompt KV goes to the prefix cache first, so they prefill only the prompt's last token."""
+        for leader, followers in self.shared.ready(self._seqs):
+            if leader.job.seq in self._seqs and leader.first_token is not None and leader.parked is None:
+                self._keep_in_generator(leader)
+            for f in followers:
+                self._place(f)
 
     def keep_prefix(self, s: Sequence, cache: list[Any] | None, tokens: list[int] | None) -> None:
         """Offer an ending sequence's KV (of exactly ``tokens``) to the prefix cache; a failure here
@@ -188,6 +227,7 @@ class Engine:
             caches=None if cache is None else [cache],
             all_tokens=[in_cache],
             samplers=samplers,
+            logits_processors=[s.processors],
             stop_sequences=[StopSequences([(t,) for t in sorted(s.stops)])],
         )
         self._by_uid[uid] = s
@@ -202,7 +242,9 @@ class Engine:
             return []
         why = FinishReason(reason)
         keep = why is not FinishReason.ERROR  # a failed step or a shutdown leaves nothing worth keeping
-        if self.runner.holds(s):
+        if self.shared.holds(s):  # a sibling still waiting for its leader: nothing of it is in the batch
+            self.shared.drop(s)
+        elif self.runner.holds(s):
             self.runner.close(keep)
         elif s.parked is None:
             if keep:
@@ -323,7 +365,9 @@ class Engine:
 
     def _step(self) -> list[Event]:
         tic = time.perf_counter()
-        decoding = mlxlm.decode_batch_size(self._gen) > 0
+        self._place_followers()
+        batch = mlxlm.decode_batch_size(self._gen)
+        decoding = batch > 0
         solo = mlxlm.decode_batch_size(self._gen) == 1 and not mlxlm.prefill_pending(self._gen)
         # Batched work never sees a scoped pin; the lone sequence's classic step runs at the
         # verdict's rung when that rung pins classic decode too (``padded``).
@@ -348,6 +392,8 @@ class Engine:
         if decoding:
             self.counters.decode_steps += 1
             self.counters.decode_seconds += time.perf_counter() - tic
+            by_batch, key = self.decode_seconds_by_batch, bucket(batch)
+            by_batch[key] = by_batch.get(key, 0.0) + time.perf_counter() - tic
             if solo and not prompt_responses:
                 self.runner.classic_began(tic)
         self.counters.prefill_steps += bool(prompt_responses)
@@ -469,12 +515,13 @@ class Engine:
         """One target forward at whatever level is in force (wide unless inside ``pinned``)."""
         return self.counted(inputs, cache=cache)
 
-    def measure_tax(self, batch: int, level: Level, reps: int = 3, context: int = 32) -> dict[str, Any]:
-        """What a process-wide pin at ``level`` would cost a batched decode step (``PinTax.measure``)."""
-        return self._tax.measure(batch, level, reps, context)
-
-    def tax_summary(self) -> dict[str, Any]:
-        return self._tax.summary(self.counters.decode_seconds)
+    def pin_tax_summary(self) -> dict[str, Any]:
+        """What a process-wide pin would cost batched decode, as the serving pairing's verdict measured
+        it, and what scoping saved so far (``probe_pin_cost.summary``); empty without a verdict."""
+        v = self.verdict(self.pairing) or next(iter(self.verdicts.values()), None)
+        if v is None:
+            return {}
+        return pin_cost_summary(v.pin_cost, v.level, self.decode_seconds_by_batch, self.pin_scope == "process")
 
     # ------------------------------------------------------------------ the probe and verdicts
 

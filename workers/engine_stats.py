@@ -41,7 +41,7 @@ def engine_snapshot(
         "pins": cast(PinsSnapshot, engine.ledger.snapshot()),
         "verdicts": cast(dict[str, VerdictRow | ProbingRow], engine.verdict_summary()),
         "bursts": cast(BurstSummary, engine.burst_summary()),
-        "pin_tax": cast(PinTax, engine.tax_summary()),
+        "pin_tax": cast(PinTax, engine.pin_tax_summary()),
         "prefix_cache": {"enabled": False}
         if engine.prefix_cache is None
         else cast(PrefixCacheSnapshot, engine.prefix_cache.snapshot()),

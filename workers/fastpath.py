@@ -2,7 +2,7 @@
 
 mlx-lm calls every projection on ``(B, T, D)`` activations. On MLX CUDA a ``(B, 1, D)`` quantized
 projection runs as B matrix-vector products, while the same rows as one ``(B, D)`` matrix reach the
-batched kernel (an H200, 8B-shaped 4-bit llama: a B = 32 decode step 111 ms -> 24 ms). The same
+batched kernel (several times faster at B = 32 on an 8B 4-bit model). The same
 backend's fused attention is run-to-run reproducible for a single sequence only on contiguous K/V
 (over the cache's strided views it is not), which exactness needs. Small row counts are planned per
 projection shape by timing (``plan_timing.calibrate``, once per machine: ``plan_store``): as mlx-lm calls them,
@@ -24,16 +24,14 @@ mlx-lm behaviour, for comparison), ``=cuda`` forces the CUDA policy anywhere (te
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers.backend import SettingError, env_switch
+from workers import envs
 
 log = logging.getLogger("mlx_batchd")
 
@@ -61,50 +59,40 @@ class FastPath:
     #: Run decode steps' decoder layers as compiled halves around attention (``compiled_layers``): at
     #: B <= 8 the host's graph building sets the step.
     compiled_layers: bool = False
-    #: With ``compiled_layers``, classic B = 1 decode too (the chain bursts reproduce: on the H200 8B
-    #: synth its compiled logits were byte-equal to the plain step's, the step 24 % shorter).
+    #: With ``compiled_layers``, classic B = 1 decode too (the chain bursts reproduce: the probe
+    #: measures its verdicts on the compiled chain, which is shorter a step than the plain one).
     compiled_lone: bool = True
 
 
 OFF = FastPath("off")
 #: MLX's CPU and Metal backends: flattening costs nothing and lets every batch take one matmul.
 GENERIC = FastPath("generic", flatten=True)
-#: MLX CUDA (measured on an H200, docs/benchmarks.md). Below 8 rows its batched quantized kernel costs
-#: about M matrix-vector products, and which row count is cheapest depends on the shape (a 14336 x 4096
-#: 4-bit matmul costs 0.21 ms at 4 rows and 0.11 at 8, a 4096 x 14336 one 0.19 and 0.26): calibrated.
-CUDA = FastPath("cuda", flatten=True, calibrate_rows=16, contiguous_kv=True, padded_first=True, compiled_layers=True)
+#: MLX CUDA. Below 8 rows its batched quantized kernel costs about M matrix-vector products, and which
+#: row count is cheapest depends on the projection's shape, so the plan per row count is calibrated on
+#: the machine (``benchmarks/fastpath_probe.py`` measures the costs).
+CUDA = FastPath(
+    "cuda",
+    flatten=True,
+    calibrate_rows=16,
+    contiguous_kv=True,
+    padded_first=True,
+    compiled_layers=True,
+)
 
 _POLICIES = {p.name: p for p in (OFF, GENERIC, CUDA)}
 _active: FastPath | None = None
 
 
-#: Environment switches that override one boolean field of the policy (``detect``).
-_SWITCHES = (
-    ("MLX_BATCHD_CONTIGUOUS_KV", "contiguous_kv"),
-    ("MLX_BATCHD_COMPILED_LAYERS", "compiled_layers"),
-    ("MLX_BATCHD_COMPILED_LONE", "compiled_lone"),
-)
-
-
 def detect() -> FastPath:
     """The policy for this process: ``MLX_BATCHD_FASTPATH`` if set, else by the default device;
-    ``MLX_BATCHD_CONTIGUOUS_KV=0|1`` overrides its ``contiguous_kv`` (to measure what the copies
-    cost and buy: with cuDNN attention off, MLX CUDA's single-query kernel walks a strided view's
-    keys in a fixed order); ``MLX_BATCHD_COMPILED_LAYERS=0|1`` its ``compiled_layers`` and
-    ``MLX_BATCHD_COMPILED_LONE=0|1`` its ``compiled_lone``."""
-    forced = os.environ.get("MLX_BATCHD_FASTPATH")
+    ``MLX_BATCHD_COMPILED_LAYERS=0|1`` overrides its ``compiled_layers`` (``workers.envs``)."""
+    forced = envs.read(envs.FASTPATH)
     if forced:
-        if forced not in _POLICIES:
-            raise SettingError(f"MLX_BATCHD_FASTPATH={forced!r}: expected one of {', '.join(_POLICIES)}")
         policy = _POLICIES[forced]
     else:
         policy = CUDA if mx.default_device() == mx.gpu and mx.cuda.is_available() else GENERIC
-    switches: dict[str, Any] = {}
-    for env, field in _SWITCHES:
-        value = env_switch(env)
-        if value is not None:
-            switches[field] = value
-    return replace(policy, **switches) if switches else policy
+    compiled = envs.switch(envs.COMPILED_LAYERS)
+    return policy if compiled is None else replace(policy, compiled_layers=compiled)
 
 
 def active() -> FastPath:
@@ -138,13 +126,17 @@ RowKernel = Callable[[mx.array], "mx.array | None"]
 
 
 def project(
-    call: Callable[[mx.array], mx.array], x: mx.array, rows: int, key: int = 0, kernel: RowKernel | None = None
+    call: Callable[[mx.array], mx.array],
+    x: mx.array,
+    rows: int,
+    key: int = 0,
+    kernel: RowKernel | None = None,
 ) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
     ``kernel`` computes flattened rows through the project's multi-row kernel (``None`` where that
-    does not take them): used where the plan says ``KERNEL``. A single row (classic B = 1 decode) is
-    left exactly as mlx-lm calls it unless its plan is ``KERNEL``.
+    does not take them): used where the plan says ``KERNEL``. A single row (classic B = 1 decode) is left exactly as mlx-lm calls it
+    unless its plan is ``KERNEL``.
     """
     if x.ndim < 2 or not active().flatten:
         return call(x), rows
@@ -166,8 +158,8 @@ def project(
 
 #: The last input padded for a call: (that input, the rows it was padded to, the padded rows). A
 #: layer's q/k/v (and gate/up) are called on one input one after another, so it is padded once for
-#: them. On the H200 8B synth a padded projection's concatenation and slice cost ~0.04 ms of a step
-#: each: at B = 4, 7 a layer made the 32 layers 18.8 ms against 11.3 at B = 16, which pads nothing.
+#: them: each padding is a concatenation and a slice, which added up to a visible share of a small
+#: batch's step when every projection paid its own.
 _last_pad: tuple[mx.array, int, mx.array] | None = None
 
 

@@ -13,9 +13,9 @@ Never set in production; nothing here does anything unless a test sets it.
 
 from __future__ import annotations
 
-import os
+from workers import envs
 
-ENV = "MLX_BATCHD_TEST_FAULTS"
+ENV = envs.TEST_FAULTS.name
 
 
 class InjectedFault(RuntimeError):
@@ -30,7 +30,7 @@ def _parse(spec: str) -> dict[str, int]:
     return out
 
 
-_spec = _parse(os.environ.get(ENV, ""))
+_spec = _parse(envs.read(envs.TEST_FAULTS))
 request_token: int | None = _spec.get("request_token")
 engine_loop_after: int | None = _spec.get("engine_loop_after")
 

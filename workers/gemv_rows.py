@@ -2,9 +2,8 @@
 
 Why: ``qmv_rows`` makes the ``mirrored`` level cheap for quantized models. A dense (bf16, fp16 or
 fp32) model's projections had no such kernel, so a verify block at ``mirrored`` ran decode's own
-one-row call once per row: on the H200 the demo pair's burst round (a 5-row verify plus the MTP
-head's drafts) cost 6.66 classic steps, and bursts ran at 0.725x classic decode
-(docs/benchmarks.md section 22).
+one-row call once per row, and a burst round of the demo pair cost more classic steps than its
+tokens saved.
 
 On MLX CUDA a one-row projection without a bias (``x @ W.T`` with one row: classic decode's call)
 runs MLX's ``gemv``: 8 warps a block, one warp per output feature, each lane walking the input

@@ -151,6 +151,9 @@ class Sequence:
     uid: int
     sampler: SeededSampler | None = None
     stops: frozenset[int] = frozenset()
+    #: Its logits processors (``workers.logits_controls``), run by ``BatchGenerator`` on its row
+    #: only; empty for a request with no controls.
+    processors: list[Any] = field(default_factory=list)
     prefill_started: float | None = None
     first_token: float | None = None
     emitted: int = 0

@@ -42,7 +42,7 @@ Levels (the ladder), in the order the probe tries them (``ladder()``; ``mirrored
 A level applies to the graph built while it is in force. MLX is lazy, so what matters is which
 level was current when a forward *built* its graph; the engine thread builds every graph, so a
 level entered with ``scoped()`` around one forward touches that forward only. ``set_process_level``
-is the seed project's process-wide pin, kept only for comparison.
+is the seed project's process-wide pin, kept only as a bench arm (the comparison that shows scoping pays).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def ladder() -> tuple[Level, ...]:
     (it keeps classic decode as it is), then ``rowwise``, both where the project's kernels run
     (``qmv_rows.usable``, ``rowkernel.usable``: its start-up check passed), then ``padded`` where it is
     measured cheaper than chunking (MLX CUDA, ``fastpath``'s switch); elsewhere none of them (an
-    operator may still pin them with ``--pin-level``)."""
+    operator may still pin them with ``pin_level``)."""
     from workers import qmv_rows, rowkernel
 
     first: tuple[Level, ...] = (Level.MIRRORED,) if qmv_rows.usable() else ()
@@ -139,6 +139,6 @@ def process_level() -> Level:
 
 
 def set_process_level(level: Level) -> None:
-    """The process-wide pin (``--pin-scope process``): every forward not scoped runs at ``level``."""
+    """The process-wide pin (a bench arm, never a daemon's): every forward not scoped runs at ``level``."""
     global _process_level
     _process_level = level

@@ -4,9 +4,8 @@ A lone sequence's classic steps run inside mlx-lm's ``BatchGenerator`` on a ``Ba
 row, whose ``make_mask`` hands the model an all-true boolean mask for a one-token step; a burst's
 verify, its audit and the probe's chain run on the sequence's own ``KVCache``, where the same step
 has no mask. Both mean the same attention, but MLX's fused attention takes a different path with an
-array mask: on an H200 (MLX CUDA 0.32.4, 8B-shaped 4-bit llama) the logits of every one of 256
-classic steps differed in bytes between the two, and 18 of the 256 greedy tokens
-(``benchmarks/lone_path_probe.py``; docs/benchmarks.md section 18). A verdict about the chain then
+array mask: on MLX CUDA the two give different logit bytes and, over a long generation, different
+greedy tokens (``benchmarks/lone_path_probe.py`` compares them). A verdict about the chain then
 said nothing about the engine's own output: bursts passed the probe and their audits and still
 changed the tokens. On the CPU the two agree, which is why no CPU test saw it.
 

@@ -1,8 +1,8 @@
 """The next burst round's verify, built while this round's runs on the device.
 
-A round builds its verify forward's graph in Python before the device can start it: on the H200 8B
-synth at ``mirrored`` 8-12 ms of a 19-25 ms round, against 3.6 ms for a classic step, whose building
-mlx-lm already overlaps with the previous step's run. With greedy decoding and a drafter whose
+A round builds its verify forward's graph in Python before the device can start it, a large share of
+the round at ``mirrored``, while a classic step's building mlx-lm already overlaps with the previous
+step's run. With greedy decoding and a drafter whose
 proposal is a function of the history alone (prompt lookup), the next round's block can be guessed
 before this round's result: every draft kept, and the bonus token the drafter predicts after them.
 Its graph is built on the caches this round leaves, while the device computes this round, and is
@@ -21,15 +21,14 @@ proposal; both are kept when every draft is, which greedy decoding knows when th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
+from workers.drafters import Drafter
 from workers.kernels import Level
-
-if TYPE_CHECKING:  # the drafters put their own caches back with ``save`` / ``restore``
-    from workers.drafters import Drafter
+from workers.kv_state import restore, save
 
 
 @dataclass
@@ -79,16 +78,6 @@ def room(cache: list[Any], tokens: int) -> bool:
     """Whether every cache holds ``tokens`` more without growing its buffer: a guess is built only
     then, so undoing it by trimming leaves each buffer as it was laid out."""
     return all(c.keys is not None and c.offset + tokens <= c.keys.shape[2] for c in cache)
-
-
-def save(cache: list[Any]) -> list[tuple[Any, Any, int]]:
-    """Each plain ``KVCache``'s whole state, (keys, values, offset), for ``restore``."""
-    return [(c.keys, c.values, c.offset) for c in cache]
-
-
-def restore(cache: list[Any], saved: list[tuple[Any, Any, int]]) -> None:
-    for c, (keys, values, offset) in zip(cache, saved, strict=True):
-        c.keys, c.values, c.offset = keys, values, offset
 
 
 def guess(drafter: Drafter, history: list[int], drafts: list[int], k: int) -> list[int] | None:

@@ -14,9 +14,9 @@ reads the clock) and published as a ``workers.distributed.Plan``; every rank app
 the same code (``_apply``), so all run the same forwards, and each follower checks rank 0's state
 in the plan against its own before applying it.
 
-Over 400 lines because the loop thread is one idea: its lifecycle, leading and following plans, and
-when to measure the pin's tax all read and write the same loop state. Its vocabulary (commands,
-signals, plain maps) is ``workers.commands``; its start-up is ``workers.startup``.
+Over 400 lines because the loop thread is one idea: its lifecycle and leading and following plans
+all read and write the same loop state. Its vocabulary (commands, signals, plain maps) is
+``workers.commands``; its start-up is ``workers.startup``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from workers.commands import (
     Cancel,
     Command,
     Dead,
-    MeasureTax,
     Pause,
     Ready,
     Resume,
@@ -58,7 +57,6 @@ from workers.commands import (
 from workers.distributed import IDLE_WAIT_S, DistributedError, Lockstep, Mode, Plan, World, as_peer_lost
 from workers.engine import Engine, Finished, Job, Tokens
 from workers.engine_stats import engine_snapshot
-from workers.kernels import Level
 from workers.models import LoadedModel, ModelError
 from workers.prefill_wave import most_prompts
 from workers.profiling import profiled
@@ -119,8 +117,6 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlx-batchd-engine", daemon=True)
         self._engine: Engine | None = None
-        self._tax_at = time.monotonic()
-        self._tax_measured_at: float | None = None
         #: MLX has cached buffers from work since the engine was last idle.
         self._cache_dirty = False
         self._join_world = world if callable(world) and not isinstance(world, World) else None
@@ -167,13 +163,6 @@ class EngineThread:
         """Let a paused ``seq`` produce tokens again; unknown or finished sequences are ignored."""
         self._inbox.put(Resume(seq))
 
-    def measure_tax(self) -> None:
-        """Time a batched step pinned vs wide at the current batch size, at the next step.
-
-        Requests in one inbox drain run one measurement, and one within ``tax_min_interval_s`` of
-        the last measurement is ignored (the snapshot keeps the last figure)."""
-        self._inbox.put(MeasureTax())
-
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
     ) -> None:
@@ -216,9 +205,9 @@ class EngineThread:
                 prefill_batch=s.prefill_batch,
                 prefill_step=s.prefill_step,
                 prefill_tokens=s.prefill_tokens,
-                pin_scope=s.pin_scope,
                 lockstep=self.world.distributed,
             )
+            engine.tokenizer = loaded.tokenizer
             warm_up(engine)
             if s.prefix_cache_bytes > 0:
                 configure_prefix_cache(engine, loaded, s)
@@ -273,7 +262,7 @@ class EngineThread:
             if since is None or time.monotonic() - since <= limit:
                 continue
             why = (
-                f"rank {self.world.rank}: one engine iteration ran past --rank-timeout {limit:g} s; "
+                f"rank {self.world.rank}: one engine iteration ran past {limit:g} s (rank_timeout in the config file); "
                 "a peer is gone or stuck inside a collective, so this rank stops"
             )
             log.error("%s", why)
@@ -343,8 +332,6 @@ class EngineThread:
         """This iteration as rank 0 decides it: the commands as plain maps (unseeded sampled jobs get
         their seed here), and every choice that reads the clock, published to the other ranks."""
         plain: list[dict[str, Any]] = []
-        tax_asked = any(isinstance(cmd, MeasureTax) for cmd in cmds)
-        cmds = [cmd for cmd in cmds if not isinstance(cmd, MeasureTax)]
         stop: str | None = None
         for cmd in self._admission.take(cmds, engine.has_work, time.monotonic()):
             if isinstance(cmd, Submit):
@@ -354,7 +341,7 @@ class EngineThread:
                 stop = cmd.code
                 break
         gate = engine.runner.gate(time.perf_counter())
-        decisions: dict[str, Any] = {"gate": [gate.refusal, gate.stop], "tax": self._tax_due(tax_asked)}
+        decisions: dict[str, Any] = {"gate": [gate.refusal, gate.stop]}
         if stop:
             decisions["stop"] = stop
         distributed = self.world.distributed
@@ -382,8 +369,6 @@ class EngineThread:
                 if events:
                     self._emit(events)
                 return True
-        if plan.decisions.get("tax"):
-            self._measure_tax(engine)
         if engine.has_work:
             self._cache_dirty = True
             refusal, stop = plan.decisions["gate"]
@@ -401,17 +386,6 @@ class EngineThread:
             self._cache_dirty = True
             engine.probe_step()
         return False
-
-    def _tax_due(self, asked: bool) -> bool:
-        """Whether to measure the pin's tax this iteration: asked for and the last measurement is
-        older than ``tax_min_interval_s``, or ``tax_interval_s`` has passed since the last one."""
-        s, now = self._settings, time.monotonic()
-        if asked:
-            last = self._tax_measured_at
-            if last is None or now - last >= s.tax_min_interval_s:
-                return True
-            log.debug("pin tax measurement skipped: the last one is under %.0f s old", s.tax_min_interval_s)
-        return bool(s.tax_interval_s) and now - self._tax_at > s.tax_interval_s
 
     def _note(self, events: list[Signal]) -> None:
         """Fold this iteration's tokens and ends into the digest ``_state`` compares across ranks."""
@@ -436,21 +410,6 @@ class EngineThread:
         them for good. Emptying costs nothing while idle and the next step re-allocates."""
         mx.clear_cache()
         self._cache_dirty = False
-
-    def _measure_tax(self, engine: Engine) -> None:
-        """At the verdict's level when it pins, else at narrow (what a pin would cost). Across ranks
-        a failure stops every rank: the measurement's forwards hold collectives."""
-        self._tax_at = self._tax_measured_at = time.monotonic()
-        level = Level.NARROW
-        for v in engine.verdicts.values():
-            if v.level not in (None, Level.WIDE.value):
-                level = Level(v.level)
-        try:
-            engine.measure_tax(max(2, engine.batch_size()), level)
-        except Exception:
-            if self.world.distributed:
-                raise
-            log.exception("pin tax measurement failed")
 
     def snapshot(self) -> EnginePart:
         """``engine_snapshot`` as the engine handle passes it on (the empty map before the engine

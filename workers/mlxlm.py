@@ -19,7 +19,7 @@ What each one is for, and why the public API is not enough:
   with one that reads every layer's padding back in one round trip (``batch_filter``); no public
   hook reaches the batches ``BatchGenerator`` makes.
 - ``merge_caches``: one batch cache from single-sequence caches, as ``BatchGenerator`` builds them
-  (the pin-tax measurement and the prefix cache's exactness check run batched forwards themselves).
+  (the probe's pin cost and the prefix cache's exactness check run batched forwards themselves).
 - ``model_classes``: a config's model and argument classes, to check a model directory without
   reading its weights and to build random-weight models.
 - ``detokenizer_prototype``, ``continuation_bpe_class``: the streaming detokenizer every

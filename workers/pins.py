@@ -2,7 +2,7 @@
 
 Every forward of the target goes through ``CountedModel``, which records the level in force when
 the forward's graph was built, whether that forward asked for it (a scoped pin) or inherited it
-from the process (``--pin-scope process``), and how many token rows it carried. A forward at a
+from the process (the bench's process-wide pin arm), and how many token rows it carried. A forward at a
 non-wide level that did not ask for it is **collateral**: work that paid a pin it did not need.
 With scoped pins collateral is zero by construction; the counters prove it.
 

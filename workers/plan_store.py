@@ -1,8 +1,8 @@
 """Row-count plans kept on disk, so every process on a machine runs a model's projections one way.
 
 ``plan_timing.calibrate`` times each projection shape at load. Timed in each process, the plans came
-out differently from one start to the next (on an H200 the bench's engine and its daemon chose
-different plans for the same model in the same minute), and two processes serving one model then
+out differently from one start to the next (near-ties fall either way on a GPU), and two processes
+serving one model then
 ran different kernels: a benchmark compared the plans' luck as much as the processes. Plans are
 therefore timed once per machine and kept, keyed by everything they depend on (the backend and its
 versions, the projection shapes, the policy's row range, the project kernel's launch settings,

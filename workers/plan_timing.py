@@ -3,10 +3,8 @@
 MLX CUDA records a step's kernels as a CUDA graph whose edges are the data they share, so kernels that
 do not depend on each other may run at the same time. Calls timed side by side (eight calls on one
 input in one evaluation) measured how many calls the device completes together, not how long a
-forward waits for one: on the H200 8B synth such timings planned 2-8 rows to MLX's batched kernel
-on 16 padded rows, yet a B = 2 decode forward took 21.3 ms with those plans against 12.8 ms as
-mlx-lm calls it, and the 32 layers run side by side on one input took 11.3 ms at B = 16 against a
-20 ms forward. So here each timed call takes the previous call's output as part of its input (one
+forward waits for one: such timings chose plans that made small batches' decode forwards slower
+than mlx-lm's own calls. So here each timed call takes the previous call's output as part of its input (one
 chain: the next call waits for this one), and then, for each row count, the plans are checked on
 the model's own decode steps against running every projection one way (as called, flattened,
 padded, through the project's kernel): decode steps chained as the engine runs them are what a
@@ -180,9 +178,8 @@ def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) 
 
     Why chained and not one synchronous forward: a synchronous forward costs graph building plus
     device time, while a decode loop builds the next step while the device runs this one and pays
-    about the larger of the two. On the H200 8B synth the synchronous check kept the project's kernel
-    at 4 rows (16.3 ms against 18.4 for the per-shape plans), and the engine's 4-row steps then took
-    11.0-12.4 ms against 9.9-10.6 ms with the plans (the kernel's build is the heavier)."""
+    about the larger of the two. A synchronous check favoured the way whose graph is heavier to build
+    (the project's kernel), and the engine's steps were then slower than with the other plans."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, FORWARD_CONTEXT), dtype=mx.int32), cache=cache))
     first = mx.zeros((rows, 1), dtype=mx.int32)
@@ -311,8 +308,7 @@ def warm_kernel(model: nn.Module, plans: Plans) -> list[int]:
     Why: the kernel checks each layer shape (or sibling group) against MLX's one-row call and is
     compiled at its first call, seconds on a GPU. Plans read from the store skip the timing that
     would otherwise have made those calls, and a daemon then paid them inside the first request
-    whose batch reached such a row count: on the H200 8B synth a B = 64 run took 13.5 s against
-    9.0-9.3 s for the others, when its batch shrank through 2-7 rows as sequences ended."""
+    whose batch reached such a row count (as sequences end, a batch shrinks through them)."""
     rows = sorted({r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL})
     if not rows or not decodes(model):
         return []

@@ -2,27 +2,26 @@
 
 Why: mlx-lm's ``BatchGenerator`` prefills at most ``prefill_batch_size`` prompts together (8 in
 ``mlx_lm.server``), and every further group joins the decode batch a couple of steps later. When
-many requests arrive together the batch then decodes in waves: on the H200 8B synth, 192 tokens a
-request, the engine made 194 / 198 / 206 decode steps at B = 16 / 32 / 64 (2, 4 and 8 waves of 8),
-3-7 % more steps than the 192 tokens need, and its sequences finished in as many steps, each one
+many requests arrive together the batch then decodes in waves (64 prompts: 8 waves of 8), taking
+more decode steps than the tokens need, and its sequences finish in as many steps, each one
 filtering every layer's cache. A count is also the wrong bound for memory and for the decoding
 batch's stall: 8 prompts of 2,048 tokens make a 16,384-token chunk, 8 of 30 tokens a 240-token one.
 
 So a wave takes the queued prompts in arrival order while (prompts x the longest chunk among them)
-stays within ``budget`` tokens (``--prefill-tokens``), at least one prompt and at most ``most``
-(``--prefill-batch``, by default the decode batch's size). A prompt's chunk is what mlx-lm feeds
+stays within ``budget`` tokens (``prefill_tokens``), at least one prompt and at most ``most``
+(``prefill_batch``, by default the decode batch's size). A prompt's chunk is what mlx-lm feeds
 it in one prefill step: its remaining tokens, at most ``prefill_step``.
 """
 
 from __future__ import annotations
 
-#: Prompt tokens one prefill step may carry across a wave (``--prefill-tokens``): 64 prompts of up to
+#: Prompt tokens one prefill step may carry across a wave (``prefill_tokens``): 64 prompts of up to
 #: 64 tokens, or 2 of a full 2,048-token chunk.
 PREFILL_TOKENS = 4096
 
 
 def most_prompts(prefill_batch: int | None, max_batch: int) -> int:
-    """The most prompts one wave prefills: ``--prefill-batch`` (unset: the decode batch's size),
+    """The most prompts one wave prefills: ``prefill_batch`` (unset: the decode batch's size),
     never more than the decode batch holds."""
     return max_batch if prefill_batch is None else min(prefill_batch, max_batch)
 

@@ -40,6 +40,7 @@ from workers.layout import LAYOUT_STEP
 from workers.levels import Level
 from workers.probe_draws import Draw, MakeCache, make_draws, sliding_window
 from workers.probe_ladder import ProbePolicy, ladder_steps
+from workers.probe_pin_cost import pin_cost_steps, pinning_rungs
 from workers.probe_results import Verdict
 from workers.projections import PAD_ROWS
 from workers.verdict_store import VerdictStore, pairing_fingerprint
@@ -71,13 +72,15 @@ def probe_steps(
     policy: ProbePolicy = _DEFAULT_POLICY,
     force: bool = False,
     warm: list[int] | None = None,
+    max_batch: int | None = None,
 ) -> Generator[str, None, Verdict]:
     """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
     the drafter and the backend), from the store when its fingerprint is known, else measured a
     draw per step. Either way the verdict's widths are what narrow and per-query serve with after it.
     With ``warm`` (a verdict that bursts will serve: the block lengths they can run) the verify's
-    kernels are built at the verdict's level for those lengths before it is returned (``verify_warmup``)."""
-    verdict = yield from _verdict_steps(model, make_cache, pairing, draws, k, store, policy, force)
+    kernels are built at the verdict's level for those lengths before it is returned (``verify_warmup``).
+    ``max_batch``: a serving engine's most sequences a step; the pin's cost is measured up to it."""
+    verdict = yield from _verdict_steps(model, make_cache, pairing, draws, k, store, policy, force, max_batch)
     if warm and verdict.level is not None:
         yield from warm_steps(model, make_cache, Level(verdict.level), warm, draws[0].prompt)
     return verdict
@@ -92,6 +95,7 @@ def _verdict_steps(
     store: VerdictStore | None,
     policy: ProbePolicy,
     force: bool,
+    max_batch: int | None = None,
 ) -> Generator[str, None, Verdict]:
     full = {
         **pairing,
@@ -123,6 +127,8 @@ def _verdict_steps(
     if any(Level(lr.level).calibrated and lr.draws for lr in ladder):
         verdict.widths = widths_by_path(model)
     apply_widths(model, verdict.widths)
+    pinning = pinning_rungs(verdict.rungs, [lr.level for lr in ladder if lr.skipped])
+    verdict.pin_cost = yield from pin_cost_steps(model, make_cache, draws[0].prompt, pinning, max_batch)
     if store is not None:
         store.put(verdict)
     return verdict

@@ -154,7 +154,7 @@ def ladder_steps(
             results,
         )
     if policy.allow_inexact:
-        return Level.WIDE, False, f"--allow-inexact: bursts run at wide, marked inexact ({why})", results
+        return Level.WIDE, False, f"allow_inexact: bursts run at wide, marked inexact ({why})", results
     return None, False, f"declined: {why}", results
 
 

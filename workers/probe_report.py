@@ -65,3 +65,15 @@ def narrowed_widths(verdict: Verdict) -> dict[str, list[int]]:
         for path, (before, after) in lr.narrowed.items():
             out[path] = [out.get(path, [before])[0], after]
     return out
+
+
+def pin_cost_line(verdict: Verdict) -> str | None:
+    """One line for people: what a process-wide pin would cost batched decode, per rung and batch
+    size (``None`` where nothing was measured)."""
+    if not verdict.pin_cost:
+        return None
+    levels = dict.fromkeys(r.level for r in verdict.pin_cost)
+    parts = [
+        f"{lv} " + ", ".join(f"B={r.batch} {r.ratio:.2f}x" for r in verdict.pin_cost if r.level == lv) for lv in levels
+    ]
+    return "a process-wide pin would cost batched decode (pinned / wide): " + "; ".join(parts)

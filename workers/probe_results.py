@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workers.levels import Level
+from workers.probe_pin_cost import PinCost
 from workers.widths import MAX_MEASURED_WIDTH
 
 
@@ -64,6 +65,9 @@ class Verdict:
     #: Width per projection path that narrow and per-query serve with (empty when no calibrated
     #: rung ran): the load-time widths as calibrated on the probe's activations.
     widths: dict[str, int] = field(default_factory=dict)
+    #: What a process-wide pin would cost batched decode, per pinning rung and batch bucket
+    #: (``probe_pin_cost``): measured with the verdict, never while serving.
+    pin_cost: list[PinCost] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,7 +84,10 @@ class Verdict:
                 _check(d, _DRAW_FIELDS, f"verdict.ladder[{i}].draws[{j}]")
             draws = [DrawResult(**d) for d in lr["draws"]]
             ladder.append(LevelResult(**{**lr, "draws": draws}))
-        verdict = cls(**{**data, "ladder": ladder})
+        for i, row in enumerate(data["pin_cost"]):
+            _check(row, _PIN_COST_FIELDS, f"verdict.pin_cost[{i}]")
+        pin_cost = [PinCost(**row) for row in data["pin_cost"]]
+        verdict = cls(**{**data, "ladder": ladder, "pin_cost": pin_cost})
         verdict._check_consistent()
         return verdict
 
@@ -102,6 +109,8 @@ class Verdict:
         calibrated = any(Level(lr.level).calibrated and lr.draws for lr in self.ladder)
         if calibrated != bool(self.widths):
             raise ValueError("widths are stored exactly when a calibrated rung ran")
+        if any(r.level == Level.WIDE.value or r.level not in self.rungs for r in self.pin_cost):
+            raise ValueError("a pin cost is measured only at a pinning rung of the ladder")
 
 
 # What a stored verdict may hold, field by field: the persisted form is checked, never trusted.
@@ -177,6 +186,13 @@ _LEVEL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "narrowed": _is_narrowed,
     "skipped": _optional(_is_str),
 }
+_PIN_COST_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "level": _is_level,
+    "batch": lambda v: _is_count(v) and v > 0,
+    "wide_step_s": _is_seconds,
+    "pinned_step_s": _is_seconds,
+    "ratio": _is_seconds,
+}
 _VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "fingerprint": _is_str,
     "pairing": lambda v: isinstance(v, dict),
@@ -189,6 +205,7 @@ _VERDICT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "from_cache": _is_bool,
     "rungs": _is_levels,
     "widths": _is_widths,
+    "pin_cost": _is_list,
 }
 
 

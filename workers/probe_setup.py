@@ -42,13 +42,22 @@ class ProbeSetup:
         return make_draws(k, self.vocab_size, self.context_length, self.window)
 
     def steps(
-        self, model: Any, k: int, policy: ProbePolicy, force: bool = False, warm: list[int] | None = None
+        self,
+        model: Any,
+        k: int,
+        policy: ProbePolicy,
+        force: bool = False,
+        warm: list[int] | None = None,
+        max_batch: int | None = None,
     ) -> Generator[str, None, Verdict]:
         """The probe as steps (one draw each), ending in the verdict. ``model`` is what the forwards
         run through: the loaded model, or the engine's counted wrapper of it so its pins are tallied.
         ``warm``: the block lengths whose verify kernels are built at the verdict's level first (a
-        serving engine's probe: ``verify_warmup.block_lengths``)."""
-        return probe_steps(model, self.make_cache, self.pairing, self.draws(k), k, self.store, policy, force, warm)
+        serving engine's probe: ``verify_warmup.block_lengths``); ``max_batch``: the most sequences the
+        engine decodes together (the pin's cost is measured up to it)."""
+        return probe_steps(
+            model, self.make_cache, self.pairing, self.draws(k), k, self.store, policy, force, warm, max_batch
+        )
 
 
 def probe_setup(loaded: LoadedModel, drafter: str, *, store: bool = True) -> ProbeSetup:

@@ -6,9 +6,9 @@ and by cumulative time). Unset, it costs nothing.
 
 Which threads it sees depends on Python: up to 3.11 ``cProfile`` hooks the thread that enabled it
 only; from 3.12 it runs on ``sys.monitoring``, which reports every thread's calls to the one profile,
-so the engine process's main thread (its ZeroMQ polls) lands inside the engine thread's call tree (on
-the H200 host, Python 3.12: ``zmq`` ``poll`` under ``Engine.step``, docs/benchmarks.md section 21).
-There, read the engine's own functions' figures and not the callers of the polls.
+so the engine process's main thread (its ZeroMQ polls) lands inside the engine thread's call tree
+(``zmq`` ``poll`` under ``Engine.step``). There, read the engine's own functions' figures and not the
+callers of the polls.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ENV = "MLX_BATCHD_PROFILE_DIR"
+from workers import envs
+
+ENV = envs.PROFILE_DIR.name
 
 
 @contextmanager
 def profiled(name: str) -> Iterator[None]:
     """Profile the calling thread for the body's duration when ``MLX_BATCHD_PROFILE_DIR`` is set."""
-    folder = os.environ.get(ENV)
+    folder = envs.read(envs.PROFILE_DIR)
     if not folder:
         yield
         return

@@ -25,9 +25,9 @@ from workers import fastpath, gemv_rows, qmv_rows, rowkernel, seam
 from workers.levels import Level, current_level
 from workers.widths import chunk_widths
 
-#: Rows of every projection call at ``padded``. On MLX CUDA (H200, 4-bit 14336 x 4096) 16 rows reach
-#: the batched kernel at 0.112 ms against 0.092 ms for decode's one row (8 rows: 0.377 ms), and the
-#: real rows of a 16-row call are byte-equal whatever the other rows hold.
+#: Rows of every projection call at ``padded``. On MLX CUDA 16 rows reach the batched kernel, which
+#: costs little more than decode's one row (fewer rows run as row-by-row products), and the real rows
+#: of a 16-row call are byte-equal whatever the other rows hold.
 PAD_ROWS = 16
 
 
@@ -155,7 +155,7 @@ def together(module: Any, rows: int) -> bool:
     that row count. Each output is the one its own kernel call gives, so the plans decide only
     how many launches a layer makes (q/k/v and gate/up: 4 a layer instead of 7). Each call is a
     launch and a graph node on MLX CUDA, and at B <= 8 a step costs far more than its weights' bytes
-    (H200 8B synth: 7-10 ms at B = 1 against ~1 ms to read them). Where a sibling is planned
+    take to read. Where a sibling is planned
     otherwise, each module makes its own call."""
     global _together_at
     if _together_at != fastpath.generation:

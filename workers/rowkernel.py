@@ -23,13 +23,12 @@ and what the device check compares the kernel against); ``=off`` disables the le
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers.backend import SettingError
+from workers import envs
 
 log = logging.getLogger("mlx_batchd.rowkernel")
 
@@ -185,11 +184,9 @@ _checked: bool | None = None
 
 def implementation() -> str | None:
     """``"cuda"``, ``"reference"`` or ``None`` (the level is unavailable): the one switch."""
-    forced = os.environ.get("MLX_BATCHD_ROWKERNEL")
-    if forced in ("off", "reference", "cuda"):
-        return None if forced == "off" else forced
+    forced = envs.read(envs.ROWKERNEL)
     if forced:
-        raise SettingError(f"MLX_BATCHD_ROWKERNEL={forced!r}: expected off, reference or cuda")
+        return None if forced == "off" else forced
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
         return "cuda"
     return None

@@ -7,8 +7,7 @@ sums are then reduced in a fixed order. A verify block's K + 1 queries attend to
 than the cached context, so each query reproduces its own decode step if it runs exactly that kernel
 over exactly its own key count. MLX itself cannot give that in one call (it sends several queries to
 cuDNN, whose reduction differs), so the exact verify called MLX once per query and layer: 160 fused
-calls and their views per 5-token block of a 32-layer model, half of a block's graph-building time on
-the H200 8B synth.
+calls and their views per 5-token block of a 32-layer model, much of the block's graph building.
 
 This module's kernels are MLX's vector kernels (MLX 0.32) with two changes: the grid's second axis runs
 over the block's queries and each query's thread block sets its key count to the keys before it and

@@ -7,7 +7,7 @@ exposition read it. Before the model is loaded the part is an empty map (``Engin
 
 Fields typed with a ``StrEnum`` (``Level``) hold values equal to its members: msgpack carries a
 ``StrEnum`` as its plain string, so a reader on the far side of a socket (the front end of an engine
-process, a client) holds that string, and the engine's pin ledger, pin-tax measurement and verdicts
+process, a client) holds that string, and the engine's pin ledger, pin cost and verdicts
 put the string in already. Readers compare and format these fields, which is the same for both,
 and never use enum attributes on them.
 
@@ -46,7 +46,7 @@ class CountersSnapshot(TypedDict):
 
 class PinRow(TypedDict):
     """Forwards at one (level, purpose): ``purpose`` is who asked (``verify``, ``classic``,
-    ``probe``, ``tax``, ``serving``)."""
+    ``probe``, ``serving``)."""
 
     level: Level
     purpose: str
@@ -119,17 +119,26 @@ class BurstSummary(TypedDict):
     ahead_round_s: dict[str, float | None]
 
 
-class PinTax(TypedDict, total=False):
-    """The last pin-tax measurement (``workers.pintax.PinTax``); empty until one ran."""
+class PinCostRow(TypedDict):
+    """One batched decode step at ``batch`` sequences, wide and pinned at ``level``
+    (``workers.probe_pin_cost.PinCost``)."""
 
-    batch: int
     level: Level
+    batch: int
     wide_step_s: float
     pinned_step_s: float
     #: ``pinned_step_s / wide_step_s``.
     ratio: float
-    #: Wall-clock time (``time.time``) of the measurement.
-    measured_at: float
+
+
+class PinTax(TypedDict, total=False):
+    """What a process-wide pin would cost batched decode, as the probe measured it with the serving
+    pairing's verdict (``workers.probe_pin_cost.summary``); empty without a verdict."""
+
+    #: The level a process-wide pin would run at: the verdict's where it pins, else the first rung measured.
+    level: Level
+    #: Every rung and batch bucket measured.
+    rows: list[PinCostRow]
     #: Batched decode seconds a process-wide pin would have added so far (0 under one).
     estimated_seconds_saved_by_scoping: float
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from workers.backend import CUDNN_ATTENTION_DEFAULT
 from workers.burst import BurstSettings
-from workers.engine import Engine, Job, PinScope
+from workers.engine import Engine, Job
 from workers.lockstep import Broadcaster
 from workers.models import LoadedModel
 from workers.prefill_wave import PREFILL_TOKENS
@@ -41,14 +41,13 @@ class EngineSettings:
     #: the batch in one prefill wave (``workers.admission``); 0 admits each on the next iteration.
     admit_window_s: float = 0.02
     #: The same for arrivals that find the engine idle, so that clients starting together form one
-    #: wave (``workers.admission``); 0 admits the first at once. 10 ms: on the H200 8B synth, 16
-    #: clients starting together then decode at 0.95-0.97 of the engine alone against 0.85 with 0
-    #: (docs/benchmarks.md section 15), for 10 ms on a lone request's time to first token.
+    #: wave (``workers.admission``); 0 admits the first at once. A short window keeps clients that
+    #: start together in one wave (measured to pay on a GPU) at the cost of that window on a lone
+    #: request's time to first token.
     admit_idle_window_s: float = 0.01
     #: MLX CUDA's cuDNN attention (``workers.backend.configure_attention``): off unless asked for or
     #: set in the environment.
     cudnn_attention: bool = CUDNN_ATTENTION_DEFAULT
-    pin_scope: PinScope = "scoped"
     #: Probe the pairing at start-up for this many drafted tokens (verify width K + 1).
     probe_k: int | None = None
     drafter: str = "none"
@@ -57,11 +56,6 @@ class EngineSettings:
     draft: str | None = None
     mtp: str | None = None
     bursts: BurstSettings = field(default_factory=BurstSettings)
-    #: Seconds between measurements of the pin's tax on batched decode (0 = only on demand).
-    tax_interval_s: float = 300.0
-    #: A measurement asked for sooner than this after the last one is skipped (its figure stands):
-    #: each one stalls serving for a few forwards, so clients must not be able to queue them.
-    tax_min_interval_s: float = 30.0
     #: Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``); ``None``: a quarter of
     #: MLX's memory limit (``buffer_cache_limit``). Whatever the limit, the cache is emptied whenever
     #: the engine goes idle.
@@ -83,10 +77,9 @@ def buffer_cache_limit(settings: EngineSettings) -> int:
 
     MLX's own default lets the cache grow to its memory limit, which on CUDA is 95 % of the device's
     memory, as if no other process used the GPU. A batch's KV caches are re-made at a new batch size
-    each time sequences join or finish, so the cache fills with buffers of sizes never asked for again:
-    on the H200 8B synth at B = 128 the daemon's engine process reached 135 GiB, as nvidia-smi read it,
-    and its step failed to allocate while the benchmark process beside it held 6 GiB. A quarter of
-    the limit leaves the step's working set its reuse and the device room for its neighbours."""
+    each time sequences join or finish, so the cache fills with buffers of sizes never asked for again
+    until a step fails to allocate (seen with an 8B model at B = 128). A quarter of the limit leaves
+    the step's working set its reuse and the device room for its neighbours."""
     if settings.mlx_cache_limit_bytes is not None:
         return settings.mlx_cache_limit_bytes
     return int(CACHE_SHARE * mx.get_memory_limit())
@@ -94,20 +87,27 @@ def buffer_cache_limit(settings: EngineSettings) -> int:
 
 def check_environment() -> None:
     """Read every ``MLX_BATCHD_*`` setting that picks kernels now, so that a value that is not one of
-    its own fails here, in one line (``SettingError``), and not at the first forward that reads it."""
-    from workers import fastpath, rowkernel
+    its own fails here, in one line (``SettingError``), and not at the first forward that reads it.
+    Also point MLX CUDA's compiled-kernel cache into the project's cache folder (unless the operator
+    set ``MLX_PTX_CACHE_DIR``)."""
+    import os
 
+    from workers import envs, fastpath, rowkernel
+
+    envs.check()
     fastpath.detect()
     rowkernel.implementation()
+    # MLX CUDA keeps the kernels it compiles at first use on disk; kept beside the project's other
+    # caches they outlive the temporary folder, so a later start skips those compiles.
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(Path(envs.read(envs.CACHE)) / "ptx"))
 
 
 def warm_up(engine: Engine) -> None:
     """Run tiny jobs through the engine so the first clients do not pay for lazy setup: one alone
     (a lone sequence's prefill and decode), then two of different lengths together (a prefill wave
     with padding, masked batched decode, a batch that shrinks). Those run different kernels, and MLX
-    CUDA compiles each kernel at its first use on a machine. On the H200 the demo command's first
-    four concurrent requests, after a lone one, waited 8.5 s for their first tokens with the lone
-    warm-up only, 0.046 s with this one (docs/benchmarks.md sections 26 and 27)."""
+    CUDA compiles each kernel at its first use on a machine, so without the batched warm-up the
+    first concurrent requests would wait for those compiles."""
     for jobs in (
         [Job(seq=-1, prompt=[0, 0], max_tokens=2)],
         [Job(seq=-2, prompt=[0, 0], max_tokens=2), Job(seq=-3, prompt=[0, 0, 0], max_tokens=3)],
@@ -187,7 +187,8 @@ def start_probe(
         mode = "none" if loaded.shard is None else loaded.shard.mode
         split = {"world_size": world.size, "backend": world.backend, "mode": mode}
         setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
-    engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy, warm=block_lengths(k, fixed_k)))
+    steps = setup.steps(engine.counted, k, s.probe_policy, warm=block_lengths(k, fixed_k), max_batch=engine.max_batch)
+    engine.start_probe(name, steps)
     return name
 
 

@@ -1,6 +1,6 @@
 """Random-weight models built from mlx-lm configs, saved as ordinary model directories.
 
-Tests, benchmarks and the H200 measurements need real mlx-lm models without downloading
+Tests, benchmarks and the GPU measurements need real mlx-lm models without downloading
 weights: a config, a fixed seed and a byte-level tokenizer make one. The directory written here
 loads with ``mlx_lm.load`` like any mlx-community checkpoint, so everything downstream of
 loading is exercised for real.
@@ -151,7 +151,7 @@ def llama_config(
     echo: bool = False,
 ) -> dict[str, Any]:
     """A llama config; the defaults are the tiny placeholder demo, ``llama_config(4096, 32,
-    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape the H200 benchmarks use (docs/benchmarks.md).
+    14336, 32, 8, 128256, quant_bits=4)`` is the 8B shape the GPU benchmarks use (docs/benchmarks.md).
     ``echo`` ties the embeddings and scales the residual branches down (``scale_branch_outputs``):
     the same shapes, a greedy output that repeats the prompt's last token."""
     config: dict[str, Any] = {
@@ -233,7 +233,7 @@ def qwen3_config(
     return config
 
 
-#: Named configs for ``mlx-batchd synth``; the H200 measurements use ``llama-8b-4bit``.
+#: Named configs for ``mlx-batchd synth``; the GPU measurements use ``llama-8b-4bit``.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": llama_config(),
     "llama-8b-4bit": llama_config(4096, 32, 14336, 32, 8, 128256, context=8192, quant_bits=4),

@@ -4,12 +4,11 @@ A decode step lasts as long as the slower of the device's work and the host's (P
 graph, launching kernels). The engine thread's CPU seconds inside its steps, next to the steps' wall
 seconds, say which it was: close to them, the host is the limit and anything else on that CPU slows
 the step; well under them, the thread waited on the device. The involuntary context switches say
-whether another thread was given the engine thread's CPU meanwhile. On the H200 host a B = 1 decode
-step of the same model moved between 4.4 and 7.5 ms from one process to another with the same plans;
-these two counters are what tells a slower host apart from a slower device there.
+whether another thread was given the engine thread's CPU meanwhile. On a GPU host whose B = 1 step
+moves between processes with the same plans, these two counters tell a slower host apart from a
+slower device.
 
-A reading is two system calls, ~1 µs together on the development CPU (``timeit``), twice a step: a
-step is milliseconds.
+A reading is two system calls, twice a step: microseconds against a step's milliseconds.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from workers.probe_results import Verdict
 log = logging.getLogger("mlx_batchd.probe")
 
 #: Bump when the probe's method changes, so persisted verdicts are re-measured.
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 #: A stored verdict larger than this is not read (one holds a few kilobytes).
 MAX_VERDICT_BYTES = 8 << 20
 #: A file-hash memo larger than this is not read (a model has a handful of files).

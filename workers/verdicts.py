@@ -2,7 +2,7 @@
 
 The engine advances a probe one draw between its steps (so serving never waits for a whole
 probe); a finished probe leaves a verdict here, which the burst runner reads for its verify level
-and the stats reply reads through ``summary``. Under a process-wide pin scope a verdict's level is
+and the stats reply reads through ``summary``. Under a process-wide pin (the bench's arm) a verdict's level is
 set for the whole process as soon as it is reached.
 """
 

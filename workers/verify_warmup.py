@@ -4,17 +4,17 @@ Why: the project's own kernels (``mx.fast.cuda_kernel``: ``qmv_rows``, ``rowkern
 are compiled the first time each template instance runs, and the row count is a template argument,
 so a verify block of ``n`` rows at a level that runs them needs its own instances. MLX keeps custom
 kernels in memory only: its on-disk cache of compiled kernels held MLX's own (quantized matmul,
-gather, fused elementwise) and none of the project's after a whole H200 session. On the H200 the
-mirrored kernel's first call for a new group of matrices took 7-8 s (compile plus the check against
-MLX's one-row call; CUTLASS headers). A verdict read from the store runs no forward at all, and the
-probe runs blocks of ``K + 1`` rows only, so serving's first blocks of the other lengths (prompt
-lookup drafts 0..K tokens a round) compiled inside burst rounds: on the 8B echo synth rounds took
-1.46 s (16 rounds) and 3.1 s (2 rounds) against 15-25 ms, and the adaptive gate stopped the bursts.
+gather, fused elementwise) and none of the project's, and the mirrored kernel's first call for a new
+group of matrices takes seconds (compile plus the check against MLX's one-row call; CUTLASS headers).
+A verdict read from the store runs no forward at all, and the probe runs blocks of ``K + 1`` rows
+only, so serving's first blocks of the other lengths (prompt lookup drafts 0..K tokens a round)
+compiled inside burst rounds, which then cost a hundred times a warm round, and the adaptive gate
+stopped the bursts.
 
 So before a verdict reaches the burst runner the engine runs one verify forward of every length
 ``2..K + 1`` at the verdict's level, or of ``K + 1`` alone for a drafter that always proposes K
-tokens (an MTP head, a draft model: every block it asks for is that long; on the H200 the demo
-pair's blocks of 2..8 rows took 29-40 s to build on a fresh machine); a lone token is verified at
+tokens (an MTP head, a draft model: every block it asks for is that long, and building every length
+costs tens of seconds on a fresh GPU machine); a lone token is verified at
 the classic level. Plus one classic step when the level pins the chain too, on a scratch cache: one
 length per probe step, so serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
 On the CPU nothing is compiled and the forwards cost a few milliseconds.

@@ -48,7 +48,7 @@ class Setup:
     def wants_repeat(self, seconds: dict[tuple[str, int], float], batch: int, done: int) -> bool:
         """Whether ``batch`` runs another repeat after ``done``: always up to ``repeats``; then, with
         ``min_seconds``, while an arm's timed runs add up to less. A one-second run (B = 1 on a GPU)
-        moves with the host's step-to-step drift (on the H200, 4.4-7.5 ms a B = 1 step within
+        moves with the host's drift (a GPU host's B = 1 step moves by tens of percent within
         minutes), which three such runs' median does not settle; a run of many seconds already
         averages it, so only the cheap batch sizes get the extra repeats."""
         if done < self.repeats:
@@ -179,7 +179,7 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         cpus = ", ".join(map(str, meta["in_process_cpus"]))
         notes.append(
             f"the raw and engine arms ran on CPUs {cpus}, where the daemon arm's engine process runs "
-            "(`serve --cpu-affinity`)."
+            "(`cpu_affinity` in the serve config file)."
         )
     if not meta.get("complete", True):
         notes.append(f"incomplete run: batch sizes {meta.get('batches_done')} of {meta.get('batches')}.")

@@ -22,8 +22,8 @@ are measured alike, so that an arm that does the same work as another reads 1.00
   so kernel compilation, allocator growth and the KV cache's growth steps are paid before timing in
   every daemon alike, not by whichever daemon had no start-up probe to pay them; every arm likewise
   runs each larger B once untimed (8 tokens) before its repeats, so a process that meets a batch
-  size's shapes for the first time compiles their kernels there, not in a timed run (on the H200 a
-  daemon's first B = 4 run took 3.6 s against 0.8-1.0 s for the others);
+  size's shapes for the first time compiles their kernels there, not in a timed run (on a GPU a
+  first run at a new B took several times the others);
 - the arms' order rotates by one each repeat, so no arm always runs first or right after this
   process's own GPU work, and drift in the machine's speed hits every arm alike.
 
@@ -76,6 +76,7 @@ from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.rewrite import rewrite_prompts
 from scheduler.bench.spreads import rotated
 from scheduler.cli.demo import DEMO_PROMPTS
+from workers import envs
 
 
 def write_tables(
@@ -199,16 +200,11 @@ def _main(args: argparse.Namespace) -> int:
     # The HTTP arms measure the daemon arm's own daemon: one process, one engine, two doors.
     http_flags = ["--http", http_url.removeprefix("http://")] if http_url else []
     daemons: dict[str, list[str]] = {"daemon": [*cap, *http_flags]}
+    #: Environment set for one daemon only: the process-wide pin is a bench arm, not a serve option.
+    daemon_env: dict[str, dict[str, str]] = {}
     if args.process_pin:
-        daemons["daemon_process_pin"] = [
-            *cap,
-            "--probe-k",
-            "4",
-            "--pin-level",
-            args.process_pin,
-            "--pin-scope",
-            "process",
-        ]
+        daemons["daemon_process_pin"] = [*cap, "--probe-k", "4", "--pin-level", args.process_pin]
+        daemon_env["daemon_process_pin"] = {envs.BENCH_PROCESS_PIN.name: "1"}
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
@@ -270,7 +266,9 @@ def _main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
         procs = {
-            name: stack.enter_context(DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra))
+            name: stack.enter_context(
+                DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra, env=daemon_env.get(name))
+            )
             for i, (name, extra) in enumerate(daemons.items())
         }
         clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
@@ -291,6 +289,8 @@ def _main(args: argparse.Namespace) -> int:
         plans = {"engine": engine.kernel_plans}
         plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
         meta["kernel_plans"] = plans
+        # How each daemon's pins apply: ``process`` only for the process-wide pin arm.
+        meta["pin_scope"] = {name: c.stats()["engine"].get("pin_scope") for name, c in clients.items()}
         # Decoder layers each arm runs compiled around attention (workers.compiled_layers; 0: none).
         meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
             name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()

@@ -22,9 +22,8 @@ def ratio_spread(arm: list[float], base: list[float]) -> list[float]:
 def paired_ratio(arm: list[float], base: list[float]) -> tuple[float, list[float]] | None:
     """Median and range of ``arm[i] / base[i]``: each repeat's two runs, taken within a few seconds of
     each other, as one ratio. A host that drifts over a bench moves both runs of a repeat alike, where
-    it widens each arm's own spread (on the H200 the demo pair's classic arm moved 1.14-1.48 ms a token
-    between benches of one call, docs/benchmarks.md section 28). ``None`` unless both have one sample
-    a repeat."""
+    it widens each arm's own spread (a GPU host's speed drifts by tens of percent within minutes).
+    ``None`` unless both have one sample a repeat."""
     if not arm or len(arm) != len(base):
         return None
     ratios = [a / b for a, b in zip(arm, base, strict=True)]

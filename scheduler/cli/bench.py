@@ -18,7 +18,9 @@ BENCH_OUT = "mlx-batchd-bench"
 
 def add_bursts_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     """Register ``bench-bursts``."""
-    p = sub.add_parser("bench-bursts", help="verify cost per level, B = 1 bursts vs classic, batched pin tax")
+    p = sub.add_parser(
+        "bench-bursts", help="verify cost per level, B = 1 bursts vs classic, batched decode under a process-wide pin"
+    )
     p.add_argument("--model", default="demo")
     p.add_argument(
         "--draft", action="append", default=[], help="drafter spec (repeatable): directory, demo, prompt-lookup"
@@ -106,13 +108,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         type=shell_words,
         default=[],
         help="extra 'mlx-batchd serve' options for every daemon the bench starts, as one shell-quoted string "
-        "after '=' (e.g. --daemon-args=--engine-thread, or --daemon-args='--admit-window-ms 0'); recorded in the report",
+        "after '=' (e.g. --daemon-args='--admit-window-ms 0'); recorded in the report",
     )
     p.add_argument(
         "--process-pin",
         default=None,
         choices=["narrow", "per-query"],
-        help="also measure a daemon with --pin-scope process at this level (the tax scoping avoids)",
+        help="also measure a daemon whose pin at this level covers the whole process (the cost scoping avoids)",
     )
     p.add_argument(
         "--via",

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from clients import envs
 from clients.address import IPC_PREFIX, default_address, ipc_path
 
 Command = Callable[[argparse.Namespace], int]
@@ -34,8 +35,8 @@ def address_and_source(given: str | None, option: str) -> tuple[str, str]:
     """The address a command will use and where it came from, for messages."""
     if given:
         return given, option
-    if os.environ.get("MLX_BATCHD_ADDR"):
-        return default_address(), "MLX_BATCHD_ADDR"
+    if envs.addr():
+        return default_address(), envs.ADDR
     return default_address(), "the default address"
 
 

@@ -2,24 +2,54 @@
 
 Options are range-checked by the parser itself: a bad value is one line naming the option, the range
 it accepts and what was given, exit 2, before any command runs (and before anything heavy is
-imported). The groups here (client keys, probe policy) are added by more than one command, so each
-is written once and the commands cannot disagree about a flag's name, default or help.
+imported). ``--help`` ends each option's line with its default. The groups here (client keys, probe
+policy) are added by more than one command, so each is written once and the commands cannot
+disagree about a flag's name, default or help.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from workers.probe import ProbePolicy
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option's line with its default (``none`` where unset, ``off`` for a
+    flag), unless the help itself already says what the default is."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)  # an option without help still gets its default shown
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None:
+            shown = "none"
+        elif action.nargs == 0 and isinstance(action.default, bool):
+            shown = "on" if action.default else "off"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (the problem, then where the options are listed) instead
-    of a usage block that, for ``serve``, would bury the one line that matters."""
+    of a usage block that, for ``serve``, would bury the one line that matters; its help shows every
+    option's default (its sub-parsers are ``Parser`` too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
@@ -114,6 +144,28 @@ def host_port(text: str) -> str:
     return text
 
 
+def chat_template_file(text: str) -> str:
+    """An argparse ``type``: a Jinja chat template file (``--chat-template``), read and parsed now,
+    so a missing file or a syntax error is one line before the model loads; the template's text."""
+    from pathlib import Path
+
+    import jinja2
+
+    try:
+        template = Path(text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Jinja template: line {exc.lineno}: {exc.message}"
+        ) from None
+    if not template.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty")
+    return template
+
+
 positive_int = int_in(1)
 non_negative_int = int_in(0)
 positive_float = float_in(0.0, above=True)
@@ -123,6 +175,39 @@ fraction = float_in(0.0, 1.0)
 
 # ---------------------------------------------------------------------------------------------- option groups
 
+#: The kernel levels a probe policy may pin (``workers.levels.Level``'s values, without importing MLX).
+PIN_LEVELS = ("wide", "narrow", "per-query", "padded", "rowwise", "mirrored", "per-query-1")
+
+
+class _Version(argparse.Action):
+    """``--version``: this package's version and MLX's and mlx-lm's, read from the installed
+    distributions (nothing imported), then exit 0."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(version_line())  # to stdout, where scripts read a version (argparse's exit message goes to stderr)
+        parser.exit(0)
+
+
+def version_line() -> str:
+    """``mlx-batchd 0.1.0 (mlx 0.32.4, mlx-lm 0.32.2)``; a distribution not installed reads "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mlx-batchd {of('mlx-batchd')} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')})"
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    """``mlx-batchd --version``."""
+    p.add_argument("--version", action=_Version, help="print the versions of mlx-batchd, MLX and mlx-lm, and exit")
+
 
 def add_client_auth(p: argparse.ArgumentParser) -> None:
     """The CURVE options of every command that talks to a daemon (``generate``, ``stats``, ``top``)."""
@@ -131,8 +216,9 @@ def add_client_auth(p: argparse.ArgumentParser) -> None:
 
 
 def add_probe_policy(p: argparse.ArgumentParser) -> None:
-    """The probe policy options, shared by ``serve`` (its start-up probe) and ``probe``: a verdict
-    is memoised with its policy, so both must spell the policy the same way to find each other's."""
+    """The probe policy options of ``probe``. ``serve`` reads the same policy (for its start-up
+    probe) from its config file's keys of the same names: a verdict is memoised with its policy, so
+    both must spell the policy the same way to find each other's."""
     p.add_argument(
         "--allow-inexact",
         action="store_true",
@@ -140,8 +226,7 @@ def add_probe_policy(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pin-level",
-        # workers.kernels.Level's values
-        choices=["wide", "narrow", "per-query", "padded", "rowwise", "mirrored", "per-query-1"],
+        choices=PIN_LEVELS,
         default=None,
         help="use this kernel level for verify instead of the ladder's choice (padded also pins the lone "
         "sequence's classic steps)",

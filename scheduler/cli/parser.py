@@ -8,12 +8,13 @@ what it needs when it runs.
 from __future__ import annotations
 
 from scheduler.cli import bench, convert, demo, generate, keys, probe, serve, stats, synth, top
-from scheduler.cli.options import Parser
+from scheduler.cli.options import Parser, add_version
 
 
 def build_parser() -> Parser:
     """The whole command line: local commands first, then the ones that talk to a daemon."""
     parser = Parser(prog="mlx-batchd", description="A batching daemon for MLX models.")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_parser(sub)
     probe.add_parser(sub)

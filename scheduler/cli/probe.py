@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.demo import cache_dir
     from workers.models import load
     from workers.probe import drive
-    from workers.probe_report import iter_table, ladder_line, narrowed_widths
+    from workers.probe_report import iter_table, ladder_line, narrowed_widths, pin_cost_line
     from workers.probe_setup import probe_setup
 
     loaded = load(args.model)
@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
                 f"verdict: {verdict.level or 'declined'} ({'exact' if verdict.exact else 'inexact'}) - "
                 f"{verdict.reason}; probe {verdict.probe_seconds:.2f}s{cached}"
             )
+            cost = pin_cost_line(verdict)
+            if cost is not None:
+                print(cost)
     widths = loaded.widths.widths
     if args.json:
         print(json.dumps({"model": loaded.info.name, "widths": widths, "probes": report}, indent=2))

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from scheduler.cli.errors import daemon_command
-from scheduler.cli.options import Parser, add_client_auth, non_negative_float, positive_float
+from scheduler.cli.options import Parser, add_client_auth, positive_float
 from scheduler.cli.session import open_client
 from scheduler.stats_types import EngineSnapshot, StatsReply, engine_of, read_stats
 
@@ -21,18 +20,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--addr", default=None)
     p.add_argument("--timeout", type=positive_float, default=10.0)
     p.add_argument("--json", action="store_true", help="the raw health and stats replies")
-    p.add_argument("--measure-tax", action="store_true", help="time a batched step pinned vs wide first")
-    p.add_argument("--tax-wait", type=non_negative_float, default=2.0, help="seconds to let that measurement run")
     add_client_auth(p)
     p.set_defaults(func=daemon_command("stats", run))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Ask for health and stats (after a pin-tax measurement with ``--measure-tax``) and print them."""
+    """Ask for health and stats and print them."""
     with open_client(args, timeout=args.timeout) as client:
-        if args.measure_tax:
-            client.stats(measure_tax=True)
-            time.sleep(args.tax_wait)
         health, stats = client.health(), client.stats()
     if args.json:
         print(json.dumps({"health": health, "stats": stats}, indent=2))
@@ -87,8 +81,9 @@ def _engine_lines(e: EngineSnapshot) -> list[str]:
         lines.append(f"verdict {name}: {state}")
     tax = e["pin_tax"]
     if tax:
+        ratios = ", ".join(f"B={r['batch']} {r['ratio']:.3f}x" for r in tax["rows"] if r["level"] == tax["level"])
         lines.append(
-            f"pin tax: batch {tax['batch']} at {tax['level']}: {tax['ratio']:.3f}x a wide step; scoping saved "
+            f"pin tax at {tax['level']} (a batched step pinned / wide): {ratios}; scoping saved "
             f"~{tax['estimated_seconds_saved_by_scoping']:.2f}s of batched decode so far"
         )
     p = e["pins"]

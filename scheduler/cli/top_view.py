@@ -219,7 +219,7 @@ def _prefix_cache(engine: EngineSnapshot | None, prev_engine: EngineSnapshot | N
 
 def _pins(engine: EngineSnapshot | None) -> Table:
     """Kernel-level pin accounting: forwards that asked for a level, and collateral ones that ran
-    pinned without asking (nonzero only under a process-wide pin), plus the measured tax if any."""
+    pinned without asking (nonzero only under a process-wide pin), plus what one would cost if measured."""
     pins = None if engine is None else engine.get("pins")
     scope = None if engine is None else engine.get("pin_scope")
     t = Table(title=f"pins (scope {scope or MISSING})", title_justify="left")
@@ -241,13 +241,15 @@ def _pins(engine: EngineSnapshot | None) -> Table:
         _fixed(_num(None if pins is None else pins.get("collateral_seconds")), 2),
     )
     tax = (None if engine is None else engine.get("pin_tax")) or {}
-    ratio = _num(tax.get("ratio"))
-    if ratio is not None:
+    level = tax.get("level")
+    ratios = [
+        f"B={r.get('batch', MISSING)} {_fixed(_num(r.get('ratio')), 3)}x"
+        for r in tax.get("rows") or []
+        if r.get("level") == level
+    ]
+    if ratios:
         saved = _num(tax.get("estimated_seconds_saved_by_scoping"))
-        t.caption = (
-            f"pin tax: batch {tax.get('batch', MISSING)} at {tax.get('level', MISSING)} = {ratio:.3f}x a wide step; "
-            f"scoping saved ~{_fixed(saved, 2)}s"
-        )
+        t.caption = f"pin tax at {level} (pinned / wide): {', '.join(ratios)}; scoping saved ~{_fixed(saved, 2)}s"
         t.caption_justify = "left"
     return t
 

@@ -119,6 +119,9 @@ def test_bench_matrix_runs_every_arm_and_a_declined_drafter_reads_classic(
     # the probe time of every probing daemon is reported (process pin and the drafter's)
     assert any(k.startswith("bursts:prompt-lookup") for k in batched["meta"]["probe_seconds"])
     assert any(k.startswith("daemon_process_pin") for k in batched["meta"]["probe_seconds"])
+    # the process-wide pin is that arm's alone (the bench sets it for that daemon, serve has no option)
+    scopes = batched["meta"]["pin_scope"]
+    assert scopes == {"daemon": "scoped", "daemon_process_pin": "process", "bursts:prompt-lookup": "scoped"}
     # compiled layers: off under the CPU's policy, in the engine alone and in every daemon alike
     assert set(batched["meta"]["compiled_layers"].values()) == {0}
     assert set(batched["meta"]["compiled_layers"]) >= {"engine", "daemon", "daemon_process_pin"}

@@ -112,10 +112,10 @@ def test_a_draft_model_that_cannot_load_is_one_line(
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [
-        ("MLX_BATCHD_CONTIGUOUS_KV", "yes", "expected 0 or 1"),
-        ("MLX_BATCHD_FASTPATH", "fast", "expected one of off, generic, cuda"),
+        ("MLX_BATCHD_COMPILED_LAYERS", "yes", "expected 0 or 1"),
+        ("MLX_BATCHD_FASTPATH", "fast", "expected off, generic or cuda"),
         ("MLX_BATCHD_ROWKERNEL", "gpu", "expected off, reference or cuda"),
-        ("MLX_BATCHD_EMIT_THREAD", "false", "expected 0 or 1"),
+        ("MLX_BATCHD_BENCH_PROCESS_PIN", "true", "expected 0 or 1"),
     ],
 )
 def test_a_kernel_setting_that_is_not_one_of_its_values_is_one_line(

@@ -70,37 +70,6 @@ def test_an_engine_process_does_not_outlive_its_daemon(tiny_model: Path, tmp_pat
 
 
 @linux_only
-def test_engine_thread_keeps_the_engine_in_the_daemon(tiny_model: Path, tmp_path: Path) -> None:
-    d = start_daemon(tiny_model, tmp_path, "--engine-thread")
-    try:
-        assert _children(d.proc.pid) == []
-        with Client(d.address, timeout=60) as c:
-            assert c.generate(tokens=[5, 6, 7], max_tokens=8).tokens == greedy_reference(tiny_model, [5, 6, 7], 8)[0]
-    finally:
-        assert d.stop() == 0, d.log()
-
-
-@linux_only
-def test_events_written_by_a_writer_thread_serve_exactly(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``MLX_BATCHD_EMIT_THREAD=1``: a writer thread of the engine process hands every step over,
-    the stats snapshot still crosses with each end, and the engine's final word arrives."""
-    monkeypatch.setenv("MLX_BATCHD_EMIT_THREAD", "1")
-    d = start_daemon(tiny_model, tmp_path)
-    try:
-        with Client(d.address, timeout=60) as c:
-            prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43]]
-            results = c.generate_many([{"tokens": p, "max_tokens": 12} for p in prompts])
-            for p, r in zip(prompts, results, strict=True):
-                assert r.tokens == greedy_reference(tiny_model, p, 12)[0]
-            assert c.stats()["engine"]["active_sequences"] == 0
-    finally:
-        assert d.stop() == 0, d.log()
-    assert "engine events are written by a writer thread" in d.log()
-
-
-@linux_only
 def test_a_shutdown_before_ready_stops_the_engine_process_without_a_word_lost(tiny_model: Path) -> None:
     """A daemon told to stop while its engine process is still starting (on a GPU host, loading and
     checking kernels for minutes; here, before the child has even connected its command socket): the

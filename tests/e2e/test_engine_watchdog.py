@@ -1,7 +1,7 @@
 """The daemon and its engine process cannot outlive or outwait each other, in real daemons.
 
 A stopped engine process (SIGSTOP: a stand-in for a hung kernel) with work pending is declared dead
-after ``--engine-timeout``: the request ends ``engine_dead``, health turns ``engine_dead`` (HTTP 503),
+after ``engine_timeout``: the request ends ``engine_dead``, health turns ``engine_dead`` (HTTP 503),
 the daemon exits 1 and the engine process is gone; the same stop while idle is no death. A daemon
 killed while its engine process is stopped (its polling thread cannot run) takes the engine process
 with it (the parent-death signal). Engine folders left by dead daemons are removed at start; a live
@@ -85,7 +85,7 @@ def test_a_stopped_engine_with_work_pending_is_declared_dead(tiny_model: Path, t
             assert c.health()["status"] == "engine_dead"
         assert d.proc.wait(timeout=GONE_S) == 1, d.log()
         assert _wait_gone(child), "the hung engine process outlived its daemon"
-        assert "presumed hung" in d.log() and "--engine-timeout 3" in d.log(), d.log()
+        assert "presumed hung" in d.log() and "engine_timeout = 3 in the config file" in d.log(), d.log()
     finally:
         _kill(child)
         d.stop()

@@ -293,8 +293,8 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("completions", {"prompt": "a", "n": 2}, "n"),
-        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, "n"),
+        ("completions", {"prompt": "a", "n": 17}, "n"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 0}, "n"),
         (
             "chat/completions",
             {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
@@ -302,7 +302,10 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
         ),
         (
             "chat/completions",
-            {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+            {
+                "messages": [{"role": "user", "content": "a"}],
+                "response_format": {"type": "json_schema", "json_schema": 1},
+            },
             "response_format",
         ),
         ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),

@@ -17,8 +17,9 @@ import pytest
 
 from clients import Client
 from scheduler.tenants import TenantsError, load_tenants
-from tests.conftest import TEST_CONTEXT, Daemon, start_daemon
+from tests.conftest import Daemon, start_daemon
 from tests.e2e.test_http import http_url, wait_until
+from tests.helpers.daemons import tenants_daemon
 
 #: A tenant whose token bucket (rate 0.01/s) holds its second request in the queue for many minutes,
 #: and whose queue holds one: a deterministic waiting request, and a deterministic `busy`.
@@ -54,29 +55,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str
     return d, keys
 
 
-def tenants_daemon(model: Path, setup: tuple[Path, dict[str, str]], workdir: Path, *extra: str) -> Daemon:
-    d, _ = setup
-    return start_daemon(
-        model,
-        workdir,
-        "--context-length",
-        str(TEST_CONTEXT),
-        "--tenants",
-        str(d / "tenants.toml"),
-        "--curve-secret",
-        str(d / "server.key_secret"),
-        "--http",
-        "127.0.0.1:0",
-        *extra,
-        client_kwargs={"curve_secret": str(d / "ops.key_secret"), "server_key": str(d / "server.key")},
-    )
-
-
 @pytest.fixture(scope="module")
 def daemon(
     tiny_model: Path, setup: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Daemon]:
-    d = tenants_daemon(tiny_model, setup, tmp_path_factory.mktemp("d"))
+    d = tenants_daemon(tiny_model, setup[0], tmp_path_factory.mktemp("d"))
     yield d
     assert d.stop() == 0, d.log()
 
@@ -193,7 +176,7 @@ def test_a_full_queue_is_429_with_retry_after_and_leaving_frees_the_request(
 def test_while_draining_new_requests_get_503(
     tiny_model: Path, setup: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
-    d = tenants_daemon(tiny_model, setup, tmp_path, "--drain-timeout", "120")
+    d = tenants_daemon(tiny_model, setup[0], tmp_path, "--drain-timeout", "120")
     try:
         url, key = http_url(d), setup[1]["slow"]
         with Client(d.address, timeout=60, **d.process.client_kwargs) as ops:

@@ -60,13 +60,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 WIRE_FIELDS = [
     "v", "type", "id", "prompt", "tokens", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "priority", "group", "group_size", "batch",
-    "measure_tax",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "n",
 ]  # fmt: skip
 HTTP_FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "seed", "stop", "stop_token_ids", "priority", "logprobs", "top_logprobs", "user", "stream", "stream_options",
     "n", "tools", "functions", "tool_choice", "response_format", "presence_penalty", "frequency_penalty",
-    "logit_bias", "echo", "best_of", "suffix", "chat_template_kwargs",
+    "logit_bias", "echo", "best_of", "suffix", "chat_template_kwargs", "repetition_penalty", "min_tokens",
+    "ignore_eos",
 ]  # fmt: skip
 
 EDGE_INTS = [0, 1, -1, 2, 20, 21, 1000, 1001, 4096, 4097, 2**31 - 1, 2**31, 2**63 - 1, 2**63, -(2**63), 2**64 - 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,7 @@ def test_cli_probe_shows_the_ladder_and_the_winning_rung(llama: Path, tmp_path: 
     assert run.returncode == 0, run.stderr
     assert "| wide (won) | exact |" in run.stdout
     assert "ladder: wide: exact (won) -> narrow: not needed" in run.stdout
+    # what a process-wide pin would cost batched decode, measured with the verdict, per rung and batch size
+    (cost,) = [line for line in run.stdout.splitlines() if line.startswith("a process-wide pin would cost")]
+    for rung in ("narrow", "per-query", "per-query-1"):
+        assert re.search(rf"[:;] {rung} B=1 [\d.]+x, B=8 [\d.]+x, B=32 [\d.]+x, B=128 [\d.]+x(;|$)", cost), cost

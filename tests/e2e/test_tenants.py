@@ -374,30 +374,3 @@ def test_a_tenant_sees_only_its_own_usage_and_an_admin_sees_all(tiny_model: Path
         assert set(s["tenants"]) == {"alice", "bob", "carol"} and set(s["outcomes"]) == {"bob", "carol"}
     finally:
         assert d.stop() == 0
-
-
-def _tax_forwards(stats: dict[str, Any]) -> int:
-    return sum(row["forwards"] for row in stats["engine"]["pins"].get("pinned", []) if row["purpose"] == "tax")
-
-
-def test_measure_tax_is_for_admins_and_at_most_one_per_interval(tiny_model: Path, tmp_path: Path, keys: Path) -> None:
-    d = curve_daemon(tiny_model, tmp_path, keys, {"alice": {"admin": "true"}, "bob": {}})
-    bob = RawCurve(d.address, keys, "bob")
-    try:
-        bob.send({"type": "stats", "id": "s", "measure_tax": True})
-        refusal = bob.recv()
-        assert refusal["type"] == "error" and refusal["code"] == "forbidden" and refusal["id"] == "s", refusal
-        with Client(d.address, timeout=60, **creds(keys, "alice")) as c:
-            assert c.stats(measure_tax=True)["measure_tax"] == "queued"
-            deadline = time.monotonic() + 30
-            while not c.stats()["engine"]["pin_tax"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            once = _tax_forwards(c.stats())
-            assert once > 0
-            assert {c.stats(measure_tax=True)["measure_tax"] for _ in range(30)} == {"skipped"}
-            c.generate(tokens=[5, 6], max_tokens=8)  # engine iterations: a queued measurement would run now
-            assert _tax_forwards(c.stats()) == once
-    finally:
-        bob.close()
-        assert d.stop() == 0

@@ -73,9 +73,7 @@ def first_tokens(t: EngineThreadRun, seq: int) -> list[int]:
 
 
 def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_model: Path, target: Any) -> None:
-    with EngineThreadRun(
-        tiny_model, tax_interval_s=0, prefill_batch=3, admit_window_s=HOUR, admit_idle_window_s=0
-    ) as t:
+    with EngineThreadRun(tiny_model, prefill_batch=3, admit_window_s=HOUR, admit_idle_window_s=0) as t:
         t.engine.submit(job(1, 400))
         got = {1: first_tokens(t, 1)}  # the engine is busy with seq 1 from here
         t.engine.submit(job(2, 12))
@@ -100,7 +98,7 @@ def test_arrivals_mid_batch_join_as_one_wave_and_get_what_they_get_alone(tiny_mo
 
 
 def test_without_an_idle_window_an_idle_engine_admits_at_once(tiny_model: Path) -> None:
-    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR, admit_idle_window_s=0) as t:
+    with EngineThreadRun(tiny_model, admit_window_s=HOUR, admit_idle_window_s=0) as t:
         t.engine.submit(job(2, 6))
         tokens, ends = collect(t, {2})
         assert ends[2].reason == "length" and len(tokens[2]) == 6
@@ -109,7 +107,7 @@ def test_without_an_idle_window_an_idle_engine_admits_at_once(tiny_model: Path) 
 
 def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path, target: Any) -> None:
     """The engine goes idle with an arrival held: the loop must not wait for a command then."""
-    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
+    with EngineThreadRun(tiny_model, admit_window_s=HOUR) as t:
         one_held_behind(t, job(1, 300), job(2, 6))
         tokens, ends = collect(t, {1, 2})
         assert (ends[1].reason, ends[2].reason) == ("length", "length")
@@ -117,7 +115,7 @@ def test_held_arrivals_start_when_the_batch_runs_dry(tiny_model: Path, target: A
 
 
 def test_a_held_arrival_can_be_cancelled(tiny_model: Path) -> None:
-    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_window_s=HOUR) as t:
+    with EngineThreadRun(tiny_model, admit_window_s=HOUR) as t:
         one_held_behind(t, job(1, 40), job(2, 400))
         t.engine.cancel(2)
         tokens, ends = collect(t, {1, 2})
@@ -127,7 +125,7 @@ def test_a_held_arrival_can_be_cancelled(tiny_model: Path) -> None:
 
 
 def test_an_idle_window_gathers_clients_that_start_together_into_one_wave(tiny_model: Path, target: Any) -> None:
-    with EngineThreadRun(tiny_model, tax_interval_s=0, prefill_batch=3, admit_idle_window_s=HOUR) as t:
+    with EngineThreadRun(tiny_model, prefill_batch=3, admit_idle_window_s=HOUR) as t:
         t.engine.submit(job(2, 6))
         held(t, 1)  # the engine is idle, yet it waits for others
         t.engine.submit(job(3, 6))
@@ -143,7 +141,7 @@ def test_an_idle_window_gathers_clients_that_start_together_into_one_wave(tiny_m
 
 def test_an_idle_window_ends_without_another_arrival(tiny_model: Path) -> None:
     """The loop must wake when the window ends, not wait for a command that may never come."""
-    with EngineThreadRun(tiny_model, tax_interval_s=0, admit_idle_window_s=0.3) as t:
+    with EngineThreadRun(tiny_model, admit_idle_window_s=0.3) as t:
         tic = time.monotonic()
         t.engine.submit(job(2, 6))
         tokens, ends = collect(t, {2})

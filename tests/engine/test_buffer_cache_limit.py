@@ -1,5 +1,5 @@
 """The engine process caps MLX's buffer cache (``workers.startup.buffer_cache_limit``): by default a
-quarter of MLX's memory limit, or what ``--mlx-cache-limit-mb`` says; the engine thread applies it
+quarter of MLX's memory limit, or what ``mlx_cache_limit_mb`` says; the engine thread applies it
 before it loads the model. MLX keeps one limit per process, so each test puts the old one back."""
 
 from __future__ import annotations
@@ -32,6 +32,6 @@ def test_the_default_is_a_share_of_mlx_memory_limit() -> None:
 @pytest.mark.parametrize("asked", [None, 7 << 20])
 def test_the_engine_thread_applies_it(tiny_model: Path, restore_cache_limit: None, asked: int | None) -> None:
     mx.set_cache_limit(mx.get_memory_limit())  # MLX's own default, whatever ran before
-    with EngineThreadRun(tiny_model, tax_interval_s=0, mlx_cache_limit_bytes=asked):
+    with EngineThreadRun(tiny_model, mlx_cache_limit_bytes=asked):
         applied = mx.set_cache_limit(mx.get_memory_limit())
     assert applied == buffer_cache_limit(EngineSettings(mlx_cache_limit_bytes=asked))

@@ -122,7 +122,7 @@ def test_only_decode_steps_at_wide_run_compiled(policy: None, calls: list[int]) 
     with kernels.stock():  # the raw peer in benchmarks
         decode_logits(model, 3, padding=[0, 2])
     assert calls == []
-    use(True, lone=False)  # MLX_BATCHD_COMPILED_LONE=0
+    use(True, lone=False)
     decode_logits(model, 4, padding=[0])
     assert calls == []
     decode_logits(model, 3, padding=[0, 2])

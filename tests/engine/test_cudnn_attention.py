@@ -38,7 +38,7 @@ def test_the_engine_sets_it_before_its_first_forward(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, asked: bool
 ) -> None:
     monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
-    with EngineThreadRun(tiny_model, tax_interval_s=0, cudnn_attention=asked):
+    with EngineThreadRun(tiny_model, cudnn_attention=asked):
         pass
     assert os.environ[CUDNN_ATTENTION_ENV] == ("1" if asked else "0")
 

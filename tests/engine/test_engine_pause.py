@@ -2,8 +2,6 @@
 
 A paused sequence must produce no tokens and cost no decode work, keep its KV cache and pending
 token, and, once resumed, produce exactly the tokens it would have produced without the pause.
-The engine thread's own guard on the pin-tax measurement (a client can ask for one) is here too:
-it stalls serving, so requests must not queue up measurements.
 """
 
 from __future__ import annotations
@@ -211,7 +209,7 @@ def test_a_paused_sequence_does_not_stop_the_lone_live_one_from_bursting(target:
 
 
 def test_engine_thread_pause_and_resume_commands(tiny_model: Path) -> None:
-    with Thread(tiny_model, tax_interval_s=0) as t:
+    with Thread(tiny_model) as t:
         t.engine.submit(job(1, PROMPTS[1], n=200))
         got: list[int] = []
         while len(got) < 3:
@@ -246,7 +244,7 @@ def test_the_probe_runs_while_every_sequence_is_paused(
 ) -> None:
     """The probe only runs while the engine has nothing to decode; paused sequences are nothing to decode."""
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path))  # no stored verdict: the probe must run
-    t = Thread(tiny_model, tax_interval_s=0, draft="prompt-lookup", bursts=BurstSettings(k=2))
+    t = Thread(tiny_model, draft="prompt-lookup", bursts=BurstSettings(k=2))
     t.engine.submit(job(1, PROMPTS[1], n=20))
     t.engine.pause(1)  # same drain as the submit, before any probe draw: parked once it decodes
     with t:
@@ -261,32 +259,3 @@ def test_the_probe_runs_while_every_sequence_is_paused(
         assert not [s for s in so_far if isinstance(s, (Tokens, Finished))]  # nothing while paused
         t.engine.resume(1)
         assert len(t.until_finished(1)) == 20
-
-
-def test_many_tax_requests_in_one_drain_run_one_measurement(tiny_model: Path) -> None:
-    t = Thread(tiny_model, tax_interval_s=0, tax_min_interval_s=0)
-    for _ in range(50):  # queued before the loop starts: all in its first drain
-        t.engine.measure_tax()
-    t.engine.submit(job(1, PROMPTS[1], n=3))  # same drain; its end means the drain is done
-    with t:
-        t.until_finished(1)
-        assert t.tax_measurements() == 1
-        assert t.engine.snapshot()["pin_tax"]["batch"] >= 1
-
-
-def test_tax_requests_inside_the_minimum_interval_keep_the_last_figure(tiny_model: Path) -> None:
-    with Thread(tiny_model, tax_interval_s=0, tax_min_interval_s=600) as t:
-        figures = []
-        for seq in range(1, 6):  # one request per drain: each waits for the previous drain's job to end
-            t.engine.measure_tax()
-            t.engine.submit(job(seq, PROMPTS[1], n=2))
-            t.until_finished(seq)
-            figures.append(t.engine.snapshot()["pin_tax"]["measured_at"])
-        assert t.tax_measurements() == 1
-        assert len(set(figures)) == 1  # the first figure stands
-    with Thread(tiny_model, tax_interval_s=0, tax_min_interval_s=0) as t:  # without the interval: each one runs
-        for seq in range(1, 4):
-            t.engine.measure_tax()
-            t.engine.submit(job(seq, PROMPTS[1], n=2))
-            t.until_finished(seq)
-        assert t.tax_measurements() == 3

@@ -30,6 +30,7 @@ from workers.mlxlm import merge_caches
 from workers.pins import CountedModel, PinLedger
 from workers.probe import ProbePolicy, Verdict, make_draws, probe
 from workers.probe_draws import run_block
+from workers.probe_pin_cost import BATCH_BUCKETS
 from workers.probe_report import iter_table, ladder_line, narrowed_widths
 from workers.synthetic import PRESETS, write_model
 from workers.verdict_store import VerdictStore
@@ -167,6 +168,7 @@ def test_injected_divergence_found_on_a_later_draw_reruns_the_rungs_earlier_draw
         "narrow: short-2",
         *(f"narrow: {n} (again, with narrowed widths)" for n in names[:2]),
         *(f"narrow: {n}" for n in names[2:]),
+        *(f"pin cost at narrow, batch {b}" for b in BATCH_BUCKETS),  # after the ladder, one step each
     ]
     assert (verdict.level, verdict.exact) == ("narrow", True), verdict.reason
     assert [d.draw for d in verdict.ladder[0].draws] == names

@@ -19,6 +19,7 @@ from tests.reference import load_measured
 from workers import kernels
 from workers.kernels import Level
 from workers.probe import ProbePolicy, make_draws, probe
+from workers.probe_pin_cost import BATCH_BUCKETS
 from workers.verdict_store import VerdictStore
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
@@ -34,6 +35,7 @@ def stored_narrow(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     policy = ProbePolicy(pinned_level=Level.NARROW)
     verdict = probe(model, lambda: make_prompt_cache(model), {"t": "forged"}, draws, 2, store=store, policy=policy)
     assert (verdict.level, verdict.exact, verdict.rungs) == ("narrow", True, ["narrow"]) and verdict.widths
+    assert [(r.level, r.batch) for r in verdict.pin_cost] == [("narrow", b) for b in BATCH_BUCKETS]
     return verdict.fingerprint, json.loads(store.path(verdict.fingerprint).read_text())
 
 
@@ -76,6 +78,14 @@ FORGERIES: dict[str, Callable[[dict[str, Any]], None]] = {
     "draw-narrowed-negative": _forge("ladder.0.draws.0.narrowed", -1),
     "level-a-rung-that-did-not-run": _forge("level", "per-query-1"),
     "exact-without-an-exact-rung": _forge("ladder.0.exact", False),
+    "pin-cost-not-a-list": _forge("pin_cost", {"narrow": 1.0}),
+    "pin-cost-row-not-an-object": _forge("pin_cost.0", [1, 2]),
+    "pin-cost-row-missing-a-field": _forge("pin_cost.0", {"level": "narrow", "batch": 1, "ratio": 1.0}),
+    "pin-cost-batch-zero": _forge("pin_cost.0.batch", 0),
+    "pin-cost-ratio-negative": _forge("pin_cost.0.ratio", -1.0),
+    "pin-cost-ratio-not-finite": _forge("pin_cost.0.ratio", float("inf")),
+    "pin-cost-at-a-rung-off-the-ladder": _forge("pin_cost.0.level", "per-query"),
+    "pin-cost-at-wide": _forge("pin_cost.0.level", "wide"),
 }
 
 

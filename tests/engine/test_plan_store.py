@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store, plan_timing, qmv_launch, qmv_rows
+from workers import fastpath, plan_store, plan_timing, qmv_launch
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -148,47 +148,13 @@ def test_a_cache_folder_that_cannot_be_made_still_lets_the_engine_start(
     assert (plans, stored) == ({SHAPES[0]: {2: 8}}, False) and "cannot use" in caplog.text
 
 
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        ("", {1: 2, 6: 2, 7: 2, 8: 2}),
-        ("2", dict.fromkeys(range(1, qmv_rows.MAX_ROWS + 1), 2)),
-        ("1:1, 4:2,8:4", {1: 1, 4: 2, 6: 2, 7: 2, 8: 4}),
-        ("5:1", {1: 2, 5: 1, 6: 2, 7: 2, 8: 2}),
-        ("0", {1: 2, 6: 2, 7: 2, 8: 2}),
-        ("9:1", {1: 2, 6: 2, 7: 2, 8: 2}),
-        ("four", {1: 2, 6: 2, 7: 2, 8: 2}),
-        ("1:", {1: 2, 6: 2, 7: 2, 8: 2}),
-    ],
-)
-def test_the_kernels_outputs_per_warp_are_set_by_row_count_and_a_bad_setting_keeps_the_default(
-    raw: str, expected: dict[int, int], monkeypatch: pytest.MonkeyPatch
+def test_the_kernels_launch_settings_by_row_count_name_the_plans_they_were_timed_on(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("MLX_BATCHD_QMV_PER_WARP", raw)
-    assert qmv_launch._per_warp() == expected
-    monkeypatch.setattr(qmv_launch, "PER_WARP", expected)
-    assert [qmv_launch.per_warp(r) for r in (1, 4)] == [expected.get(r, qmv_launch.OUTS_PER_WARP) for r in (1, 4)]
-
-
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        ("", {1: 4, 6: 4, 7: 4, 8: 4}),
-        ("8", dict.fromkeys(range(1, qmv_launch.MAX_ROWS + 1), 8)),
-        ("1:8, 5:2", {1: 8, 5: 2, 6: 4, 7: 4, 8: 4}),
-        ("3", {1: 4, 6: 4, 7: 4, 8: 4}),
-        ("5:32", {1: 4, 6: 4, 7: 4, 8: 4}),
-    ],
-)
-def test_the_kernels_warps_per_block_are_set_by_row_count_and_name_the_plans_they_were_timed_on(
-    raw: str, expected: dict[int, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A block of 1-16 warps (a power of two) by row count, or the defaults; and the kernel's variant
-    line, which kernel plans are stored under, changes with the setting."""
-    monkeypatch.setenv("MLX_BATCHD_QMV_WARPS", raw)
-    assert qmv_launch._block_warps() == expected
+    """Fewer outputs per warp and smaller blocks at the row counts measured for them, the defaults
+    elsewhere; and the kernel's variant line, which kernel plans are stored under, changes with them."""
+    assert [qmv_launch.per_warp(r) for r in (1, 4, 8)] == [2, qmv_launch.OUTS_PER_WARP, 2]
+    assert [qmv_launch.warps(r) for r in (1, 5, 8)] == [4, qmv_launch.WARPS, 4]
     before = qmv_launch.variant()
-    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", expected)
-    assert [qmv_launch.warps(r) for r in (1, 5)] == [expected.get(r, qmv_launch.WARPS) for r in (1, 5)]
-    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {**expected, 3: 16})
-    assert qmv_launch.variant() != before
+    monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {**qmv_launch.BLOCK_WARPS, 3: 16})
+    assert qmv_launch.warps(3) == 16 and qmv_launch.variant() != before

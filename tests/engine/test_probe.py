@@ -21,7 +21,9 @@ from tests.reference import load_measured, perturb
 from workers import kernels
 from workers.engine import Engine, Job
 from workers.kernels import Level
-from workers.probe import ProbePolicy, make_draws, probe, sliding_window
+from workers.pins import CountedModel, PinLedger
+from workers.probe import ProbePolicy, drive, make_draws, probe, probe_steps, sliding_window
+from workers.probe_pin_cost import BATCH_BUCKETS, REPS
 from workers.synthetic import PRESETS, write_model
 from workers.verdict_store import VerdictStore, model_fingerprint
 
@@ -163,6 +165,59 @@ def test_verdicts_are_memoised_persisted_and_reprobed_on_fingerprint_change(
     assert not run(pairing).from_cache  # a damaged verdict is re-measured, never trusted
 
 
+def _forwards(ledger: PinLedger) -> int:
+    snap = ledger.snapshot()
+    return sum(r["forwards"] for r in [*snap["pinned"], *snap["unrequested"]])
+
+
+def test_the_pin_cost_is_measured_once_with_the_verdict_and_stored_with_it(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """After the ladder the probe times a batched decode step at each rung that pins against wide, at
+    every batch bucket, and stores the rows with the verdict; the verdict read back from the store
+    brings them without a forward run (serving never measures them)."""
+    model = load_measured(models["tiny-llama"])
+    ledger = PinLedger()
+    counted = CountedModel(model, ledger)
+    store = VerdictStore(tmp_path / "verdicts")
+    draws = make_draws(2, VOCAB, 4096, None)
+
+    def run() -> Any:
+        return probe(counted, lambda: make_prompt_cache(model), {"t": "pin cost"}, draws, 2, store=store)
+
+    first = run()
+    assert (first.level, first.rungs) == ("wide", ["wide", "narrow", "per-query", "per-query-1"])
+    rungs = ["narrow", "per-query", "per-query-1"]
+    assert [(r.level, r.batch) for r in first.pin_cost] == [(lv, b) for b in BATCH_BUCKETS for lv in rungs]
+    assert all(r.wide_step_s > 0 and r.ratio == r.pinned_step_s / r.wide_step_s for r in first.pin_cost)
+    pinned_rows = {r["level"]: r["rows"] for r in ledger.snapshot()["pinned"]}
+    # Only the pin cost ran the rungs (the ladder stopped at wide): each bucket's step, REPS + 1 times.
+    assert {lv: pinned_rows[lv] for lv in rungs} == dict.fromkeys(rungs, (REPS + 1) * sum(BATCH_BUCKETS))
+    forwards = _forwards(ledger)
+    again = run()
+    assert again.from_cache and again.pin_cost == first.pin_cost
+    assert _forwards(ledger) == forwards  # read back, not measured again
+
+
+def test_a_serving_engines_probe_measures_the_pin_cost_only_up_to_its_max_batch(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An engine that decodes at most 8 sequences together never runs the 32- and 128-row steps a
+    process-wide pin would slow, so its probe does not time them (on a small CPU they would hold
+    the verdict back for minutes)."""
+    model = load_measured(models["tiny-llama"])
+    ledger = PinLedger()
+    draws = make_draws(2, VOCAB, 4096, None)
+    steps = probe_steps(
+        CountedModel(model, ledger), lambda: make_prompt_cache(model), {"t": "cap"}, draws, 2, max_batch=8
+    )
+    verdict = drive(steps)
+    rungs = ["narrow", "per-query", "per-query-1"]
+    assert [(r.level, r.batch) for r in verdict.pin_cost] == [(lv, b) for b in (1, 8) for lv in rungs]
+    pinned_rows = {r["level"]: r["rows"] for r in ledger.snapshot()["pinned"]}
+    assert {lv: pinned_rows[lv] for lv in rungs} == dict.fromkeys(rungs, (REPS + 1) * (1 + 8))
+
+
 def _engine(path: Path, **kw: Any) -> Engine:
     model = load_measured(path)
     return Engine(model, eos_token_ids=(0,), vocab_size=VOCAB, **kw)
@@ -212,7 +267,8 @@ def test_scoped_pin_reaches_only_its_forward_while_batched_decode_interleaves(mo
 
 
 def test_process_wide_pin_makes_batched_decode_collateral(models: dict[str, Path]) -> None:
-    engine = _engine(models["tiny-llama"], pin_scope="process")
+    """The bench's arm: a process-wide pin (``set_process_level``) runs every forward at its level."""
+    engine = _engine(models["tiny-llama"])
     kernels._widths.update({k: 2 for k in kernels._widths})
     seen, workers.seam.divergence_seam = _row_counts()
     kernels.set_process_level(Level.NARROW)

@@ -145,7 +145,7 @@ class Served:
     def __init__(self, model: Path) -> None:
         self.out: queue.SimpleQueue[Signal] = queue.SimpleQueue()
         bursts = BurstSettings(k=K, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)
-        settings = EngineSettings(draft="prompt-lookup", bursts=bursts, tax_interval_s=0)
+        settings = EngineSettings(draft="prompt-lookup", bursts=bursts)
         self.thread = EngineThread(lambda: load_model(str(model)), self._emit, settings)
 
     def _emit(self, signals: list[Signal]) -> None:

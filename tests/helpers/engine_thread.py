@@ -43,10 +43,3 @@ class EngineThreadRun:
         self.engine.shutdown()
         self.engine.join(30)
         assert not self.engine.is_alive()
-
-    def tax_measurements(self) -> int:
-        """Measurements so far: each one runs ``reps + 1`` pinned forwards at narrow, purpose ``tax``."""
-        rows = self.engine.snapshot()["pins"]["pinned"]
-        forwards = sum(r["forwards"] for r in rows if r["purpose"] == "tax" and r["level"] == "narrow")
-        assert forwards % 4 == 0
-        return forwards // 4

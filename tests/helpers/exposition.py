@@ -66,3 +66,24 @@ def strict_problems(text: str) -> list[str]:
         elif family != current:
             problems.append(f"line {n}: sample {match.group(1)} outside its family {family}")
     return problems
+
+
+#: The ``vllm:`` families a daemon exposes (as vLLM names and types them), and for each histogram the
+#: daemon's own family it mirrors.
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+VLLM_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "mlx_batchd_time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds": "mlx_batchd_inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds": "mlx_batchd_inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds": "mlx_batchd_request_duration_seconds",
+}

@@ -65,9 +65,6 @@ class _Engine:
     def resume(self, seq: int) -> None:
         self.calls.append(("resume", seq))
 
-    def measure_tax(self) -> None:
-        self.calls.append(("measure_tax",))
-
     def shutdown(self, reason: str = "error", code: str = "shutdown", message: str = "") -> None:
         self.calls.append(("shutdown",))
 

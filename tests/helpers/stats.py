@@ -4,8 +4,9 @@ Prometheus collector and the prefix cache's counters are tested against."""
 from __future__ import annotations
 
 import re
+from typing import cast
 
-from scheduler.stats_types import StatsReply
+from scheduler.stats_types import PinTax, StatsReply, engine_of
 from workers.kernels import Level
 
 
@@ -145,3 +146,16 @@ def stats_snapshot(
             "compiled_layers": 0,
         },
     }
+
+
+def with_pin_tax(stats: StatsReply) -> StatsReply:
+    """``stats`` whose verdict measured what a process-wide pin would cost (two rungs, two batch sizes)."""
+    engine = engine_of(stats)
+    assert engine is not None
+    rows = [
+        {"level": level, "batch": batch, "wide_step_s": 0.01, "pinned_step_s": 0.01 * ratio, "ratio": ratio}
+        for level, by_batch in (("narrow", {1: 1.25, 8: 1.5}), ("per-query", {1: 2.0, 8: 3.0}))
+        for batch, ratio in by_batch.items()
+    ]
+    engine["pin_tax"] = cast(PinTax, {"level": "narrow", "rows": rows, "estimated_seconds_saved_by_scoping": 1.75})
+    return stats

@@ -62,7 +62,6 @@ BAD = [
     (["generate", "hi"], "--priority", "1001"),
     (["generate", "hi"], "--priority", "-1001"),
     (["stats"], "--timeout", "-1"),
-    (["stats"], "--tax-wait", "-1"),
     (["demo"], "--max-tokens", "0"),
     (["bench"], "--batch-sizes", "0"),
     (["bench"], "--tokens", "0"),
@@ -71,7 +70,7 @@ BAD = [
     (["bench"], "--poisson-rate", "-1"),
     (["bench"], "--poisson-requests", "0"),
     (["bench"], "--poisson-tokens", "0"),
-    (["bench"], "--daemon-args", '"--engine-thread'),
+    (["bench"], "--daemon-args", '"--insecure'),
     (["serve"], "--admit-window-ms", "-1"),
     (["serve"], "--mlx-cache-limit-mb", "-5"),
     (["serve"], "--mlx-cache-limit-mb", "1e300"),
@@ -142,9 +141,9 @@ def test_in_range_values_and_defaults_still_parse() -> None:
     assert args.k == "2,3,4"
     args = build_parser().parse_args(["generate", "hi", "--priority", "-1000", "--top-p", "1", "--seed", "0"])
     assert (args.priority, args.top_p, args.seed) == (-1000, 1.0, 0)
-    args = build_parser().parse_args(["bench", "--daemon-args", "--engine-thread --admit-window-ms '0'"])
-    assert args.daemon_args == ["--engine-thread", "--admit-window-ms", "0"]
-    assert build_parser().parse_args(["bench", "--daemon-args=--engine-thread"]).daemon_args == ["--engine-thread"]
+    args = build_parser().parse_args(["bench", "--daemon-args", "--insecure --admit-window-ms '0'"])
+    assert args.daemon_args == ["--insecure", "--admit-window-ms", "0"]
+    assert build_parser().parse_args(["bench", "--daemon-args=--insecure"]).daemon_args == ["--insecure"]
     args = build_parser().parse_args(["serve", "--admit-window-ms", "0", "--mlx-cache-limit-mb", "512"])
     assert (args.admit_window_ms, args.mlx_cache_limit_mb, args.admit_idle_window_ms) == (0.0, 512.0, 10.0)
     assert build_parser().parse_args(["serve", "--admit-idle-window-ms", "12.5"]).admit_idle_window_ms == 12.5

@@ -49,7 +49,6 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         drafter="prompt-lookup",
         probe_policy=ProbePolicy(allow_inexact=True, pinned_level=Level.NARROW),
         bursts=BurstSettings(k=6, audit_fraction=0.5),
-        tax_interval_s=0.0,
     )
     assert settings_from_wire(unpack(pack(settings_to_wire(settings)))) == settings
     info = ModelInfo("m", "/p", "llama", 300, 512, (0, 2), True, 4096)
@@ -90,11 +89,14 @@ def test_a_plain_job_shares_no_list_with_its_job() -> None:
 
 def test_the_engines_sampling_params_carry_every_wire_sampling_option() -> None:
     """The front end converts the wire's ``SamplingOptions`` to the engine's ``SamplingParams`` field by
-    field: the two must have the same fields and defaults, and a job's sampling crosses to the engine
-    process under the wire's names."""
+    field: the two must have the same fields and defaults, except the wire's ``response_format``, which
+    the front end compiles into the engine's ``grammar``; a job's sampling crosses to the engine process
+    under the engine's names."""
     wire = {f.name: f.default for f in fields(SamplingOptions)}
-    assert {f.name: f.default for f in fields(SamplingParams)} == wire
-    assert job_to_wire(Job(seq=1, prompt=[1], max_tokens=1))["sampling"] == wire
+    engine = {f.name: f.default for f in fields(SamplingParams)}
+    assert wire.pop("response_format") is None and engine.pop("grammar") is None
+    assert engine == wire
+    assert job_to_wire(Job(seq=1, prompt=[1], max_tokens=1))["sampling"] == {**wire, "grammar": None}
 
 
 def test_a_step_s_plain_tokens_cross_as_one_map_of_columns_in_order() -> None:

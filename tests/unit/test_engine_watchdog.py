@@ -53,7 +53,7 @@ def test_a_running_sequence_without_a_word_is_overdue_and_a_word_resets_the_cloc
     dog.heard([{"t": "step", "kind": "decode", "seconds": 0.01, "batch_size": 1}])
     assert _quiet_for(dog, clock, T - 1) is None
     why = _quiet_for(dog, clock, 2)
-    assert why is not None and "1 sequence" in why and f"--engine-timeout {T:g}" in why
+    assert why is not None and "1 sequence" in why and f"engine_timeout = {T:g} in the config file" in why
 
 
 def test_a_bare_snapshot_is_no_progress_of_the_engine() -> None:

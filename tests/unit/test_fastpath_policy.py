@@ -8,7 +8,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, kernels
+from workers import envs, fastpath, kernels
 
 
 def test_contiguous_kv_only_for_a_single_sequence(policy: None) -> None:
@@ -33,41 +33,17 @@ def test_stock_lifts_the_patches_and_puts_them_back() -> None:
     assert hasattr(nn.Linear.__call__, "__wrapped__")
 
 
-def test_the_contiguous_kv_copies_can_be_switched_for_a_measurement(
-    policy: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``MLX_BATCHD_CONTIGUOUS_KV`` overrides the policy's copies either way; anything but 0 or 1 is
-    refused by name."""
-    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "cuda")
-    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "0")
-    p = fastpath.detect()
-    assert p.name == "cuda" and p.flatten and not p.contiguous_kv
-    fastpath.set_active(p)
-    one = mx.random.normal((1, 2, 16, 4))[:, :, :5]
-    assert fastpath.attention_inputs(one, one)[0] is one  # the cache's own view
-    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "generic")
-    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "1")
-    assert fastpath.detect().contiguous_kv
-    monkeypatch.setenv("MLX_BATCHD_CONTIGUOUS_KV", "yes")
-    with pytest.raises(ValueError, match="MLX_BATCHD_CONTIGUOUS_KV"):
-        fastpath.detect()
-
-
-@pytest.mark.parametrize(
-    ("env", "field"), [("MLX_BATCHD_COMPILED_LAYERS", "compiled_layers"), ("MLX_BATCHD_COMPILED_LONE", "compiled_lone")]
-)
-def test_the_compiled_layers_switches_override_the_policy(
-    monkeypatch: pytest.MonkeyPatch, env: str, field: str
-) -> None:
-    """Each overrides its field either way and keeps the rest of the policy; anything but 0 or 1 is
-    refused by name (an operator's typo is an error, not a silent default)."""
-    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "cuda")
+def test_the_compiled_layers_switch_overrides_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MLX_BATCHD_COMPILED_LAYERS`` overrides its field either way and keeps the rest of the policy;
+    anything but 0 or 1 is refused by name (an operator's typo is an error, not a silent default)."""
+    env = envs.COMPILED_LAYERS.name
+    monkeypatch.setenv(envs.FASTPATH.name, "cuda")
     monkeypatch.setenv(env, "0")
     p = fastpath.detect()
-    assert p.name == "cuda" and p.contiguous_kv and not getattr(p, field)
-    monkeypatch.setenv("MLX_BATCHD_FASTPATH", "generic")
+    assert p.name == "cuda" and p.contiguous_kv and p.compiled_lone and not p.compiled_layers
+    monkeypatch.setenv(envs.FASTPATH.name, "generic")
     monkeypatch.setenv(env, "1")
-    assert getattr(fastpath.detect(), field)
+    assert fastpath.detect().compiled_layers
     monkeypatch.setenv(env, "on")
     with pytest.raises(ValueError, match=env):
         fastpath.detect()

@@ -1,5 +1,5 @@
 """The front end's stats and health replies, without a daemon: the reply as a tenant, as the operator
-and across msgpack, the measure-tax gate, the engine counters and health before the model loads."""
+and across msgpack, the engine counters and health before the model loads."""
 
 from __future__ import annotations
 
@@ -8,18 +8,9 @@ from pathlib import Path
 
 import msgpack
 
-from clients.protocol import ErrorCode
 from scheduler.admission import Limits
 from scheduler.fairness import FairQueue
-from scheduler.stats import (
-    Counters,
-    TaxGate,
-    build_stats,
-    health_message,
-    measure_tax_forbidden,
-    stats_message,
-    visible_tenant,
-)
+from scheduler.stats import Counters, build_stats, health_message, stats_message, visible_tenant
 from scheduler.stats_types import StatsReply
 from scheduler.tenants import Tenant, TenantTable
 from tests.helpers.stats import stats_snapshot
@@ -77,14 +68,6 @@ def test_without_a_tenants_file_the_local_user_is_the_operator() -> None:
     assert visible_tenant(table, table.tenants[LOCAL]) is None
 
 
-def test_measure_tax_is_let_through_once_per_interval() -> None:
-    gate = TaxGate(30.0)
-    assert gate.ask(100.0) == "queued"
-    assert gate.ask(110.0) == "skipped"
-    assert gate.ask(131.0) == "queued"
-    assert measure_tax_forbidden("s2").code == ErrorCode.FORBIDDEN
-
-
 def test_the_engine_counters_reach_the_reply_whole() -> None:
     """Every counter of ``EngineCounters`` has its key in ``stats.engine``, under its own name."""
     counters = EngineCounters(**{f.name: i + 1 for i, f in enumerate(fields(EngineCounters))})
@@ -92,14 +75,12 @@ def test_the_engine_counters_reach_the_reply_whole() -> None:
 
 
 def test_the_stats_reply_crosses_msgpack_as_plain_strings() -> None:
-    """Enum-valued fields (``measure_tax``, levels) leave as their plain strings: clients and the HTTP
-    door read the same map as before the reply had types."""
+    """Enum-valued fields (levels) leave as their plain strings: clients and the HTTP door read the
+    same map as before the reply had types."""
     stats = _stats(None)
-    stats["measure_tax"] = TaxGate(30.0).ask(0.0)
     stats["engine"] = stats_snapshot(1.0, 0, 0, 0, 0)["engine"]
     wire = msgpack.unpackb(msgpack.packb(stats_message("s1", stats)))["stats"]
     assert wire == stats
-    assert type(wire["measure_tax"]) is str and wire["measure_tax"] == "queued"
     assert type(wire["engine"]["pins"]["pinned"][0]["level"]) is str
 
 

@@ -1,6 +1,7 @@
 """The packages' layering, read from the source: ``clients`` <- ``scheduler`` -> ``workers`` and no arrow
 back, and no import cycle between modules, counting the imports made inside functions (a lazy import
-still ties two modules together) and leaving out those only a type checker sees."""
+still ties two modules together) and, for cycles, also those only a type checker sees (a type-only
+cycle still ties two modules' designs together)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skip
 
 
-def imports(source: str, mods: dict[str, Path] | None = None) -> set[str]:
+def imports(source: str, mods: dict[str, Path] | None = None, *, typed: bool = False) -> set[str]:
     """The names every import statement in ``source`` reaches: a project module where one is meant
-    (``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``), else the top-level name."""
+    (``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``), else the top-level name;
+    those under ``if TYPE_CHECKING:`` only when ``typed``."""
     mods = _modules() if mods is None else mods
     tree = ast.parse(source)
-    skip = _type_checking_only(tree)
+    skip = set() if typed else _type_checking_only(tree)
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -48,9 +50,9 @@ def imports(source: str, mods: dict[str, Path] | None = None) -> set[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, typed: bool = False) -> dict[str, set[str]]:
     mods = _modules()
-    return {m: {d for d in imports(p.read_text(), mods) if d in mods and d != m} for m, p in mods.items()}
+    return {m: {d for d in imports(p.read_text(), mods, typed=typed) if d in mods and d != m} for m, p in mods.items()}
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -89,6 +91,10 @@ def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
 
 
+def test_no_import_cycle_through_type_only_imports() -> None:
+    assert cycles(graph(typed=True)) == []
+
+
 def test_a_cycle_is_found() -> None:
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(g) == [["a", "b", "c"]]
@@ -120,3 +126,4 @@ def test_lazy_imports_count_and_type_checking_ones_do_not() -> None:
         "def f():\n    from workers import engine\n"
     )
     assert imports(source) == {"typing", "workers.engine"}
+    assert imports(source, typed=True) == {"typing", "workers.engine", "scheduler.frontend"}

@@ -6,7 +6,7 @@ from typing import Any
 
 from scheduler.metrics import StatsCollector
 from scheduler.stats_types import engine_of
-from tests.helpers.stats import stats_snapshot
+from tests.helpers.stats import stats_snapshot, with_pin_tax
 
 
 def _collect(stats: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -60,3 +60,15 @@ def test_the_collector_reads_each_part_of_the_reply() -> None:
         assert loading[key] == 0, key
     assert not any(name in ("mlx_batchd_verdict_exact", "mlx_batchd_pinned_forwards_total") for name, _ in loading)
     assert _collect({}) == {}
+
+
+def test_the_pin_tax_is_one_ratio_per_rung_and_batch_size() -> None:
+    """The probe's rows, each as ``mlx_batchd_pin_tax_ratio{level, batch}``, and what scoping saved."""
+    got = _collect(dict(with_pin_tax(stats_snapshot(12.0, 1600, 500, 400, 300))))
+    ratios = {
+        dict(labels)["level"] + "@" + dict(labels)["batch"]: v
+        for (n, labels), v in got.items()
+        if n.endswith("pin_tax_ratio")
+    }
+    assert ratios == {"narrow@1": 1.25, "narrow@8": 1.5, "per-query@1": 2.0, "per-query@8": 3.0}
+    assert got[("mlx_batchd_scoping_saved_seconds", ())] == 1.75

@@ -11,7 +11,7 @@ from rich.console import Console
 from scheduler.cli import top_view
 from scheduler.cli.stats import format_stats
 from scheduler.stats_types import EngineSnapshot, StatsReply, engine_of
-from tests.helpers.stats import _row, stats_snapshot
+from tests.helpers.stats import _row, stats_snapshot, with_pin_tax
 
 
 def _text(renderable: Any) -> str:
@@ -94,3 +94,15 @@ def test_stats_summary_reads_the_whole_reply() -> None:
     stats["engine"] = {}
     lines = format_stats(health, stats).splitlines()
     assert lines[2] == "engine: not ready" and not any(line.startswith(("bursts", "pins")) for line in lines)
+
+
+def test_the_pin_tax_reads_the_rows_at_the_level_a_pin_would_run_at() -> None:
+    """Both views show the verdict's measured cost at the pin's level, by batch size, and the saving."""
+    stats = with_pin_tax(stats_snapshot(uptime=12.0, generated=1600, emitted=500, drafted=400, accepted=300))
+    health = {"status": "ready", "model": {"name": "m", "type": "llama", "context_length": 512}}
+    assert (
+        "pin tax at narrow (a batched step pinned / wide): B=1 1.250x, B=8 1.500x; scoping saved ~1.75s of "
+        "batched decode so far"
+    ) in format_stats(health, stats).splitlines()
+    frame = " ".join(_text(top_view.render(stats, None, 0.0)).split())  # the caption wraps to the table
+    assert "pin tax at narrow (pinned / wide): B=1 1.250x, B=8 1.500x; scoping saved ~1.75s" in frame

@@ -6,9 +6,10 @@ They ship inside the package under ``weights/`` (trained by ``tools/demo/train.p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
+
+from workers import envs
 
 DemoKind = Literal["target", "draft", "mtp"]
 
@@ -18,8 +19,7 @@ SHIPPED = Path(__file__).parent / "weights"
 def cache_dir() -> Path:
     """Where generated state lives (memoised verdicts, file hashes): ``$MLX_BATCHD_CACHE`` or
     ``~/.cache/mlx-batchd``."""
-    root = os.environ.get("MLX_BATCHD_CACHE") or Path.home() / ".cache" / "mlx-batchd"
-    return Path(root)
+    return Path(envs.read(envs.CACHE))
 
 
 def demo_path(kind: DemoKind = "target") -> Path:

@@ -1,0 +1,192 @@
+"""A tensor-core batched projection (``w4a16_kernel``) against MLX's quantized matmul and a bf16 copy.
+
+Two parts, on an NVIDIA GPU with MLX's CUDA backend:
+
+* ``check``: for every projection shape of the 8B-shaped llama and of SmolLM2-135M (4-bit group 64 and
+  group 32, 8-bit group 64) and row counts 8..256, the kernel's output against a float32 reference
+  (``x`` in float32 times the dequantized weight), next to MLX's own quantized matmul's error against
+  the same reference. Passes when the kernel's largest error is within twice MLX's plus one bf16
+  rounding of the output's magnitude.
+* ``time``: the projections of ``--layers`` distinct layers of the 8B shapes (q, k, v, o, gate, up,
+  down) at each row count, as one graph per repeat, for MLX's quantized matmul, the kernel at each
+  tile, bf16 weights through MLX's dense matmul, and each 4-bit weight dequantized to a transient bf16
+  copy right before that matmul. Prints milliseconds a step (all layers) as the
+  median of ``--repeats`` with the spread, and writes JSON with ``--out``.
+
+    python benchmarks/w4a16_probe.py check
+    python benchmarks/w4a16_probe.py time --rows 8,16,32,64,128,256 --out w4a16.json
+    python benchmarks/w4a16_probe.py plot --json w4a16.json --out w4a16.png     (any machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import w4a16_kernel as w4a16  # noqa: E402
+
+LLAMA_8B = {
+    "q": (4096, 4096),
+    "k": (1024, 4096),
+    "v": (1024, 4096),
+    "o": (4096, 4096),
+    "gate": (14336, 4096),
+    "up": (14336, 4096),
+    "down": (4096, 14336),
+}
+SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def _weights(n: int, k: int, bits: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(mx.bfloat16) * 0.02
+    return mx.quantize(w, group_size=gs, bits=bits)
+
+
+def check(rows: list[int]) -> bool:
+    ok = True
+    cases = [(name, shape, 4, 64) for name, shape in LLAMA_8B.items() if name in ("q", "k", "gate", "down")]
+    cases += [(f"smollm2 {name}", shape, 4, 32) for name, shape in SMOLLM2.items()]
+    cases += [("8-bit gate", LLAMA_8B["gate"], 8, 64), ("smollm2 lm_head q8", SMOLLM2["lm_head"], 8, 32)]
+    print(f"{'shape':<22} {'bits':>4} {'gs':>3} {'rows':>5} {'kernel err':>11} {'mlx err':>11} {'bound':>11}  ok")
+    for name, (n, k), bits, gs in cases:
+        w, s, b = _weights(n, k, bits, gs, seed=n + k + bits)
+        wd = mx.dequantize(w, s, b, group_size=gs, bits=bits).astype(mx.float32)
+        for m in rows:
+            x = (mx.random.normal((m, k), key=mx.random.key(m)) * 0.5).astype(mx.bfloat16)
+            ref = x.astype(mx.float32) @ wd.T
+            got = w4a16.matmul(x, w, s, b, bits, gs).astype(mx.float32)
+            theirs = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits).astype(mx.float32)
+            err = mx.max(mx.abs(got - ref)).item()
+            mlx_err = mx.max(mx.abs(theirs - ref)).item()
+            bound = 2 * mlx_err + mx.max(mx.abs(ref)).item() * 2.0**-8
+            good = err <= bound and bool(mx.all(mx.isfinite(got)).item())
+            ok &= good
+            print(
+                f"{name:<22} {bits:>4} {gs:>3} {m:>5} {err:>11.4g} {mlx_err:>11.4g} {bound:>11.4g}  {'ok' if good else 'FAIL'}",
+                flush=True,
+            )
+    return ok
+
+
+def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
+    mx.eval(fn())
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+def timing(rows: list[int], layers: int, repeats: int, tiles: list[tuple[int, int]], out: str | None) -> None:
+    gs, bits = 64, 4
+    mats = []
+    for layer in range(layers):
+        for j, (n, k) in enumerate(LLAMA_8B.values()):
+            mats.append(_weights(n, k, bits, gs, seed=layer * 16 + j))
+    mx.eval(mats)
+    dense = [mx.dequantize(w, s, b, group_size=gs, bits=bits) for w, s, b in mats]
+    mx.eval(dense)
+    results = []
+    print(f"{'rows':>5} {'arm':<14} {'ms/step':>8} {'min':>7} {'max':>7} {'tok/s (proj only)':>18}", flush=True)
+    for m in rows:
+        xs = {k: (mx.random.normal((m, k), key=mx.random.key(k)) * 0.5).astype(mx.bfloat16) for k in (4096, 14336)}
+
+        def x_for(w: mx.array, xs: dict[int, mx.array] = xs) -> mx.array:
+            return xs[w.shape[1] * 32 // bits]
+
+        arms = {
+            "mlx qmm": lambda: [
+                mx.quantized_matmul(x_for(w), w, s, b, transpose=True, group_size=gs, bits=bits) for w, s, b in mats
+            ],
+            "bf16 dense": lambda: [x_for_d(d) @ d.T for d in dense],
+            # 4-bit memory, bf16 speed? Each projection dequantized into a transient bf16 copy, then
+            # MLX's dense matmul: one projection's copy alive at a time.
+            "dequant+bf16": lambda: [x_for(w) @ mx.dequantize(w, s, b, group_size=gs, bits=bits).T for w, s, b in mats],
+        }
+
+        def x_for_d(d: mx.array, xs: dict[int, mx.array] = xs) -> mx.array:
+            return xs[d.shape[1]]
+
+        for bm, bn in tiles:
+            if bm > 16 and bm // 2 >= m:
+                continue
+            arms[f"kernel {bm}x{bn}"] = lambda bm=bm, bn=bn: [
+                w4a16.matmul(x_for(w), w, s, b, bits, gs, bm=bm, bn=bn) for w, s, b in mats
+            ]
+        arms["kernel auto"] = lambda: [w4a16.matmul(x_for(w), w, s, b, bits, gs) for w, s, b in mats]
+        for name, fn in arms.items():
+            med, lo, hi = _median_ms(fn, repeats)
+            step = med * 32 / layers
+            results.append({"rows": m, "arm": name, "ms_step": step, "min": lo * 32 / layers, "max": hi * 32 / layers})
+            print(
+                f"{m:>5} {name:<14} {step:>8.3f} {lo * 32 / layers:>7.3f} {hi * 32 / layers:>7.3f} {m / step * 1e3:>18.0f}",
+                flush=True,
+            )
+    if out:
+        Path(out).write_text(
+            json.dumps({"device": str(mx.default_device()), "layers": layers, "results": results}, indent=1)
+        )
+
+
+def plot(json_path: str, out: str) -> None:
+    """Milliseconds a step by rows for MLX's kernel, the bf16 copy and the kernel's default tiles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for arm, label in (
+        ("mlx qmm", "MLX quantized matmul (4-bit)"),
+        ("kernel auto", "retiled sm80 main loop (4-bit)"),
+        ("bf16 dense", "bf16 copy of the weights"),
+    ):
+        pts = [(r["rows"], r["ms_step"]) for r in data["results"] if r["arm"] == arm]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (sequences in the batch)")
+    ax.set_ylabel("ms for 32 layers' projections")
+    ax.set_title("8B-shaped projections, one decode step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=["check", "time", "plot"])
+    ap.add_argument("--json", default=None, help="plot: the JSON that time wrote")
+    ap.add_argument("--rows", default="8,16,32,64,128,256")
+    ap.add_argument("--layers", type=int, default=32, help="distinct layers of weights (time)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--tiles", default="16x64,32x64,32x128,64x128", help="BMxBN tiles to time besides the default")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.part == "plot":
+        plot(args.json, args.out or "w4a16.png")
+        return 0
+    if not w4a16.available():
+        print("w4a16: needs MLX's CUDA backend on the default device", file=sys.stderr)
+        return 2
+    if args.part == "check":
+        return 0 if check(rows) else 1
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
+    timing(rows, args.layers, args.repeats, tiles, args.out)  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Tools on the OpenAI door, through a real daemon and the real ``openai`` SDK.
+
+The daemon serves a scripted model (``tests.helpers.agent_model``): its greedy answer thinks, then
+calls ``get_weather`` in the Qwen/Hermes format that mlx-lm's ``json_tools`` parser reads; a
+``logit_bias`` of -100 on ``<tool_call>`` makes it answer in text instead. So the whole and streamed
+shapes, the agent loop's second turn (the call and its result rendered through the template), and
+the bad inputs are all checked against a known answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TEST_CONTEXT, Daemon
+from tests.e2e.test_http import http_url
+from tests.helpers import agent_model as script
+from tests.helpers.daemons import serve_http, served
+
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def serve(path: Path, workdir: Path) -> Daemon:
+    return serve_http(path, workdir, "--context-length", str(TEST_CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from served(serve(agent_model, tmp_path_factory.mktemp("http-tools")))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(agent_model: Path) -> Any:
+    from workers.models import load_tokenizer
+
+    return load_tokenizer(str(agent_model))
+
+
+def no_call(tokenizer: Any) -> dict[str, int]:
+    """The bias that makes the script answer in text: ``<tool_call>`` never sampled."""
+    return {str(tokenizer.convert_tokens_to_ids(script.CALL)): -100}
+
+
+def test_a_call_comes_back_as_tool_calls_with_the_reasoning_apart(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert (choice.message.model_extra or {}).get("reasoning_content") == script.REASON
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == script.CALL_NAME
+    assert json.loads(call.function.arguments) == script.CALL_ARGUMENTS
+
+
+def test_a_streamed_call_accumulates_to_the_whole_answer(oai: openai.OpenAI) -> None:
+    whole = oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, temperature=0).choices[0]
+    calls: dict[int, dict[str, str]] = {}
+    content, reasoning, finish, firsts = "", "", None, []
+    for chunk in oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        for tc in delta.tool_calls or []:
+            if tc.index not in calls:  # a call's first delta names it
+                firsts.append(tc)
+                calls[tc.index] = {"id": tc.id or "", "name": "", "arguments": ""}
+            assert tc.function is not None
+            calls[tc.index]["name"] += tc.function.name or ""
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert [(f.index, f.type, f.id is not None) for f in firsts] == [(0, "function", True)]
+    assert finish == whole.finish_reason == "tool_calls"
+    assert (content, reasoning) == ("", script.REASON)
+    (w,) = whole.message.tool_calls or []
+    assert calls[0]["name"] == w.function.name
+    assert json.loads(calls[0]["arguments"]) == json.loads(w.function.arguments) == script.CALL_ARGUMENTS
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_tool_choice_none_leaves_the_answer_text(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == script.CALL + script.CALL_A + script.CALL_B + script.CALL_C + script.CALL_END
+
+
+def test_the_agent_loops_second_turn_renders_the_call_and_its_result(oai: openai.OpenAI, tokenizer: Any) -> None:
+    first = oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, temperature=0).choices[0].message
+    (call,) = first.tool_calls or []
+    turn: Any = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    r = oai.chat.completions.create(
+        model="agent", messages=turn, tools=TOOLS, temperature=0, logit_bias=no_call(tokenizer)
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == script.ANSWER and not r.choices[0].message.tool_calls
+    rendered = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [{**call.model_dump(), "function": {
+            "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    ids = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True)
+    assert "sunny, 21 C" in tokenizer.decode(ids) and '"city": "Paris"' in tokenizer.decode(ids)
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": "agent", "messages": ASK, **body}, timeout=60)
+
+
+NAMELESS = [{"type": "function", "function": {"description": "no name", "parameters": {}}}]
+CALLED: Any = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code", "words"),
+    [
+        ({"tools": NAMELESS}, "tools", "bad_field", "tools[0].function.name is required"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "unsupported_parameter", "'required'"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "tool_choice",
+            "unsupported_parameter",
+            "get_weather",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "bad_field", "'tool_choice' must be"),
+        ({"tools": TOOLS * 2}, "tools", "bad_field", "twice"),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages", "bad_field", "messages[1].tool_call_id"),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        **CALLED,
+                        "tool_calls": [{**CALLED["tool_calls"][0], "function": {"name": "f", "arguments": "{oops"}}],
+                    },
+                ]
+            },
+            "messages",
+            "bad_field",
+            "messages[1].tool_calls[0].function.arguments is not valid JSON",
+        ),  # fmt: skip
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        **CALLED,
+                        "tool_calls": [
+                            {
+                                **CALLED["tool_calls"][0],
+                                "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages",
+            "bad_field",
+            "messages[1].tool_calls[0].function.arguments is not valid JSON",
+        ),  # fmt: skip
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter", "deprecated"),
+    ],
+    ids=[
+        "nameless",
+        "required",
+        "named",
+        "unknown-choice",
+        "duplicate",
+        "tool-message",
+        "arguments",
+        "deep-arguments",
+        "functions",
+    ],  # fmt: skip
+)
+def test_bad_tool_input_is_a_400_naming_the_field(
+    url: str, body: dict[str, Any], param: str, code: str, words: str
+) -> None:
+    r = post(url, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code)
+    assert words in err["message"]
+    assert post(url, {"tools": TOOLS, "temperature": 0}).json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("kind", ["no-parser", "template-without-tools"])
+def test_tools_on_a_model_that_cannot_call_them_is_one_400(kind: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = tmp_path_factory.mktemp("models") / kind
+    if kind == "no-parser":
+        script.write_agent_model(path, template=script.PLAIN_TEMPLATE, tool_parser=None)
+    else:
+        script.write_agent_model(path, template=script.PLAIN_TEMPLATE)
+    d = serve(path, tmp_path_factory.mktemp(kind))
+    try:
+        url = http_url(d)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "tools": TOOLS}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == ("tools", "no_tool_support")
+        why = "no tool-call parser" if kind == "no-parser" else "does not render tools"
+        assert why in err["message"]
+        ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        assert d.stop() == 0, d.log()
