@@ -4,8 +4,8 @@ Anthropic's tools (``name``, ``description``, ``input_schema``) become the funct
 template renders; an assistant turn's ``tool_use`` blocks become its ``tool_calls`` and a user turn's
 ``tool_result`` blocks become ``tool`` messages ahead of its text, as the OpenAI door sends them to
 the template (``scheduler.tool_calls``). An assistant turn's thinking blocks are left out, as chat
-templates leave out earlier reasoning. ``tool_choice`` ``any`` or a named tool needs constrained
-decoding, which the daemon does not do yet: a 400 naming the value.
+templates leave out earlier reasoning. ``tool_choice`` ``any`` or a named tool is enforced
+by the grammar engine (``scheduler.tool_grammar``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,15 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise bad(f"'tools' defines the tool {dup!r} twice", "tools")
-    if kind in ("any", "tool"):
-        raise unsupported(
-            "tool_choice", f"{kind!r} is not supported yet: it needs constrained decoding; send 'auto' or 'none'"
-        )
+    if kind == "any":
+        return Tools(defs, parallel=parallel is not True, forced=True)
+    if kind == "tool":
+        name = choice.get("name") if choice is not None else None
+        if not isinstance(name, str) or not name:
+            raise bad("'tool_choice.name' is required: a non-empty string", "tool_choice")
+        if name not in names:
+            raise bad(f"'tool_choice' names the tool {name[:40]!r}, which 'tools' does not define", "tool_choice")
+        return Tools(defs, parallel=False, forced=True, name=name)
     return Tools(defs, parse=kind == "auto", parallel=parallel is not True)
 
 

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from clients.protocol import ErrorCode, MsgType, ProtocolError, Submit, parse_request
-from scheduler import tool_calls
+from scheduler import tool_calls, tool_grammar
 from scheduler.anthropic_reply import Reply, event
 from scheduler.anthropic_tools import convert_messages, parse_tools, wire_messages
 from scheduler.http_api import Api, Stream
@@ -201,7 +201,7 @@ class MessagesDoor:
             response = await api._answer_one(
                 conn,
                 request,
-                replace(req.submit, messages=None, tokens=ids),
+                await anyio.to_thread.run_sync(self._submit, req, ids, info),
                 stream=req.stream,
                 raise_for=_raise_for,
                 whole=reply.whole,
@@ -212,6 +212,13 @@ class MessagesDoor:
         finally:
             if not streaming:
                 conn.close()  # a stream's response closes it when the stream ends
+
+    def _submit(self, req: MessagesRequest, ids: list[int], info: Any) -> Submit:
+        """The request with its rendered prompt, and the grammar of a forced ``tool_choice``."""
+        tokenizer = self.api.front.tokenizer
+        sub = replace(req.submit, messages=None, tokens=ids)
+        opens = tool_calls.opens_thinking(tokenizer, ids)
+        return tool_grammar.enforce(sub, tokenizer, info.name, req.tools, opens, info.vocab_size)
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt tokens the same body

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from scheduler import http_choices, tool_calls
+from scheduler import http_choices, tool_calls, tool_grammar
 from scheduler.chat_reply import SplitReply
 from scheduler.http_auth import tenant_for
 from scheduler.http_errors import HTTPError
@@ -225,7 +226,10 @@ class Api:
             raise HTTPError(
                 400, f"the chat template rejected the request: {exc}", param=param, code="bad_field"
             ) from None
-        return with_tokens(parsed, ids), reasoning_first
+        parsed = with_tokens(parsed, ids)
+        enforce = partial(tool_grammar.enforce, parsed.submit, tokenizer, info.name, parsed.tools, reasoning_first)
+        forced = await anyio.to_thread.run_sync(enforce, info.vocab_size)
+        return replace(parsed, submit=forced), reasoning_first
 
     @staticmethod
     def _raise_for(msg: dict[str, Any], parsed: Parsed, chat: bool) -> None:

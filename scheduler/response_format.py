@@ -33,6 +33,11 @@ def _error(kind: str, text: str, tokenizer: Any, vocab_size: int) -> str | None:
         return str(exc) or type(exc).__name__
 
 
+def compile_failure(kind: str, text: str, tokenizer: Any, vocab_size: int) -> str | None:
+    """Why a grammar does not compile for this tokenizer (``None``: it does); memoised."""
+    return _error(kind, text, tokenizer, vocab_size)
+
+
 def check(req: Submit, tokenizer: Any, vocab_size: int) -> None:
     """Refuse a ``response_format`` the grammar engine cannot compile for this tokenizer. May take
     milliseconds (a large schema; the tokenizer's first use walks the vocabulary): the caller runs

@@ -6,7 +6,8 @@ The parts are mlx-lm's: the tokenizer wrapper names the family's markers (``tool
 renders the tool definitions (``apply_chat_template(..., tools=...)``), the assistant's earlier calls
 and the tools' results. A model without a parser, or whose template ignores ``tools``, answers a
 request with tools one 400 (``no_tool_support``). ``tool_choice`` ``required`` or a named function
-needs constrained decoding, which the daemon does not do yet: a 400 naming the value, never ignored.
+is enforced by the grammar engine (``scheduler.tool_grammar``) where the family's format can be
+written as a grammar; elsewhere it is a 400 naming the value, never ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.http_errors import HTTPError, unsupported
+from scheduler.http_errors import HTTPError
 
 #: OpenAI's rule for a function's name.
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -44,6 +45,15 @@ class Tools:
     parse: bool = True
     #: ``parallel_tool_calls`` false: the answer keeps its first call only.
     parallel: bool = True
+    #: ``tool_choice`` ``required`` or a named function: the answer must be calls (``tool_grammar``).
+    forced: bool = False
+    #: The function a named ``tool_choice`` names (``None``: any of ``tools``).
+    name: str | None = None
+
+    @property
+    def forced_shown(self) -> str:
+        """The forced choice as an error message names it."""
+        return f"naming {self.name[:_SHOWN]!r}" if self.name is not None else "requiring a call"
 
 
 def check_function(fn: Any, where: str, param: str) -> dict[str, Any]:
@@ -93,15 +103,18 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         raise bad(f"'tools' defines the function {dup!r} twice", "tools")
     if choice in (None, "auto", "none"):
         return Tools(defs, parse=choice != "none", parallel=parallel is not False)
-    if choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function"):
-        shown = repr(choice)
-        if isinstance(choice, dict):
-            fn = choice.get("function")
-            name = fn.get("name") if isinstance(fn, dict) else None
-            shown = f"naming a function ({str(name)[:_SHOWN]!r})"
-        raise unsupported(
-            "tool_choice", f"{shown} is not supported yet: it needs constrained decoding; send 'auto' or 'none'"
-        )
+    if choice == "required":
+        return Tools(defs, parallel=parallel is not False, forced=True)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise bad("'tool_choice.function.name' is required: a non-empty string", "tool_choice")
+        if name not in names:
+            raise bad(
+                f"'tool_choice' names the function {name[:_SHOWN]!r}, which 'tools' does not define", "tool_choice"
+            )
+        return Tools(defs, parallel=False, forced=True, name=name)
     raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}", "tool_choice")
 
 

@@ -120,12 +120,47 @@ def test_tool_choice_none_answers_text(claude: anthropic.Anthropic) -> None:
     ]
 
 
+#: A second tool, with a schema that leaves a greedy forced answer one choice per step.
+TIME: Any = {
+    "name": "get_time",
+    "input_schema": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("tools", "choice"),
+    [([*TOOLS, TIME], {"type": "tool", "name": "get_time"}), ([TIME], {"type": "any"})],
+    ids=["named", "any"],
+)
+def test_a_forced_tool_choice_calls_a_given_tool_not_the_models_own(
+    claude: anthropic.Anthropic, tools: list[Any], choice: Any, stream: bool
+) -> None:
+    """The script calls ``get_weather`` on its own; forced to ``get_time``, it calls that, with
+    arguments that follow its schema."""
+    args: Any = {"model": "agent", "max_tokens": 89, "messages": ASK, "tools": tools, "tool_choice": choice}
+    if stream:
+        with claude.messages.stream(**args, extra_body={"temperature": 0}) as s:
+            r = s.get_final_message()
+    else:
+        r = claude.messages.create(**args, extra_body={"temperature": 0})
+    assert r.stop_reason == "tool_use", r.content
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert uses and all(b.name == "get_time" for b in uses), r.content
+    assert all(b.input in ({"zone": "UTC"}, {"zone": "CET"}) for b in uses), r.content  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("body", "code", "words"),
     [
         ({"tools": [{"input_schema": {}}]}, "bad_field", "tools[0].name is required"),
         ({"tools": [{"name": "f"}]}, "bad_field", "tools[0].input_schema is required"),
-        ({"tools": TOOLS, "tool_choice": {"type": "any"}}, "unsupported_parameter", "'any'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_time"}}, "bad_field", "'get_time', which"),
         ({"thinking": {"type": "enabled"}}, "bad_field", "budget_tokens"),
         ({"thinking": {"type": "adaptive"}}, "unsupported_parameter", "thinking"),
         (
@@ -140,7 +175,7 @@ def test_tool_choice_none_answers_text(claude: anthropic.Anthropic) -> None:
             "messages[2].content[0].tool_use_id is required",
         ),  # fmt: skip
     ],
-    ids=["nameless", "no-schema", "any", "no-budget", "adaptive", "result-without-id"],
+    ids=["nameless", "no-schema", "named-not-in-tools", "no-budget", "adaptive", "result-without-id"],
 )
 def test_bad_tool_input_is_a_400_naming_it(url: str, body: dict[str, Any], code: str, words: str) -> None:
     r = httpx.post(f"{url}/v1/messages", json={"max_tokens": 8, "messages": ASK, **body}, timeout=60)

@@ -129,6 +129,99 @@ def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json={"model": "agent", "messages": ASK, **body}, timeout=60)
 
 
+#: Tools whose schemas leave a forced answer one choice per step, so a greedy model ends its call.
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def follows_schema(name: str, arguments: str) -> bool:
+    """Whether a call's arguments parse against its tool's schema (an enum per required key)."""
+    schema = next(t["function"]["parameters"] for t in (WEATHER, TIME) if t["function"]["name"] == name)
+    args = json.loads(arguments)
+    props = schema["properties"]
+    return set(args) == set(schema["required"]) and all(args[k] in props[k]["enum"] for k in args)
+
+
+def forced_calls(oai: openai.OpenAI, tokenizer: Any, stream: bool, **kwargs: Any) -> tuple[str | None, list[Any]]:
+    """The finish reason and ``(name, arguments)`` of each call of a text-biased answer, whole or
+    streamed (deltas accumulated by index)."""
+    args: Any = {"model": "agent", "messages": ASK, "temperature": 0, "logit_bias": no_call(tokenizer), **kwargs}
+    if not stream:
+        choice = oai.chat.completions.create(**args).choices[0]
+        assert choice.message.content is None
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.finish_reason, calls
+    acc: dict[int, list[str]] = {}
+    finish, content = None, ""
+    for chunk in oai.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            entry = acc.setdefault(tc.index, ["", ""])
+            entry[0] += (tc.function.name or "") if tc.function else ""
+            entry[1] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == ""
+    return finish, [tuple(acc[i]) for i in sorted(acc)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_forces_that_call(oai: openai.OpenAI, tokenizer: Any, stream: bool) -> None:
+    bias = no_call(tokenizer)
+    text = oai.chat.completions.create(
+        model="agent", messages=ASK, tools=[WEATHER, TIME], temperature=0, logit_bias=bias
+    ).choices[0]
+    assert text.finish_reason == "stop" and text.message.content == script.ANSWER  # unforced: text
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    finish, calls = forced_calls(oai, tokenizer, stream, tools=[WEATHER, TIME], tool_choice=choice)
+    assert finish == "tool_calls"
+    assert [name for name, _ in calls] == ["get_weather"]
+    assert follows_schema(*calls[0]), calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_forces_a_call_to_a_given_tool(oai: openai.OpenAI, tokenizer: Any, stream: bool) -> None:
+    finish, calls = forced_calls(oai, tokenizer, stream, tools=[TIME], tool_choice="required")
+    assert finish == "tool_calls"
+    assert calls and all(name == "get_time" and follows_schema(name, a) for name, a in calls), calls
+
+
+def test_a_family_the_grammar_cannot_write_keeps_the_400(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = script.write_agent_model(tmp_path_factory.mktemp("models") / "pythonic", tool_parser="pythonic")
+    d = serve(path, tmp_path_factory.mktemp("pythonic"))
+    try:
+        body = {"messages": ASK, "tools": [TIME], "tool_choice": "required", "max_tokens": 8}
+        r = httpx.post(f"{http_url(d)}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == ("tool_choice", "unsupported_parameter")
+        assert "'tool_choice' requiring a call" in err["message"] and "pythonic" in err["message"]
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 NAMELESS = [{"type": "function", "function": {"description": "no name", "parameters": {}}}]
 CALLED: Any = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}]}
 
@@ -137,12 +230,38 @@ CALLED: Any = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "functio
     ("body", "param", "code", "words"),
     [
         ({"tools": NAMELESS}, "tools", "bad_field", "tools[0].function.name is required"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "unsupported_parameter", "'required'"),
         (
-            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
             "tool_choice",
-            "unsupported_parameter",
-            "get_weather",
+            "bad_field",
+            "'get_time', which 'tools' does not define",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "bad_field",
+            "cannot be combined with 'response_format'",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "x": {"$ref": 1},
+                                "properties": {"a": {"$ref": "#/nowhere"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "bad_field",
+            "cannot compile",
         ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "bad_field", "'tool_choice' must be"),
         ({"tools": TOOLS * 2}, "tools", "bad_field", "twice"),
@@ -184,8 +303,9 @@ CALLED: Any = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "functio
     ],
     ids=[
         "nameless",
-        "required",
-        "named",
+        "named-not-in-tools",
+        "forced-and-response-format",
+        "uncompilable-schema",
         "unknown-choice",
         "duplicate",
         "tool-message",
