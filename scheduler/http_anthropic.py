@@ -193,15 +193,17 @@ class MessagesDoor:
         rid = f"msg_{uuid.uuid4().hex}"
         req = parse_messages(body, model=info.name, rid=rid)
         ids = await self._prompt(req, info)
-        opens = req.thinking and tool_calls.opens_thinking(front.tokenizer, ids)
-        reply = Reply(rid, info.name, len(ids), req.stops, front.tokenizer, req.tools, req.thinking, opens)
+        left_open = tool_calls.opens_thinking(front.tokenizer, ids)
+        reply = Reply(
+            rid, info.name, len(ids), req.stops, front.tokenizer, req.tools, req.thinking, req.thinking and left_open
+        )
         conn = front.open_local(tenant)
         streaming = False
         try:
             response = await api._answer_one(
                 conn,
                 request,
-                await anyio.to_thread.run_sync(self._submit, req, ids, info),
+                await anyio.to_thread.run_sync(self._submit, req, ids, info, left_open),
                 stream=req.stream,
                 raise_for=_raise_for,
                 whole=reply.whole,
@@ -213,12 +215,11 @@ class MessagesDoor:
             if not streaming:
                 conn.close()  # a stream's response closes it when the stream ends
 
-    def _submit(self, req: MessagesRequest, ids: list[int], info: Any) -> Submit:
-        """The request with its rendered prompt, and the grammar of a forced ``tool_choice``."""
-        tokenizer = self.api.front.tokenizer
+    def _submit(self, req: MessagesRequest, ids: list[int], info: Any, left_open: bool) -> Submit:
+        """The request with its rendered prompt, and the grammar of a forced ``tool_choice``
+        (``left_open``: the prompt leaves a think block open, ``tool_calls.opens_thinking``)."""
         sub = replace(req.submit, messages=None, tokens=ids)
-        opens = tool_calls.opens_thinking(tokenizer, ids)
-        return tool_grammar.enforce(sub, tokenizer, info.name, req.tools, opens, info.vocab_size)
+        return tool_grammar.enforce(sub, self.api.front.tokenizer, info.name, req.tools, left_open, info.vocab_size)
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt tokens the same body
