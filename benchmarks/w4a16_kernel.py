@@ -6,17 +6,15 @@ of the GPU's 132 SMs. This module launches MLX's own sm80 main loop (``qmm_sm80_
 dequantized in registers, ``mma.sync`` bf16/fp16 tensor-core tiles, a cp.async pipeline) through
 ``mx.fast.cuda_kernel`` with tiles sized so that every projection fills the GPU: ``BM`` rows by ``BN``
 outputs a CTA (``tiles``). ``w4a16_probe.py`` measures it against MLX's quantized matmul and a bf16
-copy, and checks it against a float32 reference: it is within bounds but no faster than MLX's own
+copy, and checks it against a float32 reference: within bounds on the shapes checked, but no faster than MLX's own
 kernel (docs/benchmarks.md, "Batched projections on tensor cores"), so the engine does not use it.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 #: Threads a CTA: the main loop's tiled MMA is four warps whatever the tile.
 THREADS = 128
@@ -77,25 +75,12 @@ SOURCE = """
   mlx::core::cu::qmm_sm80_mainloop(cta_tiler, gA, gB, gS, gZ, gC, m - BM * m_coord, int(threadIdx.x));
 """
 
-#: Outputs of a shape compared at its first use (``_first_use``).
-CHECK_OUTPUTS = 1024
-
 _kernels: dict[tuple[int, int, int], Any] = {}
-#: (outputs, inputs, bits, group size, BM, BN) -> whether that kernel matched MLX's call at first use.
-_checked: dict[tuple[int, ...], bool] = {}
-
-log = logging.getLogger("mlx_batchd")
-
-
-_available: bool | None = None
 
 
 def available() -> bool:
     """Whether the kernel can run here: MLX's CUDA backend on the default device."""
-    global _available
-    if _available is None:
-        _available = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    return _available
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def shared_bytes(bm: int, bn: int, bk: int, bits: int, elem_bytes: int = 2) -> int:
@@ -115,25 +100,6 @@ def tiles(m: int, n: int, bm: int | None = None, bn: int | None = None) -> tuple
     if bn is None:
         bn = 128 if n % 128 == 0 and -(-m // bm) * (n // 128) >= 264 else 64
     return bm, bn
-
-
-def covered(module: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, int, int] | None:
-    """(weight, scales, biases, bits, group size) when the kernel takes ``module`` on ``x``: an
-    affine 4- or 8-bit ``QuantizedLinear`` with group size 32, 64 or 128, 2-D bf16/fp16 rows, scales
-    of the same dtype, outputs a multiple of 64 and inputs of the K tile."""
-    if not isinstance(module, nn.QuantizedLinear) or x.ndim != 2:
-        return None
-    biases = module.get("biases")
-    if getattr(module, "mode", "affine") != "affine" or biases is None or module.bits not in (4, 8):
-        return None
-    scales = module["scales"]
-    gs = int(module.group_size)
-    k = x.shape[1]
-    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or gs not in (32, 64, 128):
-        return None
-    if scales.shape[0] % 64 or k % max(BK, gs):
-        return None
-    return module["weight"], scales, biases, int(module.bits), gs
 
 
 def _kernel(bm: int, bn: int, bk: int, bits: int) -> Any:
@@ -175,53 +141,3 @@ def matmul(
         output_shapes=[(m, n)],
         output_dtypes=[x.dtype],
     )[0]
-
-
-def error_bound(ref: mx.array, theirs: mx.array) -> float:
-    """The largest error the kernel may have against float32 ``ref``: twice MLX's own call's
-    (``theirs``) plus one bf16 rounding of the output's magnitude (both accumulate in float32 and
-    round once to the activation dtype, in different orders)."""
-    worst = mx.max(mx.abs(theirs.astype(mx.float32) - ref)) * 2 + mx.max(mx.abs(ref)) * 2.0**-8
-    return float(worst.astype(mx.float32).tolist())  # type: ignore[arg-type]
-
-
-def _first_use(w: mx.array, s: mx.array, b: mx.array, bits: int, gs: int, m: int, dtype: Any) -> bool:
-    """Compile the kernel for this shape and tile and check it on random rows against a float32
-    reference (``error_bound``); any failure turns the kernel off for the shape, with one warning."""
-    n, k = int(s.shape[0]), int(s.shape[1]) * gs
-    key = (n, k, bits, gs, *tiles(m, n))
-    ok = _checked.get(key)
-    if ok is None:
-        x = (mx.random.normal((m, k), key=mx.random.key(n + k + m)) * 0.5).astype(dtype)
-        try:
-            # The whole shape runs; the first ``CHECK_OUTPUTS`` outputs are compared (every output tile
-            # runs the same code), so a large vocabulary's check stays small.
-            cut = min(n, CHECK_OUTPUTS)
-            wd = mx.dequantize(w[:cut], s[:cut], b[:cut], group_size=gs, bits=bits).astype(mx.float32)
-            ref = x.astype(mx.float32) @ wd.T
-            got = matmul(x, w, s, b, bits, gs)[:, :cut].astype(mx.float32)
-            theirs = mx.quantized_matmul(x, w[:cut], s[:cut], b[:cut], transpose=True, group_size=gs, bits=bits)
-            err = float(mx.max(mx.abs(got - ref)).tolist())  # type: ignore[arg-type]
-            ok = bool(mx.all(mx.isfinite(got)).item()) and err <= error_bound(ref, theirs)
-            if not ok:
-                log.warning("tensor-core projection %s: error %.3g past the bound; MLX's kernel kept", key, err)
-        except Exception as exc:  # a compile or launch failure: MLX's own kernel is the fallback
-            log.warning("tensor-core projection %s unavailable (%s); MLX's kernel kept", key, exc)
-            ok = False
-        _checked[key] = ok
-    return ok
-
-
-def project(module: Any, x: mx.array) -> mx.array | None:
-    """``module(x)`` for 2-D ``x`` through the kernel (plus the module's bias, if any), or ``None``
-    where the kernel does not run here, does not cover it or did not pass its first-use check."""
-    found = covered(module, x) if available() else None
-    if found is None:
-        return None
-    w, s, b, bits, gs = found
-    if not _first_use(w, s, b, bits, gs, x.shape[0], x.dtype):
-        return None
-    out = matmul(x, w, s, b, bits, gs)
-    if "bias" in module:
-        out = out + module["bias"]
-    return out
