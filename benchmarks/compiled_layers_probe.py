@@ -23,11 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
-from workers import fastpath
-from workers.engine import Engine, Job
-from workers.exact import bytes_equal
-from workers.kernels import install
-from workers.models import load
+from workers.api import Job
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, install
+from workers.kernels.byte_equal import bytes_equal
+from workers.models.loading import load
 
 STEPS = 24
 

@@ -70,7 +70,7 @@ def topology() -> dict[str, Any]:
 def one_run(engine: Any, prompt: list[int], tokens: int, after_step: Any = None) -> dict[str, Any]:
     """One sequence through the engine on this thread; its decode steps' counters. ``after_step``
     (no arguments) runs after every step, outside the step's timing."""
-    from workers.engine import Job, Tokens
+    from workers.api import Job, Tokens
 
     before = step_counters(asdict(engine.counters))
     pid, tid = os.getpid(), threading.get_native_id()
@@ -169,10 +169,11 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from workers.backend import configure_attention
-    from workers.engine import Engine
-    from workers.models import load
-    from workers.startup import EngineSettings, buffer_cache_limit
+    from workers.api import EngineSettings
+    from workers.engine.engine import Engine
+    from workers.engine.startup import buffer_cache_limit
+    from workers.kernels.backend import configure_attention
+    from workers.models.loading import load
 
     allowed = sorted(os.sched_getaffinity(0))
     cpus = [int(c) for c in args.cpus.split(",") if c] or allowed

@@ -30,18 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from scheduler.engine_process import (  # noqa: E402
-    pack,
-    signal_from_wire,
-    signal_to_wire,
-    signals_from_wire,
-    signals_to_wire,
-    unpack,
-)
+from scheduler.engine_process import pack, unpack  # noqa: E402
 from scheduler.event_pipe import PipeWriter, open_pipe  # noqa: E402
-from workers.jobs import StepInfo, StepKind, TokenMode, Tokens  # noqa: E402
-from workers.loop import EngineSettings, EngineThread, Ready, Signal  # noqa: E402
-from workers.models import load  # noqa: E402
+from workers.api import EngineSettings, Ready, Signal, StepInfo, StepKind, TokenMode, Tokens, from_wire, to_wire
+from workers.api.wire import _signal_from_wire as signal_from_wire
+from workers.api.wire import _signal_to_wire as signal_to_wire
+from workers.engine.loop import EngineThread
+from workers.models.loading import load  # noqa: E402
 
 ZMQ_READER = """
 import sys, zmq
@@ -103,24 +98,22 @@ def main() -> int:
         "pack_events": timed("pack a B = 1 step's events", lambda: pack(msg), n, gap),
     }
     # A B = 128 decode step's events, each token as its own map against a run of them as columns
-    # (``signals_to_wire``), and the front end's reading them back into events.
+    # (``workers.api.to_wire``), and the front end's reading them back into events.
     wide: list[Signal] = [StepInfo(StepKind.DECODE, 0.03, 128), *(Tokens(i, [1000 + i]) for i in range(128))]
     as_maps = [signal_to_wire(s) for s in wide]
-    maps_frame, columns_frame = pack({"events": as_maps}), pack({"events": signals_to_wire(wide)})
+    maps_frame, columns_frame = pack({"events": as_maps}), pack({"events": to_wire(wide)})
     rows["b128_maps"] = timed(
         "B = 128 step's events as maps", lambda: pack({"events": [signal_to_wire(s) for s in wide]}), n, gap
     )
-    rows["b128_columns"] = timed(
-        "B = 128 step's events as columns", lambda: pack({"events": signals_to_wire(wide)}), n, gap
-    )
+    rows["b128_columns"] = timed("B = 128 step's events as columns", lambda: pack({"events": to_wire(wide)}), n, gap)
     rows["b128_read_maps"] = timed(
         "read back B = 128 maps",
-        lambda: [signal_from_wire(d, lambda i: None) for d in unpack(maps_frame)["events"]],
+        lambda: [signal_from_wire(d) for d in unpack(maps_frame)["events"]],
         n,
         gap,
     )
     rows["b128_read_columns"] = timed(
-        "read back B = 128 columns", lambda: signals_from_wire(unpack(columns_frame)["events"], lambda i: None), n, gap
+        "read back B = 128 columns", lambda: from_wire("signals", unpack(columns_frame)["events"]), n, gap
     )
     rows["b128_bytes"] = {"maps": len(maps_frame), "columns": len(columns_frame)}
     frame = pack(msg)

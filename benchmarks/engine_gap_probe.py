@@ -21,7 +21,7 @@ counters give milliseconds per decode step:
   sequence), counters from its ``stats``;
 - ``daemon-1client``: the same daemon, all sequences from one thread with the async client (no
   thread per sequence), to separate the clients' cost from the front end's;
-- ``daemon@W``: a daemon started with ``--admit-window-ms W`` (``workers/admission.py``), driven as
+- ``daemon@W``: a daemon started with ``--admit-window-ms W`` (``workers/engine/arrivals.py``), driven as
   ``daemon``; several windows side by side say what holding arrivals for a prefill wave buys.
   ``daemon@W/I`` adds ``--admit-idle-window-ms I`` (arrivals that find the engine idle).
 
@@ -29,7 +29,7 @@ Each arm also reports its wall-clock tokens per second (all sequences' tokens ov
 the first submit to the last token), which counts prefill and admission as well as decode steps.
 
 ``--profile-dir DIR`` adds ``cProfile`` of the main arm's steps and of the daemon's engine thread
-(``workers/profiling.py``), to set side by side.
+(``workers/engine/profiling.py``), to set side by side.
 
 On the H200 (8B synth) the first four agreed within ~4 % (B = 64) while the bench's daemon arm
 took 25-40 % longer per step; the last two say whether the front end or the client side costs it.
@@ -53,11 +53,11 @@ from typing import Any
 import mlx.core as mx
 
 from scheduler.engine_process import EngineProcess
-from workers import profiling
-from workers.engine import Engine
-from workers.jobs import Finished, Job
-from workers.loop import EngineSettings, EngineThread, Ready
-from workers.models import load
+from workers.api import EngineSettings, Finished, Job, Ready
+from workers.engine import profiling
+from workers.engine.engine import Engine
+from workers.engine.loop import EngineThread
+from workers.models.loading import load
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:

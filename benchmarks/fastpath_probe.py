@@ -1,4 +1,4 @@
-"""Device measurements behind ``workers/fastpath.py``'s policies (run on the machine being tuned).
+"""Device measurements behind ``workers/kernels/fastpath.py``'s policies (run on the machine being tuned).
 
     python benchmarks/fastpath_probe.py --model "$M" --out results.json
 
@@ -23,9 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import fastpath
-from workers.kernels import bytes_view, stock
-from workers.models import load
+from workers.kernels import bytes_view, fastpath, stock
+from workers.models.loading import load
 
 
 def timeit(f: Callable[[], Any], n: int = 10) -> float:

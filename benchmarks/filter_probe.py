@@ -1,4 +1,4 @@
-"""Device measurement behind ``workers/batch_filter.py``: what a step in which a sequence finishes
+"""Device measurement behind ``workers/kernels/batch_filter.py``: what a step in which a sequence finishes
 costs over a plain decode step, with mlx-lm's per-layer ``filter`` and with the project's.
 
     python benchmarks/filter_probe.py --model "$M" --out filter.json
@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.kernels import stock
-from workers.models import load
+from workers.models.loading import load
 
 
 def run(model: Any, vocab: int, batch: int, context: int, seed: int) -> tuple[list[float], list[float]]:

@@ -1,4 +1,4 @@
-"""Whether the dense mirrored kernel (``workers/gemv_rows.py``) reproduces MLX's one-row ``gemv`` on a
+"""Whether the dense mirrored kernel (``workers/kernels/gemv_rows.py``) reproduces MLX's one-row ``gemv`` on a
 model's shapes, and what a ``mirrored`` verify block costs with it, in classic steps (issue 14).
 
     python benchmarks/gemv_rows_check.py --model demo --out gemv.json
@@ -20,9 +20,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import gemv_rows, kernels
-from workers.kernels import Level, scoped
-from workers.models import load
+from workers import kernels
+from workers.api import Level
+from workers.kernels import gemv_rows, scoped
+from workers.models.loading import load
 
 
 def main() -> None:

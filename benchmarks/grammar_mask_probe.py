@@ -6,7 +6,7 @@ allowed tokens (a bitmask over the vocabulary), then advances its state by the t
 engine: the compile time and the mean mask + advance time per token. xgrammar is not measured: it
 imports torch (and triton) at import, which an MLX daemon does not carry.
 
-    .venv/bin/python benchmarks/grammar_mask_probe.py workers/demo/weights/target [MODEL_DIR ...]
+    .venv/bin/python benchmarks/grammar_mask_probe.py workers/models/demo/weights/target [MODEL_DIR ...]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def mx_apply_cost(vocab: int) -> float:
     """Turning one bitmask row into an MLX mask and applying it (the processor's own part)."""
     import mlx.core as mx
 
-    from workers.grammar import apply_bitmask
+    from workers.engine.grammar_mask import apply_bitmask
 
     logits = mx.random.normal((1, vocab))
     mask = np.full((1, (vocab + 31) // 32), 0x5555_5555, dtype=np.uint32).view(np.int32)
@@ -128,4 +128,4 @@ def main(dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["workers/demo/weights/target"])
+    main(sys.argv[1:] or ["workers/models/demo/weights/target"])

@@ -1,12 +1,12 @@
 """Whether the grammar mask waits for the device: mlx-lm's ``BatchGenerator`` at B sequences, plain
-and then every sequence under a JSON schema (``workers.grammar.GrammarState`` as the engine wires
+and then every sequence under a JSON schema (``workers.engine.grammar_mask.GrammarState`` as the engine wires
 it), with each row's processor call timed.
 
 Row 0's call waits for the previous step (the wait ``BatchGenerator`` makes anyway, at the end of a
 step); if the mask were on the critical path after the forward, rows 1.. would wait for this step's
 forward too. Printed: steps per second of each arm and the median processor time of each row.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/grammar_overlap_probe.py workers/demo/weights/target 200
+    PYTHONPATH=. .venv/bin/python benchmarks/grammar_overlap_probe.py workers/models/demo/weights/target 200
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from benchmarks.grammar_throughput import SCHEMA
-from workers.grammar import GrammarState, grammar_text, lltokenizer
+from workers.api.grammar import grammar_text, lltokenizer
+from workers.engine.grammar_mask import GrammarState
 
 WARM = 5
 

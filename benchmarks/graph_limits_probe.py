@@ -46,8 +46,9 @@ def child(model: str, batches: list[int], tokens: int, repeats: int) -> dict[str
     """This process's measurements (run with the setting's environment)."""
     import random
 
-    from workers.engine import Engine, Job
-    from workers.models import load
+    from workers.api import Job
+    from workers.engine.engine import Engine
+    from workers.models.loading import load
 
     loaded = load(model)
     engine = Engine(

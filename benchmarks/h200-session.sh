@@ -41,7 +41,7 @@
 # PART=o: the engine's decode step at B = 1, 4, 8, 32 under MLX CUDA's graph limits (ops and megabytes a
 # graph, graph cache size, graphs off), each in a fresh process (benchmarks/graph_limits_probe.py).
 # PART=w: the whole forward at 1, 4, 5 and 8 rows with the project's kernel at 1, 2 and 4 outputs per warp
-#   (the fastest by rows is in the report's per_warp, against workers/qmv_launch.py's constants).
+#   (the fastest by rows is in the report's per_warp, against workers/kernels/qmv_launch.py's constants).
 # PART=q: the verify's cost chained as a burst with its next verify built ahead pays it (rowkernel_probe
 #   --chained, 4 outputs per warp), then the bench at B = 1, 4, 8 (192 tokens; raw up to 8) with the
 #   kernel plans checked on chained decode steps.
@@ -52,7 +52,7 @@
 #   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
 # PART=qv: the project kernel's variants (benchmarks/qmv_variants_probe.py: outputs per warp and warps a
 #   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4, 5 and 8 rows
-#   with the launch settings workers/qmv_launch.py fixes.
+#   with the launch settings workers/kernels/qmv_launch.py fixes.
 # PART may name several parts ("e d"): they run in that order within one BUDGET.
 # PART=dl: the demo pair with its MTP head, bursts forced in-process with and without the next round built
 #   ahead (lookahead_probe), then through the daemon with lookahead on and off (--lookahead on|off), 5 repeats each.

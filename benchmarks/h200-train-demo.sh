@@ -16,7 +16,7 @@ mkdir -p "$W/pkg/tools/demo" "$W/pkg/workers/demo" "$W/stdlib"
 # Only the training modules and the two workers modules they import travel to $W/pkg, so nothing else
 # of the daemon is imported there.
 cp tools/demo/{train,tokenizer,corpus,models,phases,objectives}.py "$W/pkg/tools/demo/" || exit 3
-cp workers/mtp.py "$W/pkg/workers/" && cp workers/demo/__init__.py "$W/pkg/workers/demo/" || exit 3
+cp workers/models/mtp.py "$W/pkg/workers/" && cp workers/models/demo/__init__.py "$W/pkg/workers/demo/" || exit 3
 touch "$W/pkg/tools/__init__.py" "$W/pkg/tools/demo/__init__.py" "$W/pkg/workers/__init__.py"
 tar xJf "${CORPUS:-$HOME/corpus}/stdlib.tar.xz" -C "$W/stdlib" || exit 4
 export PYTHONPATH=$SITE:$W/pkg PYTHONUNBUFFERED=1

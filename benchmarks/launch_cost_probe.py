@@ -101,7 +101,7 @@ def _precompiled() -> Callable[[mx.array], mx.array] | None:
 
 def _project_arms() -> dict[str, Any]:
     """Build/eval microseconds a call of the project's kernels against MLX's, on a verify's shapes."""
-    from workers import qmv_rows, sdpa_rows
+    from workers.kernels import qmv_rows, sdpa_rows
 
     k = 4096
     mats = []

@@ -7,7 +7,7 @@ single-sequence ``KVCache``, then merged into a ``BatchKVCache`` of one row, who
 array mask and array offsets to the model. A burst verifies on the sequence's extracted ``KVCache``
 and the probe compares its block against a chain of one-token forwards on such a cache. If the two
 classic paths give different logits, a verdict says nothing about the engine's own output
-(``workers.lone_mask`` is the engine's answer). This runs one greedy sequence through each path,
+(``workers.kernels.lone_mask`` is the engine's answer). This runs one greedy sequence through each path,
 teacher-forced on the batched path's tokens, and reports per path the first step whose logits differ
 in any byte from the batched path's, and how many do:
 
@@ -26,8 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from workers.engine import Engine
-from workers.models import load
+from workers.engine.engine import Engine
+from workers.models.loading import load
 
 
 def _steps(forward: Any, cache: list[Any], tokens: list[int]) -> list[mx.array]:

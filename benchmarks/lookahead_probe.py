@@ -1,4 +1,4 @@
-"""What building the next burst round during this one saves (``workers.lookahead``), on the engine.
+"""What building the next burst round during this one saves (``workers.engine.spec.lookahead``), on the engine.
 
     python benchmarks/lookahead_probe.py --model demo --tokens 128 --out lookahead.json
 
@@ -24,11 +24,12 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers.burst import BurstCounters, BurstSettings
-from workers.drafters import Draft, Drafter, load_mtp_drafter
-from workers.engine import Engine, Job, Tokens
-from workers.models import LoadedModel, load
-from workers.probe import ProbePolicy, make_draws, probe_steps, sliding_window
+from workers.api import BurstSettings, Job, ProbePolicy, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import Draft, Drafter, load_mtp_drafter
+from workers.engine.spec.policy import BurstCounters
+from workers.exact.probe import make_draws, probe_steps, sliding_window
+from workers.models.loading import LoadedModel, load
 
 
 class Oracle:

@@ -16,7 +16,7 @@ median of ROUNDS, microseconds a call and GB/s of weights, scales and biases rea
 same bytes with 16-byte loads and no arithmetic (what a call could cost), ``mlx`` is MLX's quantized
 matmul on the rows as mlx-lm calls it, ``add`` is one MLX op on a tiny array (a graph node's floor).
 ``best`` weighs each shape by how often an 8B layer reads it and names, by row count, the fastest exact
-variant (outputs per warp, warps a block: what ``workers/qmv_launch.py``'s ``PER_WARP`` and ``BLOCK_WARPS``
+variant (outputs per warp, warps a block: what ``workers/kernels/qmv_launch.py``'s ``PER_WARP`` and ``BLOCK_WARPS``
 fix). Exits 2 where MLX has no CUDA device.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers import qmv_rows
-from workers.exact import bytes_equal
+from workers.kernels import qmv_rows
+from workers.kernels.byte_equal import bytes_equal
 
 ROUNDS = 5
 #: Bytes the copies of a matrix add up to at least (the H200's L2 is 50 MB).
@@ -158,7 +158,7 @@ def measure_shape(n: int, k: int, rows: list[int]) -> dict[str, Any]:
 
 def best(report: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     """By row count, the exact variant with the least 8B-layer-weighted time over the shapes (its
-    outputs per warp and warps a block, as ``workers/qmv_launch.py`` names them)."""
+    outputs per warp and warps a block, as ``workers/kernels/qmv_launch.py`` names them)."""
     chosen: dict[int, tuple[int, int]] = {}
     table: dict[str, Any] = {}
     for m in rows:

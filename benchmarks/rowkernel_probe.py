@@ -1,4 +1,4 @@
-"""Device measurement behind ``workers/rowkernel.py`` (run where MLX runs on CUDA).
+"""Device measurement behind ``workers/kernels/rowkernel.py`` (run where MLX runs on CUDA).
 
     python benchmarks/rowkernel_probe.py --model "$M" --out rowkernel.json
 
@@ -41,9 +41,20 @@ import mlx.nn as nn
 from fastpath_probe import timeit  # this folder is the script's first path entry
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import attention, fastpath, plan_timing, qmv_launch, qmv_rows, rowkernel
-from workers.kernels import Level, install, scoped, stock, wrap_caches
-from workers.models import load
+from workers.api import Level
+from workers.kernels import (
+    attention,
+    fastpath,
+    install,
+    plan_timing,
+    qmv_launch,
+    qmv_rows,
+    rowkernel,
+    scoped,
+    stock,
+    wrap_caches,
+)
+from workers.models.loading import load
 
 #: (outputs per warp, words per load) pairs that part 1 times; the first is the module's default.
 VARIANTS = ((rowkernel.OUTS_PER_WARP, rowkernel.VECTOR_WORDS), (2, 1), (8, 4))
@@ -65,7 +76,7 @@ CHAIN = 6
 def use(variant: tuple[int, int]) -> None:
     """A rowkernel variant (outputs per warp, words per load), or (-r, u): the mirrored kernel with r
     outputs per warp and u tiles loaded ahead (0: the default; and the rowkernel's default), or (0, u):
-    the mirrored kernel's launch settings by row count (``workers/qmv_launch.py``'s constants)."""
+    the mirrored kernel's launch settings by row count (``workers/kernels/qmv_launch.py``'s constants)."""
     if variant[0] == 0:
         use(VARIANTS[0])
         return

@@ -1,4 +1,4 @@
-"""Device measurement: a verify block's attention in one launch (``workers/sdpa_rows.py``) against
+"""Device measurement: a verify block's attention in one launch (``workers/kernels/sdpa_rows.py``) against
 MLX's one-query calls, as classic decode makes them (issue 14).
 
     python benchmarks/sdpa_rows_probe.py --out sdpa.json
@@ -8,7 +8,7 @@ of 256) and an 8B llama's attention shape (32 query heads, 8 KV heads, head dime
 a block of ``--queries`` queries whose last one sees ``keys`` keys: for each query, whether the kernel's
 output is byte-equal to MLX's one-query call over its own keys (contiguous, as decode calls it), the
 milliseconds of the one launch against the per-query calls (median of ``REPS``), and the group width
-and way ``workers.attention`` measures for the shape.
+and way ``workers.kernels.attention`` measures for the shape.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from workers import attention, fastpath, sdpa_rows
-from workers.backend import CUDNN_ATTENTION_DEFAULT, configure_attention
+from workers.api import CUDNN_ATTENTION_DEFAULT
+from workers.kernels import attention, fastpath, sdpa_rows
+from workers.kernels.backend import configure_attention
 
 KEYS = (10, 255, 300, 515, 1023, 1030, 2000, 4099, 8195)
 REPS = 20

@@ -34,10 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from workers import fastpath, plan_timing
-from workers.engine import Engine, Job
-from workers.kernels import install
-from workers.models import load
+from workers.api import Job
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, install, plan_timing
+from workers.models.loading import load
 
 CONTEXT = 64
 STEPS = 12

@@ -25,7 +25,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -87,7 +89,16 @@ def _median_ms(fn, repeats: int) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
-def timing(rows: list[int], layers: int, repeats: int, tiles: list[tuple[int, int]], out: str | None) -> None:
+def timing(
+    rows: list[int],
+    layers: int,
+    repeats: int,
+    tiles: list[tuple[int, int]],
+    out: str | None,
+    kernel: bool = True,
+    modes: tuple[bool, ...] = (False,),
+    with_marlin: bool = False,
+) -> None:
     gs, bits = 64, 4
     mats = []
     for layer in range(layers):
@@ -96,70 +107,111 @@ def timing(rows: list[int], layers: int, repeats: int, tiles: list[tuple[int, in
     mx.eval(mats)
     dense = [mx.dequantize(w, s, b, group_size=gs, bits=bits) for w, s, b in mats]
     mx.eval(dense)
+    marlin: list[Any] = []
+    if with_marlin:
+        import w4a16_marlin as w4m
+
+        marlin = [w4m.pack(w, s, b, gs) for w, s, b in mats]
+        mx.eval([v for p in marlin for v in vars(p).values() if isinstance(v, mx.array)])
     results = []
-    print(f"{'rows':>5} {'arm':<14} {'ms/step':>8} {'min':>7} {'max':>7} {'tok/s (proj only)':>18}", flush=True)
+    print(f"{'rows':>5} {'arm':<24} {'ms/step':>8} {'min':>7} {'max':>7} {'tok/s (proj only)':>18}", flush=True)
     for m in rows:
         xs = {k: (mx.random.normal((m, k), key=mx.random.key(k)) * 0.5).astype(mx.bfloat16) for k in (4096, 14336)}
 
-        def x_for(w: mx.array, xs: dict[int, mx.array] = xs) -> mx.array:
-            return xs[w.shape[1] * 32 // bits]
+        def x_for(i: int, xs: dict[int, mx.array] = xs) -> mx.array:
+            return xs[dense[i].shape[1]]
 
-        arms = {
-            "mlx qmm": lambda: [
-                mx.quantized_matmul(x_for(w), w, s, b, transpose=True, group_size=gs, bits=bits) for w, s, b in mats
-            ],
-            "bf16 dense": lambda: [x_for_d(d) @ d.T for d in dense],
+        def q(i: int) -> tuple[mx.array, mx.array, mx.array]:
+            return mats[i]
+
+        projs: dict[str, Callable[[mx.array, int], mx.array]] = {
+            "mlx qmm": lambda x, i: mx.quantized_matmul(x, *q(i), transpose=True, group_size=gs, bits=bits),
+            "bf16 dense": lambda x, i: x @ dense[i].T,
             # 4-bit memory, bf16 speed? Each projection dequantized into a transient bf16 copy, then
             # MLX's dense matmul: one projection's copy alive at a time.
-            "dequant+bf16": lambda: [x_for(w) @ mx.dequantize(w, s, b, group_size=gs, bits=bits).T for w, s, b in mats],
+            "dequant+bf16": lambda x, i: x @ mx.dequantize(*q(i), group_size=gs, bits=bits).T,
         }
-
-        def x_for_d(d: mx.array, xs: dict[int, mx.array] = xs) -> mx.array:
-            return xs[d.shape[1]]
-
         for bm, bn in tiles:
             if bm > 16 and bm // 2 >= m:
                 continue
-            arms[f"kernel {bm}x{bn}"] = lambda bm=bm, bn=bn: [
-                w4a16.matmul(x_for(w), w, s, b, bits, gs, bm=bm, bn=bn) for w, s, b in mats
-            ]
-        arms["kernel auto"] = lambda: [w4a16.matmul(x_for(w), w, s, b, bits, gs) for w, s, b in mats]
+            projs[f"kernel {bm}x{bn}"] = lambda x, i, bm=bm, bn=bn: w4a16.matmul(x, *q(i), bits, gs, bm=bm, bn=bn)
+        if kernel:
+            projs["kernel auto"] = lambda x, i: w4a16.matmul(x, *q(i), bits, gs)
+        if marlin:
+            projs["marlin"] = lambda x, i: w4m.matmul(x, marlin[i])
+
+        def run(proj: Callable[[mx.array, int], mx.array], chained: bool) -> list[mx.array]:
+            """Every projection once; ``chained``: each waits for the previous one's output, as in a forward
+            (unchained, MLX CUDA runs independent kernels side by side, which hides a kernel that fills
+            few SMs)."""
+            if not chained:
+                return [proj(x_for(i), i) for i in range(len(mats))]
+            outs, dep = [], mx.zeros((1, 1), dtype=mx.bfloat16)
+            for i in range(len(mats)):
+                outs.append(proj(x_for(i) + dep, i))
+                dep = (outs[-1][:1, :1] * 0).astype(mx.bfloat16)
+            return outs
+
+        arms = {
+            f"{name}{' chained' if chained else ''}": (lambda proj=proj, chained=chained: run(proj, chained))
+            for name, proj in projs.items()
+            for chained in modes
+        }
         for name, fn in arms.items():
             med, lo, hi = _median_ms(fn, repeats)
             step = med * 32 / layers
             results.append({"rows": m, "arm": name, "ms_step": step, "min": lo * 32 / layers, "max": hi * 32 / layers})
             print(
-                f"{m:>5} {name:<14} {step:>8.3f} {lo * 32 / layers:>7.3f} {hi * 32 / layers:>7.3f} {m / step * 1e3:>18.0f}",
+                f"{m:>5} {name:<24} {step:>8.3f} {lo * 32 / layers:>7.3f} {hi * 32 / layers:>7.3f} {m / step * 1e3:>18.0f}",
                 flush=True,
             )
     if out:
         Path(out).write_text(
-            json.dumps({"device": str(mx.default_device()), "layers": layers, "results": results}, indent=1)
+            json.dumps(
+                {
+                    "device": str(mx.default_device()),
+                    "device_name": mx.device_info().get("device_name", ""),
+                    "layers": layers,
+                    "results": results,
+                },
+                indent=1,
+            )
         )
 
 
+LABELS = {
+    "mlx qmm": "MLX quantized matmul (4-bit)",
+    "kernel auto": "retiled sm80 main loop (4-bit)",
+    "marlin": "w4a16_marlin (4-bit)",
+    "bf16 dense": "bf16 copy of the weights",
+    "dequant+bf16": "4-bit dequantized per call, then bf16",
+}
+
+
 def plot(json_path: str, out: str) -> None:
-    """Milliseconds a step by rows for MLX's kernel, the bf16 copy and the kernel's default tiles."""
+    """Milliseconds a step by rows for each arm the JSON holds: chained (as a forward runs them) solid,
+    unchained dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     data = json.loads(Path(json_path).read_text())
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for arm, label in (
-        ("mlx qmm", "MLX quantized matmul (4-bit)"),
-        ("kernel auto", "retiled sm80 main loop (4-bit)"),
-        ("bf16 dense", "bf16 copy of the weights"),
-    ):
-        pts = [(r["rows"], r["ms_step"]) for r in data["results"] if r["arm"] == arm]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    for i, (arm, label) in enumerate(LABELS.items()):
+        for suffix, style in ((" chained", "-"), ("", "--")):
+            pts = [(r["rows"], r["ms_step"]) for r in data["results"] if r["arm"] == arm + suffix]
+            if pts:
+                kind = "chained" if suffix else "independent"
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=f"C{i}", label=f"{label}, {kind}"
+                )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (sequences in the batch)")
     ax.set_ylabel("ms for 32 layers' projections")
-    ax.set_title("8B-shaped projections, one decode step")
+    ax.set_title(f"8B-shaped projections, one decode step ({data.get('device_name', data['device'])})")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -172,6 +224,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="distinct layers of weights (time)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tiles", default="16x64,32x64,32x128,64x128", help="BMxBN tiles to time besides the default")
+    ap.add_argument("--marlin", action="store_true", help="also time benchmarks/w4a16_marlin.py's kernel")
+    ap.add_argument("--no-kernel", action="store_true", help="time only MLX's arms (no NVRTC compiles)")
+    ap.add_argument(
+        "--chained", choices=["no", "yes", "both"], default="no", help="each projection waits for the previous"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
@@ -184,7 +241,16 @@ def main() -> int:
     if args.part == "check":
         return 0 if check(rows) else 1
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
-    timing(rows, args.layers, args.repeats, tiles, args.out)  # type: ignore[arg-type]
+    timing(
+        rows,
+        args.layers,
+        args.repeats,
+        [] if args.no_kernel else tiles,
+        args.out,
+        not args.no_kernel,
+        {"no": (False,), "yes": (True,), "both": (False, True)}[args.chained],
+        args.marlin,
+    )  # type: ignore[arg-type]
     return 0
 
 

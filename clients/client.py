@@ -297,14 +297,16 @@ class AsyncClient(Connection):
         as its last member arrives; threads each calling ``Client.generate`` spread their sends over
         tens of milliseconds, and the daemon can only wait for a quiet gap (128 of them split into two
         waves, a few percent slower).
-        ``concurrency`` caps the jobs in flight: the daemon ends jobs past its limits with ``busy``
-        (``max_inflight_per_client``, its waiting queues), and a large batch stays under them with it.
+        ``concurrency`` caps the jobs in flight (default ``DEFAULT_CONCURRENCY``, the daemon's default
+        ``max_inflight_per_client``): the daemon ends jobs past its limits with ``busy``, and cuts a
+        connection that sends thousands of messages faster than it reads them.
         A job that ends with an error (``RequestError``, or ``TimeoutError`` from its ``timeout``)
         cancels the others and is raised, unless ``return_errors``: then the error takes that job's
         place in the list. Every job's arguments are checked before any is sent."""
         jobs = [_job_kwargs(i, r) for i, r in enumerate(requests)]
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        concurrency = min(len(jobs), concurrency or DEFAULT_CONCURRENCY) or None
         # The jobs sent at once are declared as one group; those started later, as slots free, are
         # not (the daemon's window gathers the ones that free together).
         first = min(len(jobs), concurrency or len(jobs))
@@ -312,7 +314,7 @@ class AsyncClient(Connection):
             name = uuid.uuid4().hex
             for job in jobs[:first]:
                 job["group"] = (name, first)
-        limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
+        limiter = anyio.CapacityLimiter(concurrency) if concurrency and concurrency < len(jobs) else None
         results: list[Outcome | None] = [None] * len(jobs)
 
         async def one(i: int) -> None:
@@ -331,6 +333,9 @@ class AsyncClient(Connection):
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
+
+#: Jobs ``generate_many`` keeps in flight unless told: the daemon's default ``max_inflight_per_client``.
+DEFAULT_CONCURRENCY = 256
 
 #: What one job of ``generate_many`` may set: ``stream``'s keyword arguments.
 _JOB_KEYS = frozenset(name for name, p in inspect.signature(AsyncClient.stream).parameters.items() if name != "self")

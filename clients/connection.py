@@ -4,8 +4,9 @@ One task (the pump) reads both the socket and its monitor and routes every incom
 to the call that waits for it, so callers in many tasks share one connection. No call waits
 forever on a daemon that is not there: ZMTP heartbeats notice a daemon that stopped answering, the
 monitor notices a connection that broke, and either ends every call in flight with
-``daemon_gone``; a refused CURVE handshake ends them with ``unauthorized``; leaving the client
-ends them with ``closed``. An ``ipc://`` socket is used only in a folder that is yours alone,
+``daemon_gone``; a refused CURVE handshake ends them with ``unauthorized``, a handshake refused
+because the daemon holds all the connections it allows with ``too_many_connections``; leaving the
+client ends them with ``closed``. An ``ipc://`` socket is used only in a folder that is yours alone,
 checked before connecting and again on every new connection. The calls themselves are
 ``client.AsyncClient``'s.
 """
@@ -42,6 +43,10 @@ _LOCAL_FAILURE = "_local_failure"
 #: The ``type`` a request's own deadline puts into its queue when it passes (never on the wire).
 _LOCAL_TIMEOUT = "_local_timeout"
 
+#: The ZAP status the daemon refuses a handshake with when it holds all the connections it allows
+#: (``scheduler.transport.ZAP_TOO_MANY``); a refused CURVE key is 400. libzmq stops reconnecting
+#: after either: the client stays refused until it is made again.
+TOO_MANY_CONNECTIONS_STATUS = 500
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -113,6 +118,7 @@ class Connection:
         #: Set once a connection exists and its ipc folder passed the check again.
         self._checked: anyio.Event | None = None
         self._auth_error: str | None = None
+        self._refused: str | None = None  # the daemon refused the handshake: too many connections
         self._unsafe: str | None = None
         self._closed = False
         self._up = False  # a connection whose ZMTP handshake completed is open
@@ -228,11 +234,13 @@ class Connection:
     def _on_event(self, raw: list[bytes], replies: zmq.Socket[bytes]) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
-        event = parse_monitor_message(raw)["event"]
+        parsed = parse_monitor_message(raw)
+        event = parsed["event"]
         if event == zmq.EVENT_CONNECTED:
             self._recheck_address()
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._up, self._ever_up, self._gone, self._auth_error = True, True, False, None
+            self._refused = None
         elif event == zmq.EVENT_DISCONNECTED and self._up:
             # Only a connection that was up counts: this event also ends attempts that never
             # completed a handshake (a daemon not listening yet, a refused CURVE key).
@@ -242,6 +250,12 @@ class Connection:
                 ErrorCode.DAEMON_GONE,
                 f"the daemon at {self.address} went away (its connection closed or it stopped answering heartbeats)",
             )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and parsed["value"] == TOO_MANY_CONNECTIONS_STATUS:
+            self._refused = (
+                f"the daemon at {self.address} refused this connection: it holds as many connections as it "
+                "allows (zmq_max_connections); close another client or make this one again later"
+            )
+            self._fail_all(ErrorCode.TOO_MANY_CONNECTIONS, self._refused, from_daemon=True)
         elif event in _HANDSHAKE_FAILED and self.curve_secret is not None:
             self._on_failed_handshake(event)
 
@@ -296,6 +310,8 @@ class Connection:
             return RequestError(ErrorCode.UNSAFE_ADDRESS, self._unsafe)
         if self._auth_error is not None:
             return RequestError(ErrorCode.UNAUTHORIZED, self._auth_error)
+        if self._refused is not None:
+            return RequestError(ErrorCode.TOO_MANY_CONNECTIONS, self._refused)
         if self._gone:
             return RequestError(ErrorCode.DAEMON_GONE, f"the daemon at {self.address} went away and is not back")
         return None

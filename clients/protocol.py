@@ -116,7 +116,7 @@ class Submit:
     #: ``(name, size)``: this submit is one of ``size`` that the sender sends together under ``name``
     #: (a name of this connection's own). An engine holding arrivals for one prefill wave starts them
     #: as soon as every held arrival belongs to a declared group that has all its members, instead of
-    #: waiting for a quiet gap (``workers.admission``); it never holds them longer for it.
+    #: waiting for a quiet gap (``workers.engine.arrivals``); it never holds them longer for it.
     group: tuple[str, int] | None = None
     #: The sender reads ``batch`` messages: from then on the daemon may carry several events for
     #: this connection in one frame (one per engine step). Clients that never say so get one event

@@ -76,6 +76,9 @@ class ErrorCode(StrEnum):
     DAEMON_GONE = "daemon_gone"
     #: ``close()`` was called while this call was in flight.
     CLOSED = "closed"
+    #: The daemon refused this connection's handshake: it holds as many ZeroMQ connections as it
+    #: allows (its ``zmq_max_connections``). The same code is the HTTP door's 503 for its own cap.
+    TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 class ProtocolError(Exception):

@@ -12,7 +12,7 @@ from typing import Any
 from clients.protocol import ErrorCode, ProtocolError, Submit
 from scheduler import response_format
 from scheduler.tenants import Tenant
-from workers.models import ModelInfo
+from workers.api import ModelInfo
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,6 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from workers.loop import thread_cpus
-
 #: The most CPUs the front end gets: one Python process (one thread holds its GIL at a time), its
 #: ZeroMQ I/O thread and the tokenizer's threads.
 MAX_FRONT_END_CPUS = 4
@@ -46,8 +44,8 @@ class CpuSplit:
 def allowed_cpus() -> tuple[int, ...] | None:
     """The CPUs the calling thread may run on, ascending; ``None`` where the OS has no affinity call
     (macOS)."""
-    cpus = thread_cpus(0)  # 0: the calling thread
-    return None if cpus is None else tuple(cpus)
+    get = getattr(os, "sched_getaffinity", None)
+    return None if get is None else tuple(sorted(get(0)))  # 0: the calling thread
 
 
 def plan_split(cpus: Sequence[int] | None) -> CpuSplit | None:

@@ -15,7 +15,7 @@ from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_proces
 from scheduler.engine_process import EngineProcess
 from scheduler.engine_watchdog import ENGINE_TIMEOUT_S
 from scheduler.frontend import FrontEnd, FrontEndSettings
-from workers.loop import EngineSettings, Signal, release_thread_streams
+from workers.api import EngineSettings, Signal
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -42,7 +42,7 @@ def check_models(settings: DaemonSettings) -> None:
     """Refuse a model or drafter directory that cannot load (``ModelError``), before the socket is
     bound: the engine process loads them later, and a failure there would come after the daemon
     took its address, as a traceback in the log."""
-    from workers.models import ModelError, check_model
+    from workers.models.loading import ModelError, check_model
 
     check_model(settings.model)
     draft, mtp = settings.engine.draft, settings.engine.mtp
@@ -57,7 +57,7 @@ def serve(settings: DaemonSettings) -> int:
 
     A configuration that must not start raises (``ModelError``, ``SettingError``, ``ConfigError``,
     ``TenantsError``) before anything is bound; the command line turns those into one line."""
-    from workers.startup import check_environment
+    from workers.engine.startup import check_environment
 
     check_models(settings)
     check_environment()
@@ -89,7 +89,10 @@ def serve(settings: DaemonSettings) -> int:
     try:
         return anyio.run(front.run, backend="asyncio")
     finally:
-        release_thread_streams()  # MLX asks every thread that used it, the main one too
+        if "mlx.core" in sys.modules:  # MLX asks every thread that used it, the main one too
+            from workers.engine.loop import release_thread_streams
+
+            release_thread_streams()
 
 
 def place_processes(settings: DaemonSettings) -> CpuSplit | None:
@@ -97,7 +100,7 @@ def place_processes(settings: DaemonSettings) -> CpuSplit | None:
     ``engine`` part the engine process takes when it starts; ``None`` where nothing is split: turned
     off, ranks started by ``mlx.launch`` (their placement is
     the launcher's), fewer than two CPUs, or an OS that refuses."""
-    from workers.distributed import launched_size
+    from workers.dist import launched_size
 
     if settings.cpu_affinity == "off":
         return None

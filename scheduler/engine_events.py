@@ -28,9 +28,7 @@ import anyio
 from clients.protocol import ErrorCode
 from scheduler.flight import Flight
 from scheduler.transport import Transport
-from workers.engine import Finished, StepInfo, Tokens
-from workers.loop import Dead, Ready, Signal, Stopped
-from workers.models import ModelInfo
+from workers.api import Dead, Finished, ModelInfo, Ready, Signal, StepInfo, Stopped, Tokens
 
 log = logging.getLogger("mlx_batchd")
 

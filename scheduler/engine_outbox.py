@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.event_pipe import PipeWriter
-from workers.engine import Finished
-from workers.loop import EngineThread, Ready, Signal
+from workers.api import Finished, Ready, Signal
+
+if TYPE_CHECKING:
+    from workers.engine.loop import EngineThread
 
 #: How often the child sends a changed snapshot while no events carry one (probe progress).
 SNAPSHOT_POLL_S = 0.1
@@ -36,8 +38,7 @@ class Outbox:
         engine: Callable[[], EngineThread],
         to_wire: Callable[[list[Signal]], list[dict[str, Any]]],
     ) -> None:
-        """``to_wire``: a batch of events as wire maps (``engine_process.signals_to_wire``, kept beside
-        its inverse, which the parent reads with)."""
+        """``to_wire``: a batch of events as wire maps (``workers.api.to_wire``)."""
         self._to_wire = to_wire
         self._pipe = pipe
         self._engine = engine

@@ -29,10 +29,9 @@ signal), elsewhere a polling thread stops it; a daemon whose engine owes work an
 ``engine_timeout`` seconds kills it and reports it dead. The child ignores SIGTERM once it is ready
 (a control-group stop signals every process at once): the daemon's shutdown command stops it cleanly.
 
-At about 620 lines it is over the ~400 of the other modules because its one idea is one protocol
-across a process boundary: its conversions, the parent's handle and the child's main are kept
-together so both ends of every message read side by side (the child's writing of events,
-``engine_outbox``, is its own module).
+This module is the parent's side (the handle the front end drives); the child's side is
+``engine_child``, the only one of the two that imports the engine. Every message either way is
+converted once, by ``workers.api``'s ``to_wire``/``from_wire``.
 """
 
 from __future__ import annotations
@@ -40,51 +39,47 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Protocol
 
 import msgpack
 import zmq
 
-from scheduler.affinity import AffinityError, pin_process
-from scheduler.engine_lifetime import die_with_parent, make_private_folder, sigterm_until_ready
-from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox
+from scheduler.engine_lifetime import make_private_folder
 from scheduler.engine_watchdog import ENGINE_TIMEOUT_S, Watchdog
-from scheduler.event_pipe import PipeWriter, Receiver, open_pipe, unread
-from workers.burst import BurstSettings
-from workers.commands import job_from_plain as job_from_wire
-from workers.commands import job_to_plain as job_to_wire
-from workers.engine import Finished, Job, StepInfo, Timings, Tokens
-from workers.jobs import StepKind, TokenMode
-from workers.kernels import Level
-from workers.loop import Dead, EngineSettings, EngineThread, Ready, Signal, Stopped
-from workers.models import ModelInfo
-from workers.params import FinishReason
-from workers.probe import ProbePolicy
-from workers.snapshot import EnginePart, read_engine
+from scheduler.event_pipe import Receiver, open_pipe, unread
+from workers.api import (
+    Cancel,
+    Dead,
+    EnginePart,
+    EngineSettings,
+    Finished,
+    FinishReason,
+    Job,
+    Pause,
+    Ready,
+    Resume,
+    Shutdown,
+    Signal,
+    Stopped,
+    SubmitJob,
+    Timings,
+    from_wire,
+    to_wire,
+)
 
 log = logging.getLogger("mlx_batchd")
 
-#: How often the child looks for its daemon being gone while no command arrives.
-LIVENESS_POLL_MS = 200
 #: Seconds the parent waits for a child whose event pipe ended to be reaped, before saying so.
 REAP_S = 10.0
-#: Seconds an engine process whose daemon is gone waits for its engine to stop before it exits anyway.
-ORPHAN_GRACE_S = 15.0
-#: Seconds a follower rank given SIGTERM waits for rank 0's stop (beyond the daemon's drain) when
-#: ``rank_timeout`` is off.
-FOLLOWER_STOP_GRACE_S = 60.0
 
 
-# ----------------------------------------------------------------------------- conversions
+# ----------------------------------------------------------------------------- frames
 
 
 def pack(obj: Any) -> bytes:
@@ -93,122 +88,6 @@ def pack(obj: Any) -> bytes:
 
 def unpack(frame: bytes) -> Any:
     return msgpack.unpackb(frame, raw=False, strict_map_key=False)
-
-
-def settings_to_wire(s: EngineSettings) -> dict[str, Any]:
-    return asdict(s)
-
-
-def settings_from_wire(d: dict[str, Any]) -> EngineSettings:
-    policy = dict(d["probe_policy"])
-    if policy.get("pinned_level") is not None:
-        policy["pinned_level"] = Level(policy["pinned_level"])
-    return EngineSettings(
-        **{**d, "probe_policy": ProbePolicy(**policy), "bursts": BurstSettings(**d["bursts"])},
-    )
-
-
-def signal_to_wire(sig: Signal) -> dict[str, Any]:
-    # The two kinds every step sends are spelled out: ``asdict`` (a recursive deep copy) cost ten
-    # times as much, 0.36 ms per step at B = 64 on the development CPU.
-    if isinstance(sig, Tokens):
-        return {
-            "t": "tokens",
-            "seq": sig.seq,
-            "tokens": sig.tokens,
-            "logprobs": sig.logprobs,
-            "mode": sig.mode,
-            "top_logprobs": sig.top_logprobs,
-        }
-    if isinstance(sig, StepInfo):
-        return {"t": "step", "kind": sig.kind, "seconds": sig.seconds, "batch_size": sig.batch_size}
-    if isinstance(sig, Finished):  # every request sends one, on the engine thread: spelled out too
-        return {
-            "t": "finished",
-            "seq": sig.seq,
-            "reason": str(sig.reason),
-            "prompt_tokens": sig.prompt_tokens,
-            "completion_tokens": sig.completion_tokens,
-            "timings": sig.timings.as_dict(),
-            "error_code": sig.error_code,
-            "error_message": sig.error_message,
-        }
-    if isinstance(sig, Ready):
-        return {"t": "ready", "info": {**asdict(sig.info), "eos_token_ids": list(sig.info.eos_token_ids)}}
-    if isinstance(sig, Stopped):
-        return {"t": "stopped"}
-    return {"t": "dead", "error": sig.error}
-
-
-def signals_to_wire(signals: list[Signal]) -> list[dict[str, Any]]:
-    """A step's events as wire maps, each run of two or more plain tokens (one batched token, no top
-    logprobs: what a decode step gives each of its sequences) as one map of columns.
-
-    A decode step at B = 128 is 128 such tokens: as columns, packing them on the engine thread and
-    unpacking them in the front end cost a fraction of what 128 maps do, in a thirteenth of the bytes.
-    Runs keep the events' order, so a sequence's end still follows its tokens."""
-    wire: list[dict[str, Any]] = []
-    run: list[Tokens] = []
-    batched = TokenMode.BATCHED
-
-    def close_run() -> None:
-        if len(run) == 1:
-            wire.append(signal_to_wire(run[0]))
-        elif run:
-            logprobs = [None if t.logprobs is None else t.logprobs[0] for t in run]
-            wire.append(
-                {
-                    "t": "tokens_run",
-                    "seq": [t.seq for t in run],
-                    "token": [t.tokens[0] for t in run],
-                    "logprob": None if logprobs.count(None) == len(logprobs) else logprobs,
-                }
-            )
-        run.clear()
-
-    for sig in signals:
-        if type(sig) is Tokens and sig.mode is batched and sig.top_logprobs is None and len(sig.tokens) == 1:
-            run.append(sig)
-        else:
-            close_run()
-            wire.append(signal_to_wire(sig))
-    close_run()
-    return wire
-
-
-def signals_from_wire(items: list[dict[str, Any]], tokenizer: Callable[[ModelInfo], Any]) -> list[Signal]:
-    """``signals_to_wire``'s inverse: runs back to one ``Tokens`` a sequence, in order."""
-    signals: list[Signal] = []
-    for d in items:
-        if d.get("t") != "tokens_run":
-            signals.append(signal_from_wire(d, tokenizer))
-            continue
-        logprobs = d["logprob"] or [None] * len(d["seq"])
-        signals += [
-            Tokens(seq, [token], None if lp is None else [lp], TokenMode.BATCHED)
-            for seq, token, lp in zip(d["seq"], d["token"], logprobs, strict=True)
-        ]
-    return signals
-
-
-def signal_from_wire(d: dict[str, Any], tokenizer: Callable[[ModelInfo], Any]) -> Signal:
-    kind = d.pop("t")
-    if kind == "tokens":
-        tops = d.pop("top_logprobs", None)  # msgpack gives its pairs back as lists
-        mode = TokenMode(d.pop("mode"))
-        return Tokens(
-            **d, mode=mode, top_logprobs=None if tops is None else [[(t, lp) for t, lp in row] for row in tops]
-        )
-    if kind == "step":
-        return StepInfo(**{**d, "kind": StepKind(d["kind"])})
-    if kind == "finished":
-        return Finished(**{**d, "reason": FinishReason(d["reason"]), "timings": Timings(**d["timings"])})
-    if kind == "ready":
-        info = ModelInfo(**{**d["info"], "eos_token_ids": tuple(d["info"]["eos_token_ids"])})
-        return Ready(info, tokenizer(info))
-    if kind == "stopped":
-        return Stopped()
-    return Dead(d["error"])
 
 
 # ----------------------------------------------------------------------------- the parent's side
@@ -282,7 +161,7 @@ class EngineProcess:
         spec = {
             "model": self._model,
             "context_length": self._context_length,
-            "settings": settings_to_wire(self._settings),
+            "settings": to_wire(self._settings),
             "folder": str(self._folder),
             "events_fd": self._events_w,
             "cpus": None if self._cpus is None else list(self._cpus),
@@ -292,7 +171,7 @@ class EngineProcess:
         # from the main thread (the daemon's), which lives as long as the daemon.
         die_with_me = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler.engine_process", str(os.getpid()), "1" if die_with_me else "0"],
+            [sys.executable, "-m", "scheduler.engine_child", str(os.getpid()), "1" if die_with_me else "0"],
             stdin=subprocess.PIPE,
             start_new_session=True,
             pass_fds=(self._events_w,),
@@ -326,12 +205,12 @@ class EngineProcess:
 
     def snapshot(self) -> EnginePart:
         """The child's last engine snapshot (msgpack gives it back as the map the child built)."""
-        return read_engine(self._snapshot)
+        return from_wire("stats", self._snapshot)
 
     # Commands: never block (the child reads them at once; the queue is unbounded). The watchdog
     # hears of each before it is sent: where events are read on a thread, the answer could come first.
     def submit(self, job: Job) -> None:
-        cmd = {"c": "submit", "job": job_to_wire(job)}
+        cmd = to_wire(SubmitJob(job))
         try:
             frame = pack(cmd)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -347,15 +226,15 @@ class EngineProcess:
 
     def cancel(self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None) -> None:
         self._watchdog.cancelled(seq)
-        self._send({"c": "cancel", "seq": seq, "reason": reason, "code": code, "message": message})
+        self._send(to_wire(Cancel(seq, reason, code, message)))
 
     def pause(self, seq: int) -> None:
         self._watchdog.paused(seq)
-        self._send({"c": "pause", "seq": seq})
+        self._send(to_wire(Pause(seq)))
 
     def resume(self, seq: int) -> None:
         self._watchdog.resumed(seq)
-        self._send({"c": "resume", "seq": seq})
+        self._send(to_wire(Resume(seq)))
 
     def shutdown(
         self, reason: str = "error", code: str = "shutdown", message: str = "the daemon is shutting down"
@@ -366,7 +245,7 @@ class EngineProcess:
                 self._proc.terminate()
                 return
         self._watchdog.stopping()
-        self._send({"c": "shutdown", "reason": reason, "code": code, "message": message})
+        self._send(to_wire(Shutdown(reason, code, message)))
 
     def _send(self, cmd: dict[str, Any], frame: bytes | None = None) -> None:
         """``frame``: ``cmd`` already packed."""
@@ -381,17 +260,28 @@ class EngineProcess:
                 log.debug("engine process gone; dropped command %r", cmd["c"])
 
     def _load_tokenizer(self) -> None:
-        from workers.models import load_tokenizer
+        # mlx-lm's tokenizer loader: importing any ``mlx_lm`` module runs its package's ``__init__``,
+        # which imports MLX, so this thread loads MLX into the front end's process (it runs nothing
+        # on it; nothing at import time does). The import also lowers ``RLIMIT_NOFILE`` to
+        # (2048, 4096): the daemon's raised limit is put back.
+        from scheduler.http_limits import descriptor_limit_raised
+
+        with descriptor_limit_raised():
+            from workers.models.loading import load_tokenizer
 
         try:
             self._tokenizer = load_tokenizer(self._model)
         except BaseException as exc:  # reported with ``ready``, where the tokenizer is needed
             self._tokenizer_error = exc
 
-    def _tokenizer_for(self, info: ModelInfo) -> Any:
+    def _with_tokenizer(self, signals: list[Signal]) -> list[Signal]:
+        """``Ready`` crosses without its tokenizer: this process's own goes in (or its load's error
+        is raised)."""
+        if not any(isinstance(s, Ready) for s in signals):
+            return signals
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
-        return self._tokenizer
+        return [replace(s, tokenizer=self._tokenizer) if isinstance(s, Ready) else s for s in signals]
 
     def _on_message(self, msg: dict[str, Any]) -> bool:
         """One message's events to ``emit``; ``True`` for the final one."""
@@ -399,7 +289,7 @@ class EngineProcess:
             self._snapshot = msg["snapshot"]
         self._watchdog.heard(msg["events"])  # before the conversion, which consumes the maps
         try:
-            signals = signals_from_wire(msg["events"], self._tokenizer_for)
+            signals = self._with_tokenizer(from_wire("signals", msg["events"]))
         except Exception as exc:  # the tokenizer failed to load: the daemon cannot serve text
             self.shutdown()
             signals = [Dead(f"cannot load the tokenizer: {exc}")]
@@ -412,9 +302,7 @@ class EngineProcess:
                 # waits for the daemon's command): it gets the command now, and nobody is told it
                 # was ready.
                 signals = [s for s in signals if not isinstance(s, Ready)]
-                self._send(
-                    {"c": "shutdown", "reason": "error", "code": "shutdown", "message": "the daemon is shutting down"}
-                )
+                self._send(to_wire(Shutdown("error", "shutdown", "the daemon is shutting down")))
             else:
                 self._watchdog.ready()
         if signals:
@@ -464,149 +352,3 @@ class EngineProcess:
             os.close(self._events)
         self._ctx.term()
         self._remove_folder()
-
-
-# ----------------------------------------------------------------------------- the child's side
-
-
-def _apply(engine: EngineThread, cmd: dict[str, Any]) -> None:
-    kind = cmd["c"]
-    if kind == "submit":
-        engine.submit(job_from_wire(cmd["job"]))
-    elif kind == "cancel":
-        engine.cancel(cmd["seq"], cmd["reason"], cmd["code"], cmd["message"])
-    elif kind == "pause":
-        engine.pause(cmd["seq"])
-    elif kind == "resume":
-        engine.resume(cmd["seq"])
-    elif kind == "shutdown":
-        engine.shutdown(cmd["reason"], cmd["code"], cmd["message"])
-
-
-def child_main(argv: list[str] | None = None) -> int:
-    """The engine process: load, serve commands, exit when the engine thread has stopped.
-
-    ``argv``: the daemon's pid, and ``1`` when the child is to die with the thread that started it
-    (``engine_lifetime.die_with_parent``). Started under ``mlx.launch`` (it inherits the daemon's
-    ``MLX_*`` environment) its engine joins the group as rank 0 and leads the other ranks
-    (``workers.loop``); ``from_env`` is a no-op alone."""
-    args = sys.argv[1:] if argv is None else argv
-    parent = int(args[0]) if args else os.getppid()
-    if args[1:2] == ["1"]:
-        die_with_parent(parent)
-    from workers.distributed import World
-    from workers.models import load
-
-    ready = threading.Event()
-    sigterm_until_ready(ready)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = unpack(sys.stdin.buffer.read())
-    logging.getLogger().setLevel(spec.get("log_level", logging.INFO))  # the daemon's --log-level
-    if spec.get("cpus"):
-        try:  # before the engine thread starts: every thread it and MLX start inherits the mask
-            pin_process(spec["cpus"])
-        except AffinityError as exc:
-            log.warning("%s; the engine process stays where the OS puts it", exc)
-    folder = Path(spec["folder"])
-    settings = settings_from_wire(spec["settings"])
-    ctx = zmq.Context()
-    commands = ctx.socket(zmq.PULL)
-    commands.connect(f"ipc://{folder / 'commands'}")
-    os.set_inheritable(spec["events_fd"], False)  # no process this one starts may hold the pipe open
-    events = PipeWriter(spec["events_fd"])
-    holder: list[EngineThread] = []
-    outbox = Outbox(events, lambda: holder[0], signals_to_wire)
-
-    def emit(signals: list[Signal]) -> None:
-        if not ready.is_set() and any(isinstance(s, Ready) for s in signals):
-            ready.set()
-        outbox.events(signals)
-
-    engine = EngineThread(
-        lambda: load(spec["model"], spec["context_length"], holder[0].world), emit, settings, World.from_env
-    )
-    holder.append(engine)
-    engine.start()
-    orphaned_at: float | None = None
-    last_snapshot = time.monotonic()
-    while engine.is_alive():
-        if commands.poll(LIVENESS_POLL_MS):
-            _apply(engine, unpack(commands.recv()))
-        elif os.getppid() != parent and orphaned_at is None:
-            log.warning("the daemon is gone; stopping the engine")
-            engine.shutdown(code="daemon_gone", message="the daemon is gone")
-            orphaned_at = time.monotonic()
-        elif orphaned_at is not None and time.monotonic() - orphaned_at > ORPHAN_GRACE_S:
-            # The engine did not stop (stuck joining a group, or in a collective whose peer hangs):
-            # nobody is left to serve, and no process may outlive the daemon.
-            log.error("the engine did not stop %.0f s after the daemon went; exiting", ORPHAN_GRACE_S)
-            os._exit(1)
-        if time.monotonic() - last_snapshot >= SNAPSHOT_POLL_S:
-            outbox.snapshot_if_changed()
-            last_snapshot = time.monotonic()
-    engine.join()  # the final signal is in the pipe now
-    events.close()
-    commands.close(linger=0)
-    ctx.term()
-    return 0
-
-
-def follower_main(
-    model: str, context_length: int | None, settings: EngineSettings, stop_grace_s: float = FOLLOWER_STOP_GRACE_S
-) -> int:
-    """A rank other than 0 of a daemon started under ``mlx.launch``: no socket, no front end, only
-    the engine on its shard, replaying rank 0's plans (``workers.loop``). Exits 0 when rank 0 stops
-    it (its daemon shut down), 1 when a peer is lost or the ranks diverged, with one line saying so.
-
-    SIGTERM does not end it at once: a launcher's group kill or a control-group stop signals every
-    rank together, and rank 0's stop plan (after its drain) then ends every rank cleanly. A follower
-    that gets no stop within ``stop_grace_s`` of its SIGTERM (it alone was signalled) exits 1."""
-    from workers.distributed import World, launched_rank
-    from workers.models import load
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when every rank stops
-    termed: list[float] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: termed.append(time.monotonic()))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    final: list[Signal] = []
-    holder: list[EngineThread] = []
-
-    def emit(signals: list[Signal]) -> None:
-        for sig in signals:
-            if isinstance(sig, Ready):
-                w = holder[0].world
-                log.info("rank %d of %d ready: following rank 0 over %s", w.rank, w.size, w.backend)
-            elif isinstance(sig, (Stopped, Dead)):
-                final.append(sig)
-
-    engine = EngineThread(lambda: load(model, context_length, holder[0].world), emit, settings, World.from_env)
-    holder.append(engine)
-    engine.start()
-    rank = f"rank {launched_rank(os.environ)}"
-    told = False
-    while engine.is_alive():
-        engine.join(0.5)  # a signal's handler runs meanwhile
-        if not termed or not engine.is_alive():
-            continue
-        if not told:
-            log.info("%s: SIGTERM; following rank 0 until it stops every rank (at most %g s)", rank, stop_grace_s)
-            told = True
-        if time.monotonic() - termed[0] > stop_grace_s:
-            print(
-                f"mlx-batchd serve: {rank}: SIGTERM, and rank 0 did not stop the ranks within {stop_grace_s:g} s; "
-                "exiting (stop rank 0, the daemon, to stop every rank)",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)
-    end = final[-1] if final else Dead("the engine thread ended without a word")
-    if isinstance(end, Dead):
-        said = end.error.rstrip()
-        print(f"mlx-batchd serve: {said if said.startswith(rank) else f'{rank}: {said}'}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(child_main())

@@ -28,7 +28,7 @@ from scheduler.outputs import Outputs
 from scheduler.requests import RequestTable, Tracked
 from scheduler.settings import FrontEndSettings, request_kv_budget
 from scheduler.tenants import Tenant, local_table
-from workers.models import ModelInfo
+from workers.api import ModelInfo
 
 #: How often the daemon looks for a tenant that only its token bucket holds back, and the slack
 #: added to a refill's due time (a bucket must be above zero, not at it, to start a request).

@@ -50,8 +50,7 @@ from scheduler.transport import (
     OUTBOX_RETRY_S,
     Transport,
 )
-from workers.loop import Ready, Signal
-from workers.models import ModelInfo
+from workers.api import ModelInfo, Ready, Signal
 
 if TYPE_CHECKING:
     from scheduler.http_server import Listeners
@@ -94,6 +93,7 @@ class FrontEnd:
             max_unsent_per_client=settings.max_unsent_per_client,
             on_gone=lambda client, why: self._control.drop_client(client, why),
             on_pause=lambda client, paused: self._control.set_paused(client, paused),
+            max_connections=settings.zmq_max_connections,
         )
         self._flight = Flight(settings, Outputs(), self._transport.send, self._transport.is_paused)
         self._control = Control(settings, self._flight, self._transport, counters)

@@ -5,7 +5,7 @@ The request's ``n`` submits (``protocol.expand_n``: ids ``<rid>/<i>``, one decla
 choice by id. A whole answer waits for every sequence's end; a stream first waits for every
 sequence's first event (so a refusal is still an HTTP error, not a broken stream), then sends each
 choice's chunks as they come, each choice's finish chunk when it ends, and the usage chunk and
-``[DONE]`` after the last. The engine prefills their prompt once (``workers.shared_prefill``).
+``[DONE]`` after the last. The engine prefills their prompt once (``workers.engine.shared_prefill``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from scheduler.local import LocalConnection
     from scheduler.settings import FrontEndSettings
     from scheduler.tenants import TenantTable
-    from workers.models import ModelInfo
+    from workers.api import ModelInfo
 
 
 class Front(Protocol):

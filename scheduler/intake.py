@@ -43,9 +43,7 @@ from scheduler.stopping import StopStrings
 from scheduler.tenants import LOCAL, Tenant
 from scheduler.tokenizing import FairTokenizer
 from scheduler.transport import Transport
-from workers.engine import Job
-from workers.params import SamplingParams
-from workers.prefix_cache import salt_for
+from workers.api import Job, SamplingParams, salt_for
 
 SHUTTING_DOWN = (ErrorCode.SHUTDOWN, "the daemon is shutting down; no new requests")
 

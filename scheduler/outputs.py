@@ -14,8 +14,7 @@ from typing import Any
 from clients.protocol import ErrorCode, FinishReason, empty_timings, empty_usage, end_message, token_message
 from scheduler.metrics import Observations
 from scheduler.requests import Tracked
-from workers.engine import Finished, StepInfo, Tokens
-from workers.jobs import StepKind
+from workers.api import Finished, StepInfo, StepKind, Tokens
 
 Error = tuple[ErrorCode, str]
 

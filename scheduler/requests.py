@@ -16,7 +16,7 @@ from typing import Any
 
 from clients.protocol import Submit
 from scheduler.stopping import StopStrings
-from workers.engine import Job
+from workers.api import Job
 
 Key = tuple[str, bytes, str]
 

@@ -3,7 +3,7 @@ a request's grammar compiles for the model before it is admitted.
 
 The wire's ``response_format`` (``clients.protocol.parse_response_format``) is checked for shape
 without the model; here, once the tokenizer is known, it becomes an llguidance grammar
-(``workers.grammar``) that must compile against the tokenizer, or the request is refused with
+(``workers.api.grammar``) that must compile against the tokenizer, or the request is refused with
 ``bad_field`` naming ``response_format`` and the engine's reason. The engine builds the same
 grammar again from the same text (memoised), so nothing but the text crosses to it.
 """
@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from clients.protocol import ErrorCode, ProtocolError, Submit
-from workers.grammar import compile_error, grammar_text, lltokenizer
+from workers.api.grammar import compile_error, grammar_text, lltokenizer
 
 
 def grammar_of(req: Submit) -> str | None:

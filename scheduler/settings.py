@@ -63,6 +63,9 @@ class FrontEndSettings:
     http_body_timeout_s: float = 30.0
     #: HTTP connections held at once (lowered to fit the descriptor limit); past it, 503 and closed.
     http_max_connections: int = 1024
+    #: ZeroMQ connections held at once (lowered to fit the descriptors left to ZeroMQ); a handshake
+    #: past it is refused (the client library raises ``too_many_connections``).
+    zmq_max_connections: int = 256
     #: Without tenants and ``insecure``, how local HTTP tells the daemon's own user: ``uid`` (the
     #: peer's uid where the OS says it, else the key file's key) or ``key`` (always the key).
     http_local_auth: str = "uid"

@@ -18,8 +18,7 @@ from scheduler.affinity import allowed_cpus
 from scheduler.fairness import FairQueue
 from scheduler.stats_types import StatsReply, TenantRow
 from scheduler.tenants import Tenant, TenantTable
-from workers.models import ModelInfo
-from workers.snapshot import EnginePart
+from workers.api import EnginePart, ModelInfo
 
 
 @dataclass

@@ -2,12 +2,12 @@
 ``mlx-batchd stats``, ``top``, the Prometheus exposition and the benchmarks read.
 
 The reply is the front end's counters, per-tenant tables and the engine's part (``stats.engine``,
-whose shape the engine owns: ``workers.snapshot``). On the wire it is a msgpack map with these keys;
+whose shape the engine owns: ``workers.api.stats``). On the wire it is a msgpack map with these keys;
 ``docs/protocol.md`` describes each. A reader holding a map from the wire (a client's ``stats()``,
 the front end's published copy) makes it typed with ``read_stats``; ``engine_of`` gives the engine's
 part, or ``None`` while the model is still loading.
 
-Only typing and ``workers.snapshot`` (itself typing only) are imported at run time, so the
+Only typing and ``workers.api.stats`` (itself typing only) are imported at run time, so the
 client-side commands do not load MLX.
 """
 
@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypedDict, cast
 
-from workers.snapshot import (
+from workers.api import EnginePart, EngineSnapshot, ready
+from workers.api.stats import (
     BurstSummary,
-    EnginePart,
-    EngineSnapshot,
     MemorySnapshot,
     PinCostRow,
     PinRow,
@@ -28,7 +27,6 @@ from workers.snapshot import (
     PrefixCacheSnapshot,
     ProbingRow,
     VerdictRow,
-    ready,
 )
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``tool_choice`` ``required`` or a named function (Anthropic: ``any`` or a named tool), enforced by
 the grammar engine: the request's tools become an llguidance Lark grammar the answer must follow,
-submitted as the request's ``response_format`` grammar (``workers.grammar``).
+submitted as the request's ``response_format`` grammar (``workers.api.grammar``).
 
 The family must be one whose calls the project can write as a grammar: the JSON family of
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (mlx-lm's ``json_tools`` parser, the
@@ -20,7 +20,7 @@ from typing import Any
 from clients.protocol import Submit
 from scheduler import response_format
 from scheduler.http_errors import HTTPError
-from workers.grammar import JSON_OPTIONS
+from workers.api.grammar import JSON_OPTIONS
 
 _START, _END = "<tool_call>", "</tool_call>"
 #: The parser modules whose format is the JSON family above.

@@ -9,6 +9,10 @@ is bounded (``max_unsent_per_client``), what does not fit waits in an outbox, in
 front end pauses its sequences until the outbox drains. In-process connections (``open_local``) get
 the same outbox and pausing, with a bounded memory stream in place of the socket.
 
+Input never stops (no receive high-water mark: libzmq aborts when a PING meets a stopped input);
+what a connection may queue is bounded by the reader, which cuts a connection that sends faster than
+it reads. The ZAP handler refuses handshakes past the connection cap, counted from the monitor.
+
 What a connection's going means for its requests is the front end's business: the transport calls
 ``on_gone(client, why)`` (after which the front end calls ``forget``) and ``on_pause(client,
 paused)``.
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +34,7 @@ import anyio
 import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from clients.protocol import batch_message, pack
@@ -55,6 +62,29 @@ STALE_S = 10.0
 #: outbox is retried.
 CONNECTION_POLL_S = 0.1
 OUTBOX_RETRY_S = 0.005
+#: The ROUTER's receive high-water mark: none. libzmq 4.3.5 answers a peer's PING at once, and
+#: asserts (``!_io_error``, zeromq/libzmq#3937) when it does so on a connection whose input a full
+#: receive queue had stopped and which then hung up; an unbounded queue never stops a connection's
+#: input. What a connection may queue is bounded by the reader instead (``FLOOD_MESSAGES``).
+RCVHWM = 0
+#: Messages the reader may take from one connection while it never catches up with the socket
+#: (each read found a message already waiting). A connection that goes on sending faster than the
+#: daemon reads is cut (its socket shut down): without a receive high-water mark nothing else would
+#: stop what it queues from growing. Far above what a client keeps in flight (the client library's
+#: ``generate_many`` sends at most ``DEFAULT_CONCURRENCY`` jobs at once).
+FLOOD_MESSAGES = 4096
+#: ZeroMQ connections held at once when not configured (``zmq_max_connections``); lowered at start
+#: to half the descriptors the HTTP listeners leave to ZeroMQ, the engine's pipes and files.
+DEFAULT_MAX_CONNECTIONS = 256
+#: The ZAP domain of the daemon's socket: with it set, libzmq asks the ZAP handler about every
+#: handshake, NULL ones included, and the handler refuses those past the connection cap.
+ZAP_DOMAIN = b"mlx-batchd"
+#: The ZAP status a handshake refused for the connection cap gets (the client library reads it as
+#: ``too_many_connections``; 400 stays a refused key). 300 is not used: libzmq sends the client no
+#: answer for it and the handshake hangs.
+ZAP_TOO_MANY = b"500"
+#: Seconds between two warnings that handshakes are refused or connections cut.
+WARN_EVERY_S = 10.0
 
 
 #: Outgoing messages waiting in an outbox: packed frames for ZeroMQ connections, the maps themselves
@@ -73,8 +103,10 @@ class Transport:
         max_unsent_per_client: int,
         on_gone: Callable[[bytes, str], None],
         on_pause: Callable[[bytes, bool], None],
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.listen = listen
+        self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
         self.max_unsent_per_client = max_unsent_per_client
         self._on_gone = on_gone
@@ -100,14 +132,28 @@ class Transport:
         self._closed: dict[bytes, tuple[int, float]] = {}
         #: Messages skipped because a connection already closed had left them queued.
         self.stale_dropped = 0
+        #: Descriptors of the connections accepted and not yet closed (handshaking ones included).
+        self._live: set[int] = set()
+        #: Messages read from each connection since the reader last found the socket empty.
+        self._streak: dict[bytes, int] = {}
+        #: Handshakes refused for the connection cap, and connections cut for sending faster than
+        #: the daemon reads.
+        self.refused_connections = 0
+        self.flood_cuts = 0
+        self._warned_at = -WARN_EVERY_S
 
     # ------------------------------------------------------------------ socket lifecycle
 
     def open(self, ctx: zmq.asyncio.Context) -> None:
+        """The socket, its monitor and the ZAP handler (on the running event loop) that holds the
+        connection cap."""
+        self.max_connections = fitted_connection_cap(self.max_connections)
         self._sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes * HARD_FRAME_FACTOR)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, self.max_unsent_per_client)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -115,33 +161,34 @@ class Transport:
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
         self._monitor = self._open_monitor(ctx, sock)
+        self._gate = _Gate(ctx, self._has_room)
+        self._gate.start()
 
     def close(self) -> None:
+        self._gate.stop()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=2000)
 
     def secure(self, ctx: zmq.asyncio.Context, curve_secret: Path, known_key: Callable[[str], bool]) -> Any:
-        """CURVE on the socket and a ZAP handler that admits only keys ``known_key`` accepts (asked
-        at each connection, so a reload applies to the next one)."""
+        """CURVE on the socket, and the ZAP handler admits only keys ``known_key`` accepts (asked
+        at each connection, so a reload applies to the next one). Returns the handler (``close``
+        stops it too)."""
         import zmq.auth
-        from zmq.auth.asyncio import AsyncioAuthenticator
 
         public, secret = zmq.auth.load_certificate(str(curve_secret))
         if secret is None:
             raise ConfigError(f"{curve_secret} holds no secret key (use the .key_secret file)")
-        auth = AsyncioAuthenticator(ctx)
-        auth.start()
 
         class Keys:
             def callback(self, domain: str, key: bytes) -> bool:
                 return known_key(key.decode("ascii"))
 
-        auth.configure_curve_callback("*", credentials_provider=Keys())
+        self._gate.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=Keys())
         self._sock.curve_secretkey = secret
         self._sock.curve_publickey = public
         self._sock.curve_server = True
-        return auth
+        return self._gate
 
     def bind(self) -> None:
         """Take the address, or raise ``BindError`` (``binding.bind_listen``: an ipc socket's folder
@@ -154,16 +201,22 @@ class Transport:
 
     async def receive(self) -> list[zmq.Frame]:
         """The next message's frames, after the disconnects reported so far and the sender's
-        connection are taken into account. Messages a closed connection left queued are skipped."""
+        connection are taken into account. Messages a closed connection left queued are skipped,
+        and a connection that sends faster than this reads is cut (``FLOOD_MESSAGES``)."""
         while True:
             try:  # one already queued: pyzmq's short path, without its machinery for waiting
                 frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK))
             except zmq.Again:
+                self._streak.clear()  # caught up: nobody is ahead of the reader
                 frames = cast("list[zmq.Frame]", await self._sock.recv_multipart(copy=False))
             self.poll()
-            if self.note_connection(frames[0].bytes, frames[-1]):
+            client = frames[0].bytes
+            if not self.note_connection(client, frames[-1]):
+                self.stale_dropped += 1
+                continue
+            streak = self._streak[client] = self._streak.get(client, 0) + 1
+            if streak <= FLOOD_MESSAGES or not self._cut(client):
                 return frames
-            self.stale_dropped += 1
 
     # ------------------------------------------------------------------ connections
 
@@ -173,7 +226,7 @@ class Transport:
         It is read without waiting, before every send and every message handled, so a disconnect
         that happened before a send is always seen before it."""
         endpoint = f"inproc://mlx-batchd-connections-{id(self)}"
-        sock.monitor(endpoint, zmq.EVENT_DISCONNECTED)
+        sock.monitor(endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         monitor: zmq.Socket[bytes] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
         monitor.connect(endpoint)
         return monitor
@@ -182,8 +235,11 @@ class Transport:
         """Apply the disconnects reported so far."""
         while cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._live.add(int(event["value"]))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
                 fd = int(event["value"])
+                self._live.discard(fd)
                 client = self._client_on.get(fd)
                 if client is not None:
                     self._closed[client] = (fd, time.monotonic())
@@ -193,6 +249,55 @@ class Transport:
             for client, (_, at) in list(self._closed.items()):
                 if at < cutoff:
                     del self._closed[client]
+
+    def _has_room(self) -> bool:
+        """Asked by the ZAP handler for each handshake: whether the connections open now (this one
+        among them: it was accepted before its handshake began) are within the cap."""
+        self.poll()
+        if len(self._live) <= self.max_connections:
+            return True
+        self.refused_connections += 1
+        self._warn(
+            f"refusing a ZeroMQ handshake: {len(self._live) - 1} connections held, zmq_max_connections is {self.max_connections}"
+        )
+        return False
+
+    def _cut(self, client: bytes) -> bool:
+        """Shut down the socket of a connection that sends faster than the daemon reads; what it
+        left queued is skipped and its requests end ``disconnected``. ``False`` if it has no
+        descriptor of its own (inproc) or is already gone."""
+        self.poll()  # a disconnect already reported means the descriptor may be another's by now
+        fd = self._fd_of.get(client, -1)
+        if fd < 0 or self._client_on.get(fd) != client:
+            return False
+        try:
+            copy = os.dup(fd)  # the same connection; closing the copy leaves libzmq's descriptor open
+        except OSError:
+            return False
+        try:
+            dup = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            return False
+        with dup:
+            try:
+                dup.shutdown(socket.SHUT_RDWR)  # libzmq reads the end of the stream and closes it
+            except OSError:
+                return False
+        self.flood_cuts += 1
+        self._warn(
+            f"cut client {client.hex()}: it sent more than {FLOOD_MESSAGES} messages faster than the daemon reads"
+        )
+        self._streak.pop(client, None)
+        self._closed[client] = (fd, time.monotonic())
+        self._on_gone(client, "it sent faster than the daemon reads")
+        return True
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("%s (refused so far: %d, cut: %d)", message, self.refused_connections, self.flood_cuts)
 
     def note_connection(self, client: bytes, frame: zmq.Frame) -> bool:
         """Record which connection (descriptor) a client id speaks on; ``False`` for a message that a
@@ -230,6 +335,7 @@ class Transport:
         self._outbox.pop(client, None)
         self._paused.discard(client)
         self._batching.discard(client)
+        self._streak.pop(client, None)
         local = self._local.pop(client, None)
         if local is not None:
             local.close()
@@ -374,3 +480,35 @@ class Transport:
             return
         (self._paused.add if paused else self._paused.discard)(client)
         self._on_pause(client, paused)
+
+
+class _Gate(AsyncioAuthenticator):
+    """The socket's ZAP handler, on the event loop: a handshake past the connection cap is refused
+    (``ZAP_TOO_MANY``); the rest get pyzmq's checks (NULL: admitted; CURVE: the tenants' keys)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, has_room: Callable[[], bool]) -> None:
+        super().__init__(ctx)
+        self._has_room = has_room
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) >= 6 and not self._has_room():
+            self._send_zap_reply(msg[1], ZAP_TOO_MANY, b"too many connections")
+            return
+        await super().handle_zap_message(msg)
+
+
+def fitted_connection_cap(wanted: int) -> int:
+    """``wanted`` ZeroMQ connections, lowered (with a warning) to half the descriptors the HTTP
+    listeners leave to ZeroMQ, the engine's pipes and files (``http_limits.connection_cap``)."""
+    from scheduler.http_limits import RESERVE_MAX, RESERVE_MIN, descriptor_limit
+
+    limit = descriptor_limit()
+    if limit is None:
+        return wanted
+    room = max(1, max(RESERVE_MIN, min(RESERVE_MAX, limit // 4)) // 2)
+    if room < wanted:
+        log.warning(
+            "zmq_max_connections %d lowered to %d: the descriptor limit (RLIMIT_NOFILE) is %d", wanted, room, limit
+        )
+        return room
+    return wanted

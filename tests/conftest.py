@@ -39,7 +39,7 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer bf16 llama with random weights and a byte tokenizer: loads like any mlx-lm model."""
-    from workers.synthetic import llama_config, write_model
+    from workers.models.synthetic import llama_config, write_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
     return write_model(path, llama_config(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2), seed=7)
@@ -127,13 +127,13 @@ def wait_for_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
 def clean_kernel_state() -> Iterator[None]:
     """The kernel module as the test found it: no seam, wide, the measured widths of the modules that
     are still alive (``kernels.saved_widths``). Test modules that inject divergence use it for every test."""
-    import workers.seam
+    import workers.kernels.seam
     from workers import kernels
-    from workers.kernels import Level
+    from workers.api import Level
 
     with kernels.saved_widths():
         yield
-    workers.seam.divergence_seam = None
+    workers.kernels.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
 
 
@@ -155,7 +155,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The SmolLM2 GGUF converted once a session by the project's converter."""
-    from workers.gguf import convert
+    from workers.models.gguf import convert
 
     out = tmp_path_factory.mktemp("smollm2") / "model"
     convert(smollm2_gguf, out)

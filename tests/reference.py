@@ -63,7 +63,8 @@ def probed_bursts(
     to the end, then configure bursts under that verdict, which is returned."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from workers.probe import ProbePolicy, make_draws, probe_steps
+    from workers.api import ProbePolicy
+    from workers.exact.probe import make_draws, probe_steps
 
     steps = probe_steps(
         engine.counted,
@@ -83,6 +84,6 @@ def probed_bursts(
 
 def perturb(out: mx.array) -> mx.array:
     """Flip the lowest mantissa bit of every element: a divergence of one ulp (what the tests inject
-    at ``workers.seam.divergence_seam``)."""
+    at ``workers.kernels.seam.divergence_seam``)."""
     bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
     return (out.view(bits) ^ 1).view(out.dtype)

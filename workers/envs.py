@@ -28,18 +28,18 @@ class EnvVar:
 
 #: Where generated state lives (verdicts, kernel plans, file hashes, converted GGUF files).
 CACHE = EnvVar("MLX_BATCHD_CACHE", str(Path.home() / ".cache" / "mlx-batchd"))
-#: The batched kernel policy (``workers.fastpath``): empty picks it by device; ``off`` is stock
+#: The batched kernel policy (``workers.kernels.fastpath``): empty picks it by device; ``off`` is stock
 #: mlx-lm (for comparison), ``cuda`` runs the CUDA policy anywhere (tests on CPU).
 FASTPATH = EnvVar("MLX_BATCHD_FASTPATH", "", ("", "off", "generic", "cuda"))
-#: Overrides the policy's compiled decoder layers (``workers.compiled_layers``): ``1`` runs them on
+#: Overrides the policy's compiled decoder layers (``workers.kernels.compiled_layers``): ``1`` runs them on
 #: CPU for the tests that check the CUDA policy's compiled path serves exactly.
 COMPILED_LAYERS = EnvVar("MLX_BATCHD_COMPILED_LAYERS", "", ("", "0", "1"))
-#: The row-exact kernel (``workers.rowkernel``): empty picks CUDA where MLX runs on it; ``reference``
+#: The row-exact kernel (``workers.kernels.rowkernel``): empty picks CUDA where MLX runs on it; ``reference``
 #: is its plain-MLX twin (CPU tests), ``off`` leaves the ``rowwise`` rung off the ladder.
 ROWKERNEL = EnvVar("MLX_BATCHD_ROWKERNEL", "", ("", "off", "reference", "cuda"))
 #: A folder: the engine loop runs under cProfile and writes its profile there (device runs).
 PROFILE_DIR = EnvVar("MLX_BATCHD_PROFILE_DIR", "")
-#: Test seams (``workers.faults``), e.g. ``request_token=257,engine_loop_after=40``.
+#: Test seams (``workers.engine.faults``), e.g. ``request_token=257,engine_loop_after=40``.
 TEST_FAULTS = EnvVar("MLX_BATCHD_TEST_FAULTS", "")
 #: ``1``: once a verdict is reached, every forward runs at its level, the process-wide pin that
 #: scoped pins replace. Only the bench sets it, for its arm that shows what scoping saves.

@@ -86,7 +86,7 @@ def step_counters(engine_stats: dict[str, Any]) -> dict[str, float]:
 
 def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     """The project's engine in this process, no front end and no sockets: the daemon's ceiling."""
-    from workers.engine import Job, Tokens
+    from workers.api import Job, Tokens
 
     tic = time.perf_counter()
     for i, p in enumerate(prompts):

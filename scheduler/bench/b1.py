@@ -44,7 +44,7 @@ def b1_rows(
     measured when it last paused bursting: why an arm declined with "adaptive" did) is kept as
     ``gate_pause``, and ``ahead_round_s`` (median rounds built ahead and not, as its gate last timed
     them: which way ``--lookahead auto`` went), and ``k``, the drafted tokens a round it served with
-    (its default depends on the drafter: ``workers.burst.default_k``)."""
+    (its default depends on the drafter: ``workers.api.default_k``)."""
     base = samples[("daemon", 1)]
     classic = statistics.median(base)
 

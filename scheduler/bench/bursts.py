@@ -33,13 +33,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from scheduler.bench.b1 import b1_status
 from scheduler.bench.output import progress, save_png, write_whole
 from scheduler.bench.spreads import ratio_spread, rotated, spread
-from workers.backend import backend_fingerprint
-from workers.burst import BurstSettings, default_k
-from workers.drafters import Drafter, load_drafter, load_mtp_drafter
-from workers.engine import Engine, Finished, Job, Tokens
-from workers.kernels import Level, set_process_level
-from workers.models import LoadedModel, load
-from workers.probe import ProbePolicy, make_draws, probe_steps, sliding_window
+from workers.api import BurstSettings, Finished, Job, Level, ProbePolicy, Tokens, default_k
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import Drafter, load_drafter, load_mtp_drafter
+from workers.exact.probe import make_draws, probe_steps, sliding_window
+from workers.kernels import set_process_level
+from workers.kernels.backend import backend_fingerprint
+from workers.models.loading import LoadedModel, load
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -349,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
         drafters[spec] = load_drafter(spec, loaded.model, loaded.info.vocab_size)
     if args.mtp:
         drafters[f"mtp:{args.mtp}"] = load_mtp_drafter(args.mtp, loaded.model)
-    # As serve: K as given, else the drafter's default (``workers.burst.default_k``).
+    # As serve: K as given, else the drafter's default (``workers.api.default_k``).
     report_k = {name: args.k or default_k(name.startswith("mtp:")) for name in drafters}
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.batch_sizes.split(",")]

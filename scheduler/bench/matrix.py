@@ -142,11 +142,12 @@ def _main(args: argparse.Namespace) -> int:
 
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
-    from workers import compiled_layers, fastpath, qmv_launch
-    from workers.backend import backend_fingerprint, configure_attention
-    from workers.engine import Engine
-    from workers.models import load
-    from workers.startup import EngineSettings, buffer_cache_limit
+    from workers.api import EngineSettings
+    from workers.engine.engine import Engine
+    from workers.engine.startup import buffer_cache_limit
+    from workers.kernels import compiled_layers, fastpath, qmv_launch
+    from workers.kernels.backend import backend_fingerprint, configure_attention
+    from workers.models.loading import load
 
     if getattr(args, "prefix_scenario", False):
         return run_prefix(args)
@@ -283,7 +284,7 @@ def _main(args: argparse.Namespace) -> int:
                     probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
                 verdicts[name] = v
         meta["probe_seconds"] = probe_seconds
-        # Row-count plans are kept per machine (workers.plan_store), yet a daemon started with another
+        # Row-count plans are kept per machine (workers.kernels.plan_store), yet a daemon started with another
         # $MLX_BATCHD_CACHE times its own: one whose plans differ from the engine alone's runs other
         # kernels, which its ratio then includes.
         plans = {"engine": engine.kernel_plans}
@@ -291,7 +292,7 @@ def _main(args: argparse.Namespace) -> int:
         meta["kernel_plans"] = plans
         # How each daemon's pins apply: ``process`` only for the process-wide pin arm.
         meta["pin_scope"] = {name: c.stats()["engine"].get("pin_scope") for name, c in clients.items()}
-        # Decoder layers each arm runs compiled around attention (workers.compiled_layers; 0: none).
+        # Decoder layers each arm runs compiled around attention (workers.kernels.compiled_layers; 0: none).
         meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
             name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()
         }

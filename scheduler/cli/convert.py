@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     """Convert, print each notice and the folder; ``GGUFError`` is the wrapper's one line, exit 2."""
     import mlx.core as mx
 
-    from workers.gguf import OLLAMA_PREFIX, convert, resolve_ollama
+    from workers.models.gguf import OLLAMA_PREFIX, convert, resolve_ollama
 
     out = Path(args.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -163,10 +163,10 @@ def daemon_command(name: str, func: Command) -> Command:
 #: Looked up only in modules already imported, since one that was not cannot have raised: ``keys``
 #: and ``demo`` never load MLX just to check an exception's type.
 _USER_ERRORS = (
-    ("workers.models", "ModelError", 1),
-    ("workers.gguf.reader", "GGUFError", 2),  # a GGUF file that cannot be converted
-    ("workers.backend", "SettingError", 2),
-    ("workers.synthetic", "PresetError", 1),
+    ("workers.models.loading", "ModelError", 1),
+    ("workers.models.gguf.reader", "GGUFError", 2),  # a GGUF file that cannot be converted
+    ("workers.kernels.backend", "SettingError", 2),
+    ("workers.models.synthetic", "PresetError", 1),
     ("scheduler.spawn", "DaemonExited", 1),
     ("scheduler.frontend", "BindError", 1),  # before ConfigError, its base: first match wins
     ("scheduler.frontend", "ConfigError", 2),

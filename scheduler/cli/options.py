@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from workers.probe import ProbePolicy
+    from workers.api import ProbePolicy
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -175,7 +175,7 @@ fraction = float_in(0.0, 1.0)
 
 # ---------------------------------------------------------------------------------------------- option groups
 
-#: The kernel levels a probe policy may pin (``workers.levels.Level``'s values, without importing MLX).
+#: The kernel levels a probe policy may pin (``workers.kernels.levels.Level``'s values, without importing MLX).
 PIN_LEVELS = ("wide", "narrow", "per-query", "padded", "rowwise", "mirrored", "per-query-1")
 
 
@@ -241,8 +241,7 @@ def add_probe_policy(p: argparse.ArgumentParser) -> None:
 def probe_policy(args: argparse.Namespace) -> ProbePolicy:
     """The ``ProbePolicy`` the options of :func:`add_probe_policy` (and ``probe --localize``) ask for.
     Imports the workers only when called, so parsing stays free of MLX."""
-    from workers.kernels import Level
-    from workers.probe import ProbePolicy
+    from workers.api import Level, ProbePolicy
 
     return ProbePolicy(
         allow_inexact=args.allow_inexact,

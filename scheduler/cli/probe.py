@@ -2,7 +2,7 @@
 classic decode for a model and drafter, and print the verdict the daemon would serve with.
 
 The set-up (caches, pairing fingerprint, draws, verdict store) is the engine's own
-(``workers.probe_setup``), so a verdict memoised here is the one ``serve`` finds for the same pairing.
+(``workers.exact.setup``), so a verdict memoised here is the one ``serve`` finds for the same pairing.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def run(args: argparse.Namespace) -> int:
     row-exact widths measured at load."""
     from tqdm import tqdm
 
-    from workers import compiled_layers, plan_timing
-    from workers.demo import cache_dir
-    from workers.models import load
-    from workers.probe import drive
-    from workers.probe_report import iter_table, ladder_line, narrowed_widths, pin_cost_line
-    from workers.probe_setup import probe_setup
+    from workers.exact.probe import drive
+    from workers.exact.report import iter_table, ladder_line, narrowed_widths, pin_cost_line
+    from workers.exact.setup import probe_setup
+    from workers.kernels import compiled_layers, plan_timing
+    from workers.models.demo import cache_dir
+    from workers.models.loading import load
 
     loaded = load(args.model)
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     # Classic decode as serving runs it (compiled where the policy compiles it): the same chain,
     # the same fingerprint, so the verdict stored here is the one a daemon reads.
     compiled_layers.install(loaded.model)
-    from workers.burst import default_k
+    from workers.api import default_k
 
     # Checked by the parser (int_list); by default the K serve probes this drafter at.
     ks = [int(k) for k in args.k.split(",")] if args.k else [default_k(args.draft.startswith("mtp:"))]

@@ -38,7 +38,7 @@ from scheduler.cli.options import (
 from scheduler.cli.serve_keys import FILE_KEYS
 
 if TYPE_CHECKING:
-    from workers.loop import EngineSettings
+    from workers.api import EngineSettings
 
 #: ``--log-level``'s choices, and the format of the daemon's log lines.
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -167,8 +167,7 @@ def _configured(parser: Parser) -> Callable[[argparse.Namespace], int]:
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """The engine's options from the command line: the same on every rank."""
-    from workers.burst import BurstSettings, default_k
-    from workers.loop import EngineSettings
+    from workers.api import BurstSettings, EngineSettings, default_k
 
     return EngineSettings(
         max_batch=args.max_batch,
@@ -212,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     checked here, before MLX is imported; the model and drafters by ``scheduler.daemon.serve``,
     before the socket is bound."""
     if any(v in os.environ for v in _LAUNCH_VARS):
-        from workers.distributed import DistributedError, launched_rank
+        from workers.dist import DistributedError, launched_rank
 
         rank = launched_rank(os.environ)
         if rank is not None:
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"mlx-batchd serve: rank {rank}: {' '.join(str(exc).split())}", file=sys.stderr)
                 return 2
             if rank != 0:
-                from scheduler.engine_process import follower_main
+                from scheduler.engine_child import follower_main
 
                 grace = args.drain_timeout + (args.rank_timeout or 60.0)  # rank 0's drain, then one iteration
                 return follower_main(args.model, args.context_length, engine_settings(args), grace)
@@ -233,8 +232,8 @@ def check_ranks(args: argparse.Namespace) -> None:
     """What would stop a daemon over several ranks, found on each rank before anything is bound or
     joined: options that cannot serve across ranks, a family mlx-lm cannot split, heads that do not
     divide (``DistributedError``). Different weights are found once the ranks meet, at load."""
-    from workers.distributed import DistributedError, launched_size
-    from workers.models import check_sharding
+    from workers.dist import DistributedError, launched_size
+    from workers.models.loading import check_sharding
 
     if args.prefix_cache_mb:  # only when given: the default is 0 under a launcher
         raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
@@ -275,6 +274,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         http=args.http,
         http_body_timeout_s=args.http_body_timeout,
         http_max_connections=args.http_max_connections,
+        zmq_max_connections=args.zmq_max_connections,
         http_local_auth=args.http_local_auth,
         chat_template=args.chat_template,
     )

@@ -19,7 +19,7 @@ from scheduler.cli.options import (
     positive_float,
     positive_int,
 )
-from workers.prefill_wave import PREFILL_TOKENS
+from workers.api import PREFILL_TOKENS
 
 #: The smallest ``max_frame_bytes`` that still fits a short request with its options.
 MIN_FRAME_BYTES = 1024
@@ -185,6 +185,14 @@ FILE_KEYS: tuple[Key, ...] = (
         600.0,
         "seconds a connection may read nothing before its requests end `disconnected`",
         positive_float,
+    ),
+    Key(
+        "zmq_max_connections",
+        int,
+        256,
+        "ZeroMQ connections held at once (lowered to fit the descriptor limit); a handshake past it is "
+        "refused and the client library raises `too_many_connections`",
+        positive_int,
     ),
     # -- HTTP
     Key(

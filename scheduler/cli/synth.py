@@ -13,7 +13,7 @@ from scheduler.cli.options import Parser, int_in
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     """Register ``synth``."""
     p = sub.add_parser("synth", help="write a random-weight model directory from a preset config")
-    p.add_argument("--preset", required=True, help="a name from workers.synthetic.PRESETS (e.g. tiny-llama)")
+    p.add_argument("--preset", required=True, help="a name from workers.models.synthetic.PRESETS (e.g. tiny-llama)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.set_defaults(func=local_command("synth", run))
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the model and print its directory; an unknown preset is the one-line ``PresetError``."""
-    from workers.synthetic import preset, write_model
+    from workers.models.synthetic import preset, write_model
 
     config = preset(args.preset)
     out = Path(args.out)

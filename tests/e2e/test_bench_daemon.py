@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import workers.seam
+import workers.kernels.seam
 from scheduler.affinity import allowed_cpus, plan_split
 from scheduler.bench.arms import HTTP_ARMS, http_generate, run_engine
 from scheduler.bench.prefix import PREFIX_ARMS
@@ -31,9 +31,10 @@ def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
     whenever it runs pinned or on several rows, while classic decode runs it on one row, wide).
     The declined verdict lands in the verdict store (``$MLX_BATCHD_CACHE``), where a daemon started
     afterwards finds it: the bench's drafter daemon then decodes classically, by construction."""
-    from workers.engine import Engine
-    from workers.loop import EngineSettings, configure_bursts
-    from workers.models import load
+    from workers.api import EngineSettings
+    from workers.engine.engine import Engine
+    from workers.engine.startup import configure_bursts
+    from workers.models.loading import load
 
     loaded = load(str(model))
     vocab = loaded.info.vocab_size
@@ -43,13 +44,13 @@ def store_declined_verdict(model: Path, drafter: str = "prompt-lookup") -> None:
         head = kind == "projection" and out.shape[-1] == vocab
         return perturb(out) if head and (rows > 1 or kernels.current_level() is not kernels.Level.WIDE) else out
 
-    workers.seam.divergence_seam = no_level_is_exact
+    workers.kernels.seam.divergence_seam = no_level_is_exact
     try:
         configure_bursts(engine, loaded, EngineSettings(draft=drafter))
         while engine.probing:
             engine.probe_step()
     finally:
-        workers.seam.divergence_seam = None
+        workers.kernels.seam.divergence_seam = None
     assert engine.pairing is not None and engine.verdicts[engine.pairing].level is None
 
 

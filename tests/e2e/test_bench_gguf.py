@@ -14,7 +14,7 @@ import pytest
 from scheduler.bench.output import BenchError
 from scheduler.bench.rewrite import CODE_FILE, DOCUMENT, REWRITE_CHATS, rewrite_prompts
 from scheduler.cli import build_parser, main
-from workers.models import check_model, load_tokenizer
+from workers.models.loading import check_model, load_tokenizer
 
 SMALL = ["--batch-sizes", "1", "--tokens", "4", "--repeats", "1"]
 

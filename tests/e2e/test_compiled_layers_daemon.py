@@ -1,4 +1,4 @@
-"""A real daemon whose decode steps run each layer compiled around attention (``workers.compiled_layers``,
+"""A real daemon whose decode steps run each layer compiled around attention (``workers.kernels.compiled_layers``,
 the CUDA policy's default, switched on here with ``MLX_BATCHD_COMPILED_LAYERS=1``) serves the demo
 pair as one that does not: the same text byte for byte, a lone request through the MTP head's bursts
 (the probe measured on the compiled chain) and requests batched together."""

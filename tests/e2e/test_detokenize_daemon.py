@@ -1,5 +1,5 @@
 """Text streamed by a real daemon continues the prompt: when the output starts with a space, the
-text equals the decoded tokens, whole and streamed (``workers.models.keep_leading_space``)."""
+text equals the decoded tokens, whole and streamed (``workers.models.loading.keep_leading_space``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``workers.distributed`` on a real 2-rank ring group on this machine's CPU: what two ranks compute.
+"""``workers.dist`` on a real 2-rank ring group on this machine's CPU: what two ranks compute.
 
 Tensor-parallel greedy decoding reproducible run to run and equal to one process, a pipeline split
 the same bytes as one process, and the daemon's ``Engine`` driven in lockstep serving what one process
@@ -53,7 +53,7 @@ def test_tensor_parallel_greedy_is_reproducible_and_matches_one_process(
 
 def test_a_pipeline_split_decodes_the_same_bytes_as_one_process(ring: None, tmp_path: Path) -> None:
     """qwen2 has both splits; by layers, each rank's sums are whole, so nothing rounds differently."""
-    from workers.synthetic import qwen3_config, write_model
+    from workers.models.synthetic import qwen3_config, write_model
 
     config = {**qwen3_config(hidden=128, layers=4, dtype="float32"), "model_type": "qwen2"}
     model = str(write_model(tmp_path / "qwen2", config, seed=3))
@@ -69,7 +69,7 @@ def test_a_pipeline_split_decodes_the_same_bytes_as_one_process(ring: None, tmp_
 def test_the_engine_in_lockstep_serves_what_one_process_does(
     ring: None, models: dict[str, str], tmp_path: Path
 ) -> None:
-    from workers.synthetic import BYTE_VOCAB
+    from workers.models.synthetic import BYTE_VOCAB
 
     spec = {"model": models["a"], "vocab": BYTE_VOCAB}
     alone = single("engine", tmp_path / "single", **spec)

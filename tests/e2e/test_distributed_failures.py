@@ -1,4 +1,4 @@
-"""``workers.distributed`` on a real 2-rank ring group on this machine's CPU: set-ups refused, and
+"""``workers.dist`` on a real 2-rank ring group on this machine's CPU: set-ups refused, and
 ranks that die, stop answering, are stopped or never meet their peers.
 
 Every rank must end on its own, in one line and with the right exit status, never hang: the rank

@@ -100,7 +100,7 @@ def test_health_says_shutting_down_during_a_drain(tiny_model: Path, tmp_path: Pa
 @pytest.fixture(scope="module")
 def four_bit_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama's shape with 4-bit weights (group size 64), as mlx-lm's converter writes them."""
-    from workers.synthetic import llama_config, write_model
+    from workers.models.synthetic import llama_config, write_model
 
     config = llama_config(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, quant_bits=4)
     return write_model(tmp_path_factory.mktemp("models") / "tiny-llama-4bit", config, seed=7)

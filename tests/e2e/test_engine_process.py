@@ -18,7 +18,7 @@ from scheduler.engine_process import EngineProcess
 from tests.conftest import start_daemon
 from tests.helpers.processes import _alive, _children
 from tests.reference import greedy_reference
-from workers.loop import Dead, Signal, Stopped
+from workers.api import Dead, Signal, Stopped
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds child processes through /proc")
 

@@ -18,7 +18,8 @@ import pytest
 from clients import Client
 from scheduler.frontend import BindError, FrontEnd, FrontEndSettings
 from tests.conftest import Daemon, start_daemon
-from workers.loop import EngineThread, Signal
+from workers.api import Signal
+from workers.engine.loop import EngineThread
 
 
 def _serve(model: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -70,7 +70,7 @@ def oai(url: str, setup: tuple[Daemon, dict[str, str]]) -> Iterator[openai.OpenA
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from workers.models import load_tokenizer
+    from workers.models.loading import load_tokenizer
 
     return load_tokenizer("demo")
 

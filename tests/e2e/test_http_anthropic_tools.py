@@ -59,7 +59,7 @@ def test_a_call_is_a_tool_use_block_whole_and_streamed(claude: anthropic.Anthrop
 
 
 def test_the_next_turn_renders_the_tool_use_and_its_result(claude: anthropic.Anthropic, agent_model: Path) -> None:
-    from workers.models import load_tokenizer
+    from workers.models.loading import load_tokenizer
 
     call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny, 21 C"}]}

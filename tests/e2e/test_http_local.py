@@ -16,8 +16,9 @@ import anyio
 from clients.protocol import Submit
 from scheduler.frontend import FrontEnd, FrontEndSettings
 from tests.reference import greedy_reference
-from workers.loop import EngineSettings, EngineThread, Signal
-from workers.models import load
+from workers.api import EngineSettings, Signal
+from workers.engine.loop import EngineThread
+from workers.models.loading import load
 
 
 async def _until(check: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -30,7 +30,7 @@ def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def bias(agent_model: Path) -> dict[str, int]:
-    from workers.models import load_tokenizer
+    from workers.models.loading import load_tokenizer
 
     return no_call(load_tokenizer(str(agent_model)))
 

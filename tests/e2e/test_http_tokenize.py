@@ -62,7 +62,7 @@ def url(setup: tuple[Daemon, dict[str, str], int]) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from workers.models import load_tokenizer
+    from workers.models.loading import load_tokenizer
 
     return load_tokenizer("demo")
 

@@ -47,7 +47,7 @@ def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def tokenizer(agent_model: Path) -> Any:
-    from workers.models import load_tokenizer
+    from workers.models.loading import load_tokenizer
 
     return load_tokenizer(str(agent_model))
 

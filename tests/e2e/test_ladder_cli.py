@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.synthetic import PRESETS, write_model
+from workers.models.synthetic import PRESETS, write_model
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def _rss_kb(pid: int) -> int:
 def test_a_request_failing_in_the_engine_ends_alone(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Injected at the named test seam (workers.faults): any sequence whose prompt holds token 257
+    """Injected at the named test seam (workers.engine.faults): any sequence whose prompt holds token 257
     fails while the engine processes its share of a batched step."""
     monkeypatch.setenv("MLX_BATCHD_TEST_FAULTS", "request_token=257")
     d = start_daemon(tiny_model, tmp_path)

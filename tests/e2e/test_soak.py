@@ -4,17 +4,19 @@ and the well-behaved clients get every token, byte-exact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 from clients import Client
 from scheduler.spawn import DaemonProcess
 from tests.conftest import Daemon, start_daemon
 from tests.reference import greedy_reference
-from workers.demo import demo_path
+from workers.models.demo import demo_path
 
 FLOOD_S = 8.0
 #: Long enough for the stalled client's receive queue to pass libzmq's default 1,000 messages and its
@@ -136,4 +138,103 @@ def test_a_client_whose_event_loop_stalls_gets_every_token_and_neither_process_a
             assert end == "length" and tokens == references[i], i
     finally:
         ref_thread.join()
+        assert d.stop() == 0, d.log()
+
+
+#: Rounds of: connect with heartbeats every millisecond (a PING in nearly every buffer the daemon
+#: reads), send submits as fast as the socket takes them without reading, close at once (linger 0).
+#: Prints how many it sent in all.
+HEARTBEAT_FLOODER = """
+import sys, time, zmq
+from clients.protocol import PROTOCOL_VERSION, pack
+ctx = zmq.Context()
+rounds, seconds, total = int(sys.argv[2]), float(sys.argv[3]), 0
+for r in range(rounds):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.HEARTBEAT_IVL, 1)
+    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 100)
+    s.setsockopt(zmq.HEARTBEAT_TTL, 1000)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(sys.argv[1])
+    stop_at = time.monotonic() + seconds
+    while time.monotonic() < stop_at:
+        try:
+            s.send(pack({"v": PROTOCOL_VERSION, "type": "submit", "id": f"f{total}", "prompt": "x", "max_tokens": 1}), zmq.NOBLOCK)
+            total += 1
+        except zmq.Again:
+            s.poll(5, zmq.POLLOUT)
+    s.close(linger=0)
+print(total, flush=True)
+"""
+FLOOD_ROUNDS = 5
+FLOOD_ROUND_S = 1.6
+#: What the flood may add to the daemon's RSS. Without a bound of the daemon's own, the queue of a
+#: connection it reads slower than it is sent grows by about 100 MiB a second of flood here.
+FLOOD_RSS_MIB = 96
+
+
+def test_a_heartbeating_flood_that_hangs_up_repeatedly_does_not_abort_the_daemon(tmp_path: Path) -> None:
+    """A client with ZMTP heartbeats on floods without reading and hangs up, again and again: a
+    receive queue that fills stops the connection's input, and libzmq answering a PING on such a
+    connection after the hang-up aborts the process. The daemon's input never stops (no receive
+    high-water mark), and a connection that sends faster than it reads is cut, so its memory stays
+    bounded; a client served meanwhile gets byte-exact tokens."""
+    model = demo_path()
+    prompt = list(b"def main():")
+    reference = greedy_reference(model, prompt, 16)[0]
+    d = start_daemon(model, tmp_path)
+    baseline = peak = _rss_mib(d.proc.pid)
+    served: list[list[int]] = []
+    flooding = threading.Event()
+    flood_over = threading.Event()
+
+    def serve_meanwhile() -> None:
+        with Client(d.address, timeout=120) as c:
+            flooding.wait()
+            while not flood_over.is_set() or not served:
+                served.append(c.generate(tokens=prompt, max_tokens=16, temperature=0.0).tokens)
+
+    good = threading.Thread(target=serve_meanwhile)
+    good.start()
+    flood = subprocess.Popen(
+        [sys.executable, "-c", HEARTBEAT_FLOODER, d.address, str(FLOOD_ROUNDS), str(FLOOD_ROUND_S)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        flooding.set()
+        while flood.poll() is None and d.proc.poll() is None:
+            with contextlib.suppress(AssertionError):  # no VmRSS: it has just exited
+                peak = max(peak, _rss_mib(d.proc.pid))
+            flood_over.wait(0.02)
+        flood_over.set()
+        out, _ = flood.communicate(timeout=60)
+        good.join(timeout=120)
+        assert d.proc.poll() is None, d.log()  # on a stopping receive queue: `Assertion failed: !_io_error`
+        assert flood.returncode == 0 and int(out) > 10_000  # it did flood
+        assert peak - baseline < FLOOD_RSS_MIB, (peak, baseline)
+        assert served and all(tokens == reference for tokens in served)
+        with Client(d.address, timeout=120) as c:
+            assert c.generate(tokens=prompt, max_tokens=16, temperature=0.0).tokens == reference
+    finally:
+        flood_over.set()
+        flood.kill()
+        flood.wait(timeout=30)
+        good.join(timeout=120)
+        assert d.stop() == 0, d.log()
+
+
+def test_generate_many_of_thousands_of_jobs_is_served_not_cut_as_a_flood(tmp_path: Path) -> None:
+    """``generate_many`` of 6,000 jobs: sent all at once they would outrun the daemon's reader and the
+    connection would be cut as a flood (every job ending ``daemon_gone``); the library keeps
+    ``DEFAULT_CONCURRENCY`` in flight, so every job is served."""
+    d = start_daemon(demo_path(), tmp_path, "--max-batch", "8")
+    try:
+        with Client(d.address, timeout=300) as c:
+            out = c.generate_many([{"prompt": "hi", "max_tokens": 1} for _ in range(6000)], return_errors=True)
+        codes = Counter(getattr(o, "code", "ok") for o in out)
+        assert codes == Counter(ok=6000), codes
+        assert "cut client" not in d.log()
+    finally:
         assert d.stop() == 0, d.log()

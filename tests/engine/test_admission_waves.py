@@ -12,7 +12,8 @@ import pytest
 from mlx_lm import load
 
 from tests.helpers.engine_thread import EngineThreadRun
-from workers.engine import Engine, Finished, Job, Tokens
+from workers.api import Finished, Job, Tokens
+from workers.engine.engine import Engine
 
 HOUR = 3600.0  # a window no test waits out: a hold that should have ended shows as a 30 s timeout
 PROMPTS = {1: [5, 6, 7], 2: [40, 41, 42, 43, 44, 45], 3: [100, 101], 4: [7, 7, 9, 11]}

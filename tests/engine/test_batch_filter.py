@@ -1,4 +1,4 @@
-"""``workers.batch_filter``: dropping finished sequences reads every layer's padding back in one go,
+"""``workers.kernels.batch_filter``: dropping finished sequences reads every layer's padding back in one go,
 and leaves the batch exactly as mlx-lm's own ``filter`` does.
 
 Real ``BatchGenerator`` runs on the tiny model of ``conftest``: prompts of different lengths (so the
@@ -19,8 +19,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load
 
-from workers import batch_filter, mlxlm
-from workers.kernels import install, stock
+from workers.kernels import batch_filter, install, mlxlm, stock
 
 PROMPTS = [[5, 6, 7], list(range(10, 19)), [30, 31, 32, 33, 34], list(range(40, 53))]
 #: The longest prompt (no padding) ends first, then the next longest: each filter trims shared padding.

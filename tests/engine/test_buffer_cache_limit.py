@@ -1,4 +1,4 @@
-"""The engine process caps MLX's buffer cache (``workers.startup.buffer_cache_limit``): by default a
+"""The engine process caps MLX's buffer cache (``workers.engine.startup.buffer_cache_limit``): by default a
 quarter of MLX's memory limit, or what ``mlx_cache_limit_mb`` says; the engine thread applies it
 before it loads the model. MLX keeps one limit per process, so each test puts the old one back."""
 
@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 
 from tests.helpers.engine_thread import EngineThreadRun
-from workers.startup import CACHE_SHARE, EngineSettings, buffer_cache_limit
+from workers.api import EngineSettings
+from workers.engine.startup import CACHE_SHARE, buffer_cache_limit
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Speculative B = 1 bursts on the engine, with real models on the CPU.
 
 Exactness is checked token for token against the same engine without a drafter. Divergence the
-CPU does not produce is injected through ``workers.seam.divergence_seam`` and the tests that do
+CPU does not produce is injected through ``workers.kernels.seam.divergence_seam`` and the tests that do
 so say it in their names.
 """
 
@@ -17,16 +17,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import probed_bursts
 from workers import kernels
-from workers.burst import BurstSettings
-from workers.drafters import Drafter, DraftModel, PromptLookup
-from workers.engine import Engine, Finished, Job, Tokens
-from workers.kernels import Level, measure_widths
-from workers.params import SamplingParams
-from workers.probe import ProbePolicy
-from workers.synthetic import llama_config, write_model
+from workers.api import BurstSettings, Finished, Job, Level, ProbePolicy, SamplingParams, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import Drafter, DraftModel, PromptLookup
+from workers.kernels import measure_widths
+from workers.models.synthetic import llama_config, write_model
 
 VOCAB = 260
 EOS = (0,)
@@ -52,7 +50,7 @@ def target(paths: dict[str, Path]) -> Any:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     yield
-    workers.seam.divergence_seam = None
+    workers.kernels.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
 
 
@@ -162,9 +160,9 @@ def test_declined_verdict_runs_no_burst(paths: dict[str, Path], target: Any) -> 
             return (out.view(mx.uint16) ^ 1).view(out.dtype)
         return out
 
-    workers.seam.divergence_seam = head_diverges
+    workers.kernels.seam.divergence_seam = head_diverges
     engine = make_engine(target, drafters(paths, target)["prompt-lookup"]())
-    workers.seam.divergence_seam = None
+    workers.kernels.seam.divergence_seam = None
     assert engine.verdicts[engine.pairing].level is None  # type: ignore[index]
     j = job(0, [7, 7, 7, 7, 8, 8, 8, 8], n=30)
     assert run(engine, [j]) == classic(target, [j])
@@ -182,13 +180,13 @@ def test_injected_divergence_is_caught_by_the_audit_and_revokes_the_verdict(
     assert engine.verdicts[engine.pairing].level == "wide"  # type: ignore[index]
     j, later = job(0, [5, 6, 7], n=40), job(1, [5, 6, 7], n=20)
     want = classic(target, [j])[0]
-    workers.seam.divergence_seam = lambda kind, out, rows: (
+    workers.kernels.seam.divergence_seam = lambda kind, out, rows: (
         (out.view(mx.uint16) ^ 1).view(out.dtype)
         if kind == "projection" and rows > 1 and out.shape[0] == 1 and out.ndim == 3 and out.shape[1] > 1
         else out
     )
     got = run(engine, [j])
-    workers.seam.divergence_seam = None
+    workers.kernels.seam.divergence_seam = None
     assert got == {0: want}  # the diverged round was thrown away
     assert engine.bursts.audit_failures == 1 and engine.bursts.rounds == 1
     assert engine.pairing in engine.revoked
@@ -306,14 +304,14 @@ def test_sampled_bursts_keep_the_target_distribution(paths: dict[str, Path], tar
 
 @pytest.fixture(scope="module")
 def demo() -> Any:
-    from workers.models import load as load_model
+    from workers.models.loading import load as load_model
 
     return load_model("demo")
 
 
 def test_mtp_head_bursts_on_the_demo_pair_are_byte_identical(demo: Any) -> None:
     """The shipped MTP head drafting for the shipped target, alone and interrupted by an arrival."""
-    from workers.drafters import load_mtp_drafter
+    from workers.engine.spec.drafters import load_mtp_drafter
 
     prompts = ["def fibonacci(n):", "class Stack:", "for i in range(10):"]
     jobs = [job(i, demo.tokenizer.encode(p), n=40) for i, p in enumerate(prompts)]
@@ -322,7 +320,7 @@ def test_mtp_head_bursts_on_the_demo_pair_are_byte_identical(demo: Any) -> None:
     def engine_for(drafter: Drafter | None) -> Engine:
         engine = Engine(demo.model, eos_token_ids=eos, vocab_size=demo.info.vocab_size)
         if drafter is not None:
-            from workers.probe import Verdict
+            from workers.exact.probe import Verdict
 
             engine.configure_bursts(drafter, EXACT_FOREVER, "demo+mtp")
             engine.verdicts["demo+mtp"] = Verdict("", {}, "wide", True, "CPU: exact (see test_probe)", [], 0.0)

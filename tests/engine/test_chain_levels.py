@@ -3,7 +3,7 @@ forwards, classic decode's included, on ``PAD_ROWS`` rows) and ``rowwise`` (ever
 project's row-exact kernel), so a verify block and the chain make the same kernel calls per row.
 
 MLX's CPU kernels are row-exact, so the divergence these rungs exist for (MLX CUDA's one-row kernel
-differs from its batched one) is injected at the named seam ``workers.seam.divergence_seam``;
+differs from its batched one) is injected at the named seam ``workers.kernels.seam.divergence_seam``;
 every test that does so says it in its name. The CUDA ladder order is forced with
 ``fastpath.set_active(fastpath.CUDA)``; the row-exact kernel cannot run on this CPU, so ``rowwise``
 runs its plain-MLX reference (``MLX_BATCHD_ROWKERNEL=reference``, the same switch the CUDA kernel
@@ -21,15 +21,14 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import load_measured, probed_bursts
-from workers import fastpath, qmv_rows
-from workers.burst import BurstSettings
-from workers.drafters import DraftModel
-from workers.engine import Engine, Job, Tokens
-from workers.kernels import PAD_ROWS, Level, bytes_equal, scoped
-from workers.probe import ProbePolicy, make_draws, probe
-from workers.synthetic import PRESETS, write_model
+from workers.api import BurstSettings, Job, Level, ProbePolicy, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import DraftModel
+from workers.exact.probe import make_draws, probe
+from workers.kernels import PAD_ROWS, bytes_equal, fastpath, qmv_rows, scoped
+from workers.models.synthetic import PRESETS, write_model
 
 VOCAB = 260
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
@@ -76,7 +75,7 @@ def test_padded_runs_every_projection_on_pad_rows_and_keeps_the_real_rows_exact(
             rows_seen.append(rows)
         return out
 
-    workers.seam.divergence_seam = count
+    workers.kernels.seam.divergence_seam = count
     with scoped(Level.PADDED):
         padded = model(tokens, cache=make_prompt_cache(model))
         one = model(tokens[:, :1], cache=make_prompt_cache(model))
@@ -99,7 +98,7 @@ def test_injected_one_row_divergence_is_exact_at_the_rung_because_the_chain_runs
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     monkeypatch.setattr(qmv_rows, "usable", lambda: False)  # this test is about the chain-pinning rungs
     model = load_measured(llama)
-    workers.seam.divergence_seam = _one_row_kernel_differs
+    workers.kernels.seam.divergence_seam = _one_row_kernel_differs
     draws = make_draws(3, VOCAB, 4096, None)
     verdict = probe(model, lambda: make_prompt_cache(model), {"test": level.value}, draws, 3, policy=ProbePolicy())
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), (level.value, True)]
@@ -138,7 +137,7 @@ def test_injected_one_row_divergence_bursts_at_the_rung_emit_its_classic_decode(
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", rowkernel_switch)
     monkeypatch.setattr(qmv_rows, "usable", lambda: False)  # this test is about the chain-pinning rungs
     model = load_measured(llama)
-    workers.seam.divergence_seam = _one_row_kernel_differs
+    workers.kernels.seam.divergence_seam = _one_row_kernel_differs
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
 
     classic = _pinned_engine(model, level)
@@ -192,7 +191,7 @@ def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
     """At rowwise every covered projection goes through ``rowkernel.project`` (its reference here):
     quantized, dense and tied-head calls agree with MLX's own within rounding, a 21-row forward is
     split into calls of at most ``MAX_ROWS`` rows, and nothing falls back to one-row calls."""
-    from workers import rowkernel
+    from workers.kernels import rowkernel
 
     monkeypatch.setenv("MLX_BATCHD_ROWKERNEL", "reference")
     mx.random.seed(11)
@@ -218,7 +217,7 @@ def test_rowwise_projections_agree_with_mlx_and_chunk_long_blocks(
         return out
 
     model = load_measured(llama)
-    workers.seam.divergence_seam = count
+    workers.kernels.seam.divergence_seam = count
     with scoped(Level.ROWWISE):
         mx.eval(model(mx.array([[(5 * i) % 250 + 3 for i in range(21)]]), cache=make_prompt_cache(model)))
     assert calls and all(c == 21 for c in calls)  # one project() per module call, never a fallback

@@ -1,4 +1,4 @@
-"""Decode steps' layers as compiled halves around attention (``workers.compiled_layers``): the same
+"""Decode steps' layers as compiled halves around attention (``workers.kernels.compiled_layers``): the same
 logits byte for byte as mlx-lm's own layer code for every family it covers and for a lone sequence, on
 real models; only decode steps at ``wide`` take it; verdicts are keyed by it; it fails closed; the raw
 peer's ``stock`` block runs without it."""
@@ -19,10 +19,11 @@ from mlx_lm.models.cache import BatchKVCache
 
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
-from workers import compiled_layers, fastpath, kernels
-from workers.engine import Engine
-from workers.engine_stats import engine_snapshot
-from workers.synthetic import build_model, llama_config, qwen3_config, write_model
+from workers import kernels
+from workers.engine.engine import Engine
+from workers.engine.stats import engine_snapshot
+from workers.kernels import compiled_layers, fastpath
+from workers.models.synthetic import build_model, llama_config, qwen3_config, write_model
 
 QWEN2 = {
     "model_type": "qwen2",
@@ -134,9 +135,9 @@ def test_a_verdict_is_keyed_by_whether_classic_decode_runs_compiled(
 ) -> None:
     """The probe's chain runs through the engine's model, compiled where serving compiles it; a
     verdict measured on the plain chain is not reused for the compiled one."""
-    from workers.models import load
-    from workers.probe_setup import probe_setup
-    from workers.verdict_store import pairing_fingerprint
+    from workers.exact.setup import probe_setup
+    from workers.exact.verdict_store import pairing_fingerprint
+    from workers.models.loading import load
 
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
     loaded = load(str(write_model(tmp_path / "m", CONFIGS["llama-4bit"], seed=3)))
@@ -217,7 +218,7 @@ def test_bursts_over_compiled_classic_decode_stay_byte_identical(
 
     from tests.engine.test_bursts import EOS, EXACT_FOREVER, PROMPTS, VOCAB, job, run
     from tests.reference import probed_bursts
-    from workers.drafters import DraftModel, PromptLookup
+    from workers.engine.spec.drafters import DraftModel, PromptLookup
 
     target, _ = load(str(write_model(tmp_path / "t", llama_config(hidden=128, layers=2, ffn=256), seed=11)))
     kernels.measure_widths(target)

@@ -1,5 +1,5 @@
 """MLX CUDA's cuDNN attention is off in the engine's process unless asked for
-(``workers.backend.configure_attention``): cuDNN builds an attention graph per new prefill shape, which
+(``workers.kernels.backend.configure_attention``): cuDNN builds an attention graph per new prefill shape, which
 new prompt lengths pay in time to first token. MLX reads the variable once, at the first attention
 call, so the engine sets it before it loads the model; an operator's own setting is kept."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.engine_thread import EngineThreadRun
-from workers.backend import CUDNN_ATTENTION_ENV, configure_attention
-from workers.models import load
+from workers.kernels.backend import CUDNN_ATTENTION_ENV, configure_attention
+from workers.models.loading import load
 
 
 def test_unset_it_follows_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:

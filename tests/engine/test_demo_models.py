@@ -1,7 +1,7 @@
 """The shipped demo models load offline from the repository and decode (CPU, a few seconds).
 
 Why: ``--model demo`` / ``--draft demo`` / ``--mtp demo`` must work on a fresh machine with no network,
-so these tests load exactly the committed artifacts under ``workers/demo/weights``.
+so these tests load exactly the committed artifacts under ``workers/models/demo/weights``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 
-from workers import mtp
-from workers.demo import SHIPPED
+from workers.models import mtp
+from workers.models.demo import SHIPPED
 
 WEIGHTS = SHIPPED
 PROMPT = "def fibonacci(n):"

@@ -44,7 +44,7 @@ def test_training_script_smoke_run_loads_like_the_shipped_set(tmp_path) -> None:
     through the loaders the daemon uses (the draft as an early exit of the target)."""
     from mlx_lm import load
 
-    from workers import mtp
+    from workers.models import mtp
 
     out = tmp_path / "weights"
     steps = ["--target-steps", "3", "--draft-steps", "3", "--mtp-steps", "3"]

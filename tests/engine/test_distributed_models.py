@@ -1,4 +1,4 @@
-"""``workers.distributed`` on models in one process: sharding refused in one line before any
+"""``workers.dist`` on models in one process: sharding refused in one line before any
 collective, and weight fingerprints that tell checkpoints apart."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from tests.helpers.distributed import models as models
 
 
 def test_sharding_is_refused_in_one_line_before_any_collective() -> None:
-    from workers.distributed import ShardError, plan_sharding
-    from workers.synthetic import build_model, gemma3_config, llama_config, qwen3_config
+    from workers.dist import ShardError, plan_sharding
+    from workers.models.synthetic import build_model, gemma3_config, llama_config, qwen3_config
 
     llama = llama_config(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, dtype="float32")
     model = build_model(llama)
@@ -39,7 +39,7 @@ def test_sharding_is_refused_in_one_line_before_any_collective() -> None:
 def test_fingerprints_tell_different_weights_apart(tmp_path: Path, models: dict[str, str]) -> None:
     from mlx_lm import load
 
-    from workers.distributed import checkpoint_fingerprint, weight_fingerprint
+    from workers.dist import checkpoint_fingerprint, weight_fingerprint
 
     a, b = load(models["a"])[0], load(models["b"])[0]
     assert weight_fingerprint(a) == weight_fingerprint(load(models["a"])[0])

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from mlx_lm import load
 
-from workers.engine import Engine, Finished, Job
+from workers.api import Finished, Job
+from workers.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_arrivals_together_prefill_together_and_equal_budgets_end_together(targe
 def test_warm_up_runs_a_lone_sequence_and_a_padded_batch(target: Any) -> None:
     """The daemon's warm-up (before it announces itself ready) reaches the batched path too: two
     prompts of different lengths in one wave, decoded together, one finishing first."""
-    from workers.startup import warm_up
+    from workers.engine.startup import warm_up
 
     engine = Engine(target, eos_token_ids=(), vocab_size=260)
     warm_up(engine)
@@ -54,7 +55,7 @@ def test_warm_up_runs_a_lone_sequence_and_a_padded_batch(target: Any) -> None:
 def test_the_engine_thread_s_cpu_inside_its_steps(target: Any) -> None:
     """Each step adds the engine thread's own CPU seconds (never more than the steps' wall seconds: one
     thread cannot run longer than it exists) and its involuntary switches (counted on Linux)."""
-    from workers import thread_clock
+    from workers.engine import thread_clock
 
     engine = Engine(target, eos_token_ids=(), vocab_size=260)
     engine.submit(Job(seq=1, prompt=[5, 6, 7, 8], max_tokens=6))

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 from tests.helpers.engine_thread import EngineThreadRun
-from workers.engine import Job, Tokens
-from workers.loop import Signal
+from workers.api import Job, Signal, Tokens
 
 SLOW_S = 0.004
 

@@ -17,11 +17,10 @@ from mlx_lm import load
 from tests.helpers.engine_thread import EngineThreadRun as Thread
 from tests.reference import probed_bursts
 from workers import kernels
-from workers.burst import BurstSettings
-from workers.drafters import DraftModel
-from workers.engine import Engine, Event, Finished, Job, Tokens
-from workers.kernels import Level, measure_widths
-from workers.params import SamplingParams
+from workers.api import BurstSettings, Event, Finished, Job, Level, SamplingParams, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import DraftModel
+from workers.kernels import measure_widths
 
 VOCAB = 260
 EOS = (0,)

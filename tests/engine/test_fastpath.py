@@ -13,8 +13,9 @@ import pytest
 
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, kernels, plan_timing
-from workers.engine import Engine
+from workers import kernels
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, plan_timing
 
 
 def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) -> None:
@@ -76,8 +77,8 @@ def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) ->
 
 
 def test_an_engine_reports_the_plans_its_calibration_chose(tiny_model: Path, policy: None) -> None:
-    from workers.engine_stats import engine_snapshot
-    from workers.models import load
+    from workers.engine.stats import engine_snapshot
+    from workers.models.loading import load
 
     loaded = load(str(tiny_model))
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=3))
@@ -94,7 +95,7 @@ def test_an_engine_reports_the_plans_its_calibration_chose(tiny_model: Path, pol
 def test_batched_greedy_tokens_are_the_same_under_every_policy(tiny_model: Path, name: str, policy: None) -> None:
     """On the CPU every kernel is row-exact, so the policy may change speed but never a token: this pins
     the reshape/slice plumbing (a wrong row order or a pad row leaking into the output changes tokens)."""
-    from workers.models import load
+    from workers.models.loading import load
 
     loaded = load(str(tiny_model))
     prompts = [[(7 * i + j) % 200 + 4 for j in range(6 + i)] for i in range(9)]
@@ -154,10 +155,10 @@ def test_a_verdicts_pairing_names_how_attention_runs(
 ) -> None:
     """MLX's cuDNN attention and the contiguous K/V copies decide which attention kernel classic
     decode and the verify run, so a verdict measured with one is not the verdict for another."""
-    from workers.backend import CUDNN_ATTENTION_ENV
-    from workers.models import load
-    from workers.probe_setup import probe_setup
-    from workers.verdict_store import pairing_fingerprint
+    from workers.exact.setup import probe_setup
+    from workers.exact.verdict_store import pairing_fingerprint
+    from workers.kernels.backend import CUDNN_ATTENTION_ENV
+    from workers.models.loading import load
 
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
     loaded = load(str(tiny_model))

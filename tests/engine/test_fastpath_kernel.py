@@ -18,9 +18,9 @@ from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from tests.helpers.mirrored import one_row_launch
 from tests.reference import load_measured
-from workers import fastpath, plan_store, plan_timing, projections, qmv_rows
-from workers.engine import Engine
-from workers.synthetic import llama_config, write_model
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, plan_store, plan_timing, projections, qmv_rows
+from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
 
@@ -131,9 +131,9 @@ def test_a_verdicts_pairing_names_the_kernel_plans_its_wide_forwards_ran_by(
 ) -> None:
     """A plan decides which kernel a batched wide forward runs, so a verdict measured under one set of
     plans is not the verdict for another: the plans are part of the pairing's fingerprint."""
-    from workers.models import load
-    from workers.probe_setup import probe_setup
-    from workers.verdict_store import pairing_fingerprint
+    from workers.exact.setup import probe_setup
+    from workers.exact.verdict_store import pairing_fingerprint
+    from workers.models.loading import load
 
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
     loaded = load(str(write_model(tmp_path / "q4", llama_config(quant_bits=4), seed=3)))

@@ -16,9 +16,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import gemv_rows, kernels
-from workers.kernels import Level, bytes_equal, scoped
-from workers.synthetic import llama_config, write_model
+from workers import kernels
+from workers.api import Level
+from workers.kernels import bytes_equal, gemv_rows, scoped
+from workers.models.synthetic import llama_config, write_model
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
 from tests.helpers.gguf_files import Shapes, write_family, write_reference
-from workers.gguf import convert
+from workers.models.gguf import convert
 
 # (family, tokenizer model): llama with both of llama.cpp's vocabularies, qwen2/qwen3 with BPE.
 CASES = [("llama", "llama"), ("llama", "gpt2"), ("qwen2", "gpt2"), ("qwen3", "gpt2")]
@@ -148,7 +148,7 @@ def test_k_quant_decoding_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
     from gguf.quants import dequantize
 
     from tests.helpers.gguf_files import k_quant_blocks
-    from workers.gguf import kquants, read_header
+    from workers.models.gguf import kquants, read_header
 
     blocks = k_quant_blocks(8, 512, kind, np.random.default_rng(1))
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
@@ -165,7 +165,7 @@ def test_k_quant_decoding_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
 
 def test_a_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A conversion that fails half-way (a full disk) leaves neither the folder nor a partial one."""
-    import workers.gguf.converter as conversion
+    import workers.models.gguf.converter as conversion
 
     write_family(tmp_path / "m.gguf", "llama")
 
@@ -198,7 +198,7 @@ def test_unknown_rope_freqs_are_refused(tmp_path: Path) -> None:
     import gguf
 
     from tests.helpers.gguf_files import llama3_rope_factors
-    from workers.gguf import GGUFError
+    from workers.models.gguf import GGUFError
 
     write_family(tmp_path / "m.gguf", "llama", llama3_rope=8.0)
     reader = gguf.GGUFReader(tmp_path / "m.gguf", "r+")

@@ -119,7 +119,7 @@ def test_gguf_spec_resolves_to_one_cached_folder(
 ) -> None:
     """``--model`` resolution: a ``.gguf`` path and an Ollama blob (no suffix) of the same file
     land in one cache folder keyed by the file's hash; the second resolution converts nothing."""
-    from workers.models import resolve_model_path
+    from workers.models.loading import resolve_model_path
 
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
     path = smollm2_gguf

@@ -1,8 +1,8 @@
 """Per-query attention in groups: consecutive queries of a verify block share one causal attention
 call where that is measured, on this backend and shape, to give each query the bytes of decode's
-one-query call (``workers.attention``). MLX's CPU kernels give every query the same bytes whatever
+one-query call (``workers.kernels.attention``). MLX's CPU kernels give every query the same bytes whatever
 the call, so the divergence a backend may show for multi-query calls is injected at the named seam
-``workers.seam.divergence_seam``; the tests that do so say it in their names."""
+``workers.kernels.seam.divergence_seam``; the tests that do so say it in their names."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import load_measured
-from workers import attention, sdpa_rows
-from workers.attention import MAX_GROUP, SPLIT, group_width, spans
-from workers.engine import Engine
-from workers.kernels import LAYOUT_STEP, Level, bytes_equal
-from workers.synthetic import PRESETS, write_model
+from workers.api import Level
+from workers.engine.engine import Engine
+from workers.kernels import LAYOUT_STEP, attention, bytes_equal, sdpa_rows
+from workers.kernels.attention import MAX_GROUP, SPLIT, group_width, spans
+from workers.models.synthetic import PRESETS, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 
@@ -52,7 +52,7 @@ def test_injected_multi_query_divergence_makes_the_width_one() -> None:
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return out + 1e-2 if kind == "attention" and rows > 1 else out
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     q, k = _queries_keys()
     assert group_width(scaled_dot_product_attention, q, k, 0.125) == (1, False)
 
@@ -63,7 +63,7 @@ def test_injected_divergence_past_three_queries_makes_the_width_three() -> None:
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return out * 1.5 if kind == "attention" and rows > 3 else out
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     q, k = _queries_keys()
     assert group_width(scaled_dot_product_attention, q, k, 0.125) == (3, False)
 
@@ -84,7 +84,7 @@ def test_a_verify_block_in_groups_equals_one_call_per_query(llama: Path, level: 
 
     blocks = {}
     prompt = mx.array([[(7 * i) % 250 + 3 for i in range(SPLIT - 2)]])
-    workers.seam.divergence_seam = count
+    workers.kernels.seam.divergence_seam = count
     for lv in (Level.PER_QUERY_1, level, level):  # the second time the width is known: its calls only
         cache = make_prompt_cache(model)
         mx.eval(engine.forward(prompt, cache))

@@ -3,7 +3,7 @@ is exact by construction (``per-query-1``), and single-sequence caches with a st
 
 MLX's CPU kernels are row-exact, so the failure calibration exists for (a width measured on random
 rows at load that does not hold on a real block's rows) is injected at the named seam
-``workers.seam.divergence_seam``; every test that does so says it in its name. The injected
+``workers.kernels.seam.divergence_seam``; every test that does so says it in its name. The injected
 divergences depend on the data, as a kernel's byte differences can: they fire only on
 "real-activation-like" rows (RMS-normed, RMS ~1), never on the load-time measurement's random
 rows (RMS 0.5), so load-time widths pass and only the probe's own calibration can catch them.
@@ -19,21 +19,21 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import load_measured, perturb, probed_bursts
 from workers import kernels
-from workers.burst import BurstSettings
-from workers.drafters import DraftModel
-from workers.engine import Engine, Job, Tokens
-from workers.kernels import LAYOUT_STEP, Level, measure_widths
-from workers.mlxlm import merge_caches
-from workers.pins import CountedModel, PinLedger
-from workers.probe import ProbePolicy, Verdict, make_draws, probe
-from workers.probe_draws import run_block
-from workers.probe_pin_cost import BATCH_BUCKETS
-from workers.probe_report import iter_table, ladder_line, narrowed_widths
-from workers.synthetic import PRESETS, write_model
-from workers.verdict_store import VerdictStore
+from workers.api import BurstSettings, Job, Level, ProbePolicy, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import DraftModel
+from workers.exact.draws import run_block
+from workers.exact.pin_cost import BATCH_BUCKETS
+from workers.exact.pins import CountedModel, PinLedger
+from workers.exact.probe import Verdict, make_draws, probe
+from workers.exact.report import iter_table, ladder_line, narrowed_widths
+from workers.exact.verdict_store import VerdictStore
+from workers.kernels import LAYOUT_STEP, measure_widths
+from workers.kernels.mlxlm import merge_caches
+from workers.models.synthetic import PRESETS, write_model
 
 VOCAB = 260
 #: RMS above which a projection's input rows look like a real block's (RMS-normed activations are
@@ -59,7 +59,7 @@ def _probe(model: Any, k: int = 3, policy: ProbePolicy | None = None, **kw: Any)
 
 def _real_like() -> bool:
     """Whether the call the seam is looking at got rows like a real block's (see ``REAL_RMS``)."""
-    call = workers.seam.seam_call
+    call = workers.kernels.seam.seam_call
     assert call is not None
     x = call.inputs.astype(mx.float32)
     return float(mx.sqrt(mx.mean(x * x)).item()) > REAL_RMS
@@ -89,7 +89,7 @@ def test_injected_divergence_on_real_rows_only_is_caught_by_calibration_and_memo
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return perturb(out) if kind == "projection" and rows > 2 and _real_like() else out
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     measure_widths(model)  # measured with the divergent kernel in place: random rows pass
     assert set(_load_time_widths(model).values()) == {16}
     store = VerdictStore(tmp_path / "verdicts")
@@ -125,11 +125,11 @@ def test_injected_divergence_in_layer_2_mlp_narrows_that_layer_only(llama: Path)
     targets = {id(layer2.gate_proj), id(layer2.up_proj), id(layer2.down_proj)}
 
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
-        call = workers.seam.seam_call
+        call = workers.kernels.seam.seam_call
         hit = kind == "projection" and rows > 1 and call is not None and id(call.module) in targets
         return perturb(out) if hit and _real_like() else out
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     verdict = _probe(model, policy=ProbePolicy(localize=True))
 
     wide = verdict.ladder[0]
@@ -158,7 +158,7 @@ def test_injected_divergence_found_on_a_later_draw_reruns_the_rungs_earlier_draw
         labels.append(label)
         armed = armed or label == "narrow: short-2"
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     draws = make_draws(3, VOCAB, 4096, None)
     policy = ProbePolicy(pinned_level=Level.NARROW)
     verdict = probe(model, lambda: make_prompt_cache(model), {"t": "rerun"}, draws, 3, policy=policy, progress=progress)
@@ -200,7 +200,7 @@ def test_injected_divergence_in_every_multi_row_call_wins_the_per_query_1_rung(l
     narrows every projection to one row, so per-query would be per-query-1 and is skipped as that;
     per-query-1, one row per projection call and one query per attention call, is exact."""
     model = load_measured(llama)
-    workers.seam.divergence_seam = _every_multi_row_call
+    workers.kernels.seam.divergence_seam = _every_multi_row_call
     verdict = _probe(model)
 
     assert verdict.rungs == ["wide", "narrow", "per-query", "per-query-1"]
@@ -232,7 +232,7 @@ def test_injected_divergence_calibration_cannot_see_falls_through_to_per_query_1
     def seam(kind: str, out: mx.array, rows: int) -> mx.array:
         return perturb(out) if rows > 1 and kernels.in_scoped_pin() else out
 
-    workers.seam.divergence_seam = seam
+    workers.kernels.seam.divergence_seam = seam
     verdict = _probe(model)
     assert [(lr.level, lr.exact, lr.skipped) for lr in verdict.ladder] == [
         ("wide", False, None),
@@ -263,7 +263,7 @@ def test_per_query_1_pin_reaches_only_its_forward_while_batched_decode_interleav
         seen[kind].append(rows)
         return out
 
-    workers.seam.divergence_seam = count
+    workers.kernels.seam.divergence_seam = count
     with engine.pinned(Level.PER_QUERY_1, "verify"):
         logits = engine.forward(mx.array([[4, 5, 6, 7, 8]]), cache)
         verify = {k: list(v) for k, v in seen.items()}
@@ -308,7 +308,7 @@ def test_injected_divergence_bursts_at_per_query_1_match_classic_decode_with_lay
     verify at per-query-1 and emit exactly classic decode's tokens, every round audited clean, on a
     burst cache that grows in ``LAYOUT_STEP`` tokens; batched caches keep mlx-lm's step."""
     model = load_measured(llama)
-    workers.seam.divergence_seam = _every_multi_row_call
+    workers.kernels.seam.divergence_seam = _every_multi_row_call
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     classic = _generate(Engine(model, eos_token_ids=(0,), vocab_size=VOCAB), prompt, 40)
 

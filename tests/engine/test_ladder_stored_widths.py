@@ -17,10 +17,10 @@ from tests.engine.test_ladder import VOCAB
 from tests.engine.test_ladder import llama as llama
 from tests.reference import load_measured
 from workers import kernels
-from workers.kernels import Level
-from workers.probe import ProbePolicy, make_draws, probe
-from workers.probe_pin_cost import BATCH_BUCKETS
-from workers.verdict_store import VerdictStore
+from workers.api import Level, ProbePolicy
+from workers.exact.pin_cost import BATCH_BUCKETS
+from workers.exact.probe import make_draws, probe
+from workers.exact.verdict_store import VerdictStore
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 

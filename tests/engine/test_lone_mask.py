@@ -2,7 +2,7 @@
 
 On MLX CUDA a one-token attention with an array mask (mlx-lm's one-row ``BatchKVCache``) gives other
 bytes than without one (the sequence's own ``KVCache``), which the CPU does not do; the tests that
-need it inject it through ``workers.seam.divergence_seam`` and say so in their names.
+need it inject it through ``workers.kernels.seam.divergence_seam`` and say so in their names.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import load_measured, perturb, probed_bursts
-from workers import kernels, mlxlm, patches
-from workers.burst import BurstSettings
-from workers.drafters import DraftModel
-from workers.engine import Engine, Job, Tokens
-from workers.kernels import Level
-from workers.synthetic import llama_config, write_model
+from workers import kernels
+from workers.api import BurstSettings, Job, Level, Tokens
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import DraftModel
+from workers.kernels import mlxlm, patches
+from workers.models.synthetic import llama_config, write_model
 
 VOCAB = 260
 SETTINGS = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)
@@ -37,7 +37,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(autouse=True)
 def clean_kernel_state() -> Iterator[None]:
     yield
-    workers.seam.divergence_seam = None
+    workers.kernels.seam.divergence_seam = None
     kernels.set_process_level(Level.WIDE)
 
 
@@ -73,7 +73,7 @@ def test_a_one_row_unpadded_decode_step_has_no_mask_and_everything_else_keeps_ml
 def _masked_attention_differs(kind: str, out: mx.array, rows: int) -> mx.array:
     """Injected at the seam: a one-query attention call given an array mask comes out one ulp off,
     as MLX CUDA's does against the same call without a mask."""
-    call = workers.seam.seam_call
+    call = workers.kernels.seam.seam_call
     if kind == "attention" and rows == 1 and call is not None and isinstance(call.mask, mx.array):
         return perturb(out)
     return out
@@ -99,7 +99,7 @@ PROMPT = [3, 14, 15, 92, 65, 35]
 def test_injected_masked_attention_divergence_bursts_match_the_engines_classic_decode(target: Any) -> None:
     """With a one-row batch decoding unmasked, the chain the probe checks is the engine's own decode:
     bursts run and give the engine's classic tokens byte for byte, divergence injected or not."""
-    workers.seam.divergence_seam = _masked_attention_differs
+    workers.kernels.seam.divergence_seam = _masked_attention_differs
     classic = _generate(Engine(target, eos_token_ids=(), vocab_size=VOCAB, max_batch=4), PROMPT, 24)
     engine, verdict = _bursting(target)
     assert verdict.level == "wide" and verdict.exact, verdict.reason
@@ -115,7 +115,7 @@ def test_injected_masked_attention_divergence_without_lone_mask_is_declined(
     own cache) never matches it and no burst runs; the tokens are classic decode's."""
     patches.install()
     monkeypatch.setattr(BatchKVCache, "make_mask", BatchKVCache.make_mask.__wrapped__)
-    workers.seam.divergence_seam = _masked_attention_differs
+    workers.kernels.seam.divergence_seam = _masked_attention_differs
     classic = _generate(Engine(target, eos_token_ids=(), vocab_size=VOCAB, max_batch=4), PROMPT, 24)
     engine, verdict = _bursting(target)
     assert verdict.level is None and not verdict.exact

@@ -1,4 +1,4 @@
-"""The next burst round's verify built while this round runs (``workers.lookahead``), on the CPU.
+"""The next burst round's verify built while this round runs (``workers.engine.spec.lookahead``), on the CPU.
 
 The drafter here is a stand-in (named as such): it knows the target's greedy continuation, computed
 beforehand by classic decode, so its drafts are kept and its guesses of the next round are right,
@@ -18,10 +18,10 @@ from tests.engine.test_bursts import clean_kernel_state as clean_kernel_state
 from tests.engine.test_bursts import demo as demo
 from tests.engine.test_bursts import paths as paths
 from tests.engine.test_bursts import target as target
-from workers.burst import MTP_K
-from workers.drafters import Draft
-from workers.engine import Engine, Job, Tokens
-from workers.sampling import SeededSampler
+from workers.api import MTP_K, Job, Tokens
+from workers.engine.engine import Engine
+from workers.engine.sampling import SeededSampler
+from workers.engine.spec.drafters import Draft
 
 PROMPT = [5, 6, 7]
 TOKENS = 40
@@ -142,7 +142,8 @@ def test_a_burst_ended_with_a_round_built_ahead_leaves_the_cache_as_its_last_rou
 def test_a_burst_that_ends_with_a_round_built_ahead_keeps_its_last_rounds_kv(target: Any) -> None:
     """A sequence that ends mid-burst offers its KV to the prefix cache: the KV of exactly the
     tokens it was given, not those of a guessed round still on its caches."""
-    from workers.prefix_cache import PrefixCache, ReuseVerdict
+    from workers.engine.prefix_cache import PrefixCache
+    from workers.engine.prefix_check import ReuseVerdict
 
     first = job(0, PROMPT, TOKENS, cache_salt="t")
     longer = _classic(target, job(0, PROMPT, TOKENS + 12))[0]  # the drafter sees past the end
@@ -175,8 +176,8 @@ def _demo_engine(
     ``k`` tokens a round, its verdict given as the CPU's (exact at ``wide``, as
     tests/engine/test_probe.py measures); ``choice``: ``BurstSettings.lookahead_choice``; ``fused``:
     ``BurstSettings.draft_in_verify``."""
-    from workers.drafters import load_mtp_drafter
-    from workers.probe import Verdict
+    from workers.engine.spec.drafters import load_mtp_drafter
+    from workers.exact.probe import Verdict
 
     engine = Engine(demo.model, eos_token_ids=demo.info.eos_token_ids, vocab_size=demo.info.vocab_size)
     if lookahead is not None:
@@ -247,7 +248,7 @@ def test_mtp_rounds_that_choose_whether_to_build_ahead_emit_classic_decodes_toke
     built ahead, then blocks of rounds built ahead and not, interleaved), then the way timed faster;
     every round's tokens and logprob bytes are classic decode's whichever way it went, and both ways
     were timed."""
-    from workers.burst import EXPLORE_ROUNDS
+    from workers.engine.spec.policy import EXPLORE_ROUNDS
 
     j = job(0, demo.tokenizer.encode("def fibonacci(n):"), 5 * (EXPLORE_ROUNDS + 8), logprobs=True)
     want = _emitted(_demo_engine(demo, None), [j])[0]

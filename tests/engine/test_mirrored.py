@@ -2,7 +2,7 @@
 kernel arithmetic (``qmv_rows``), so classic decode stays as it is (no chain pin).
 
 MLX's CPU kernels are row-exact, so the divergence this rung exists for (MLX CUDA's several-row
-kernel differs from its one-row kernel) is injected at the named seam ``workers.seam.divergence_seam``;
+kernel differs from its one-row kernel) is injected at the named seam ``workers.kernels.seam.divergence_seam``;
 tests that do so say it in their names. The CUDA kernel cannot run on this CPU: with the switch at
 ``reference`` every row takes the rung's fallback (decode's own one-row call), and the kernel's
 fail-closed check is exercised with a stand-in for the CUDA launch (named as such).
@@ -17,17 +17,17 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.engine.test_chain_levels import VOCAB, _classic_forwards, _generate, _pinned_engine
 from tests.engine.test_chain_levels import cuda_ladder as cuda_ladder
 from tests.engine.test_chain_levels import llama as llama
 from tests.helpers.mirrored import _quantized, one_row_launch
 from tests.reference import load_measured
-from workers import qmv_rows
-from workers.engine import Engine
-from workers.kernels import Level, bytes_equal, scoped
-from workers.probe import ProbePolicy, make_draws, probe
-from workers.synthetic import llama_config, write_model
+from workers.api import Level, ProbePolicy
+from workers.engine.engine import Engine
+from workers.exact.probe import make_draws, probe
+from workers.kernels import bytes_equal, qmv_rows, scoped
+from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 
@@ -57,7 +57,7 @@ def test_injected_several_row_divergence_is_exact_at_mirrored_first_after_wide(l
     """Injected: several-row projection calls differ. Wide differs; mirrored, the next rung, is exact
     at every draw, because each of its rows is the one-row call classic decode makes."""
     model = load_measured(llama)
-    workers.seam.divergence_seam = _several_rows_differ
+    workers.kernels.seam.divergence_seam = _several_rows_differ
     draws = make_draws(3, VOCAB, 4096, None)
     verdict = probe(model, lambda: make_prompt_cache(model), {"test": "mirrored"}, draws, 3, policy=ProbePolicy())
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("mirrored", True)]
@@ -70,7 +70,7 @@ def test_injected_several_row_divergence_bursts_at_mirrored_emit_unpinned_classi
     without bursts emits, every round audited clean, and the lone sequence's classic steps are
     never pinned (the rung leaves classic decode as it is)."""
     model = load_measured(llama)
-    workers.seam.divergence_seam = _several_rows_differ
+    workers.kernels.seam.divergence_seam = _several_rows_differ
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     reference = _generate(Engine(model, eos_token_ids=(0,), vocab_size=VOCAB), prompt, 30)
     engine = _pinned_engine(model, Level.MIRRORED)
@@ -157,7 +157,7 @@ def test_mirrored_projections_on_this_cpu_are_decodes_one_row_calls(llama: Path)
             rows_seen.add(rows)
         return out
 
-    workers.seam.divergence_seam = count
+    workers.kernels.seam.divergence_seam = count
     with scoped(Level.MIRRORED):
         block = model(tokens, cache=make_prompt_cache(model))
     mx.eval(wide, block)

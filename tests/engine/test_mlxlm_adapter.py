@@ -1,4 +1,4 @@
-"""``workers.mlxlm``, the one door to mlx-lm's private internals, against the installed mlx-lm.
+"""``workers.kernels.mlxlm``, the one door to mlx-lm's private internals, against the installed mlx-lm.
 
 Every accessor runs on a real ``BatchGenerator`` and tokenizer (the tiny model of ``conftest``), and
 checks what it returns means what the engine takes it to mean; a release that renames or removes an
@@ -21,10 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import load, load_tokenizer
 
-from workers import mlxlm
-from workers.arrays import as_int
-from workers.models import keep_leading_space
-from workers.synthetic import llama_config
+from workers.kernels import mlxlm
+from workers.kernels.arrays import as_int
+from workers.models.loading import keep_leading_space
+from workers.models.synthetic import llama_config
 
 
 @pytest.fixture(scope="module")
@@ -174,5 +174,5 @@ def test_a_missing_internal_is_reported_by_name(
     calls[accessor]()  # present: it works
     mlxlm.continuation_bpe_class.cache_clear()  # so the call below looks again
     monkeypatch.delattr(owners[where], name)
-    with pytest.raises(mlxlm.MlxLmChanged, match=rf"has no \S*\.{name}: workers/mlxlm.py was written against"):
+    with pytest.raises(mlxlm.MlxLmChanged, match=rf"has no \S*\.{name}: workers/kernels/mlxlm.py was written against"):
         calls[accessor]()

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store, plan_timing, qmv_launch
+from workers.kernels import fastpath, plan_store, plan_timing, qmv_launch
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -80,7 +80,7 @@ def test_processes_starting_together_time_the_plans_once(tmp_path: Path) -> None
         f"""
         import json, sys, time
         from pathlib import Path
-        from workers import plan_store
+        from workers.kernels import plan_store
         def time_plans():
             with open({str(tmp_path / "timings")!r}, "a") as f:
                 f.write(sys.argv[1] + "\\n")

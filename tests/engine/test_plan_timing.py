@@ -15,8 +15,8 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import fastpath, plan_store, plan_timing
-from workers.models import load
+from workers.kernels import fastpath, plan_store, plan_timing
+from workers.models.loading import load
 
 pytestmark = pytest.mark.usefixtures("policy")
 
@@ -48,7 +48,7 @@ def test_every_way_computes_the_projection_on_the_real_rows() -> None:
 
 
 def _tiny(tmp_path: Path) -> nn.Module:
-    from workers.synthetic import llama_config, write_model
+    from workers.models.synthetic import llama_config, write_model
 
     return load(str(write_model(tmp_path / "m", llama_config(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2)))).model
 

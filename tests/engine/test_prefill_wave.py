@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from mlx_lm import load
 
-from workers.engine import Engine, Finished, Job
+from workers.api import Finished, Job
+from workers.engine.engine import Engine
 
 TOKENS = 6
 

@@ -25,13 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler.metrics import StatsCollector
 from tests.helpers.stats import stats_snapshot
 from tests.reference import probed_bursts
-from workers.burst import BurstSettings
-from workers.drafters import DraftModel
-from workers.engine import Engine, Finished, Job, Tokens
-from workers.loop import EngineSettings, EngineThread, Ready, Signal
-from workers.models import load as load_model
-from workers.prefix_cache import PrefixCache, ReuseVerdict, checked, salt_for
-from workers.synthetic import BYTE_VOCAB, build_model, gemma3_config, qwen3_config
+from workers.api import BurstSettings, EngineSettings, Finished, Job, Ready, Signal, Tokens, salt_for
+from workers.engine.engine import Engine
+from workers.engine.loop import EngineThread
+from workers.engine.prefix_cache import PrefixCache, checked
+from workers.engine.prefix_check import ReuseVerdict
+from workers.engine.spec.drafters import DraftModel
+from workers.models.loading import load as load_model
+from workers.models.synthetic import BYTE_VOCAB, build_model, gemma3_config, qwen3_config
 
 VOCAB = BYTE_VOCAB
 STEP = 64  # small prefill chunks, so prompts here cross chunk boundaries (and the 256-token KV step)
@@ -351,7 +352,7 @@ def measure(model_spec: str = "demo", prefix: int = 2000, suffix: int = 50, reps
 def measure_chat(turns: int = 10, system: int = 200, user: int = 40, reply: int = 60) -> None:
     """A chat replayed through the engine (each turn's prompt is the whole conversation so far): the
     share of the cache-less prefill that is still computed."""
-    from workers.synthetic import llama_config
+    from workers.models.synthetic import llama_config
 
     engine = Engine(build_model(llama_config(), seed=1), eos_token_ids=(), vocab_size=VOCAB)
     engine.prefix_cache = checked(

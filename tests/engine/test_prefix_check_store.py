@@ -10,8 +10,16 @@ from typing import Any
 
 import pytest
 
-from workers import prefix_cache
-from workers.prefix_cache import CheckStore, ReuseVerdict, check_fingerprint, check_pairing, checked, decide, make_draws
+from workers.engine import prefix_cache
+from workers.engine.prefix_cache import checked
+from workers.engine.prefix_check import (
+    CheckStore,
+    ReuseVerdict,
+    check_fingerprint,
+    check_pairing,
+    decide,
+    make_draws,
+)
 
 SERVING = {"model": "abc", "model_type": "llama", "backend": "cpu"}
 SHAPE = {"prefill_step": 64, "vocab_size": 256, "window": None, "context": 384}

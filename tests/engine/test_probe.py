@@ -1,7 +1,7 @@
 """Kernel levels, scoped pins and the exactness probe, on real models on the CPU.
 
 MLX's CPU backend is exact almost everywhere, so most divergences here are injected through the
-named seam ``workers.seam.divergence_seam``; every test that does so says it in its name.
+named seam ``workers.kernels.seam.divergence_seam``; every test that does so says it in its name.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import workers.seam
+import workers.kernels.seam
 from tests.reference import load_measured, perturb
 from workers import kernels
-from workers.engine import Engine, Job
-from workers.kernels import Level
-from workers.pins import CountedModel, PinLedger
-from workers.probe import ProbePolicy, drive, make_draws, probe, probe_steps, sliding_window
-from workers.probe_pin_cost import BATCH_BUCKETS, REPS
-from workers.synthetic import PRESETS, write_model
-from workers.verdict_store import VerdictStore, model_fingerprint
+from workers.api import Job, Level, ProbePolicy
+from workers.engine.engine import Engine
+from workers.exact.pin_cost import BATCH_BUCKETS, REPS
+from workers.exact.pins import CountedModel, PinLedger
+from workers.exact.probe import drive, make_draws, probe, probe_steps, sliding_window
+from workers.exact.verdict_store import VerdictStore, model_fingerprint
+from workers.models.synthetic import PRESETS, write_model
 
 VOCAB = 260
 
@@ -74,7 +74,9 @@ def test_sliding_window_f32_fails_wide_and_per_query_buys_it_back(models: dict[s
 
 def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: projections on more than 2 rows at once differ from single rows."""
-    workers.seam.divergence_seam = lambda kind, out, rows: perturb(out) if kind == "projection" and rows > 2 else out
+    workers.kernels.seam.divergence_seam = lambda kind, out, rows: (
+        perturb(out) if kind == "projection" and rows > 2 else out
+    )
     model = load_measured(models["qwen3-tiny"])  # widths measured with the divergent kernel: W = 2
     verdict = _probe(model, k=4)
     assert [lr.level for lr in verdict.ladder] == ["wide", "narrow"]
@@ -84,7 +86,9 @@ def test_injected_wide_projection_divergence_gets_a_narrow_verdict(models: dict[
 
 def test_injected_multi_query_attention_divergence_gets_a_per_query_verdict(models: dict[str, Path]) -> None:
     """Injected at the seam: attention over more than one query at once differs from decode's."""
-    workers.seam.divergence_seam = lambda kind, out, rows: perturb(out) if kind == "attention" and rows > 1 else out
+    workers.kernels.seam.divergence_seam = lambda kind, out, rows: (
+        perturb(out) if kind == "attention" and rows > 1 else out
+    )
     verdict = _probe(load_measured(models["qwen3-tiny"]), k=2)
     assert [(lr.level, lr.exact) for lr in verdict.ladder] == [("wide", False), ("narrow", False), ("per-query", True)]
     assert (verdict.level, verdict.exact) == ("per-query", True)
@@ -98,7 +102,7 @@ def _block_only_divergence(kind: str, out: mx.array, rows: int) -> mx.array:
 
 
 def test_injected_divergence_no_level_fixes_is_declined(models: dict[str, Path]) -> None:
-    workers.seam.divergence_seam = _block_only_divergence
+    workers.kernels.seam.divergence_seam = _block_only_divergence
     model = load_measured(models["qwen3-tiny"])
     verdict = _probe(model)
     assert verdict.level is None and not verdict.exact and verdict.reason.startswith("declined")
@@ -125,12 +129,12 @@ def _flaky_second_chain(k: int) -> Callable[[str, mx.array, int], mx.array]:
 
 def test_injected_nondeterministic_classic_decode_is_reported_and_declined_by_default(models: dict[str, Path]) -> None:
     model = load_measured(models["qwen3-tiny"])
-    workers.seam.divergence_seam = _flaky_second_chain(3)
+    workers.kernels.seam.divergence_seam = _flaky_second_chain(3)
     verdict = _probe(model)
     first = verdict.ladder[0].draws[0]
     assert first.nondeterministic and first.chain_vs_chain_bytes > 0 and first.differing_bytes == 0
     assert verdict.level is None and "not reproducible" in verdict.reason
-    workers.seam.divergence_seam = _flaky_second_chain(3)
+    workers.kernels.seam.divergence_seam = _flaky_second_chain(3)
     accepted = _probe(model, policy=ProbePolicy(accept_classic_variation=True))
     assert (accepted.level, accepted.exact) == ("wide", False)
     assert accepted.ladder[0].draws[0].accepted_as_classic_variation
@@ -235,7 +239,7 @@ def _row_counts() -> tuple[list[int], Callable[[str, mx.array, int], mx.array]]:
 
 
 def test_scoped_pin_reaches_only_its_forward_while_batched_decode_interleaves(models: dict[str, Path]) -> None:
-    workers.seam.divergence_seam = lambda kind, out, rows: out
+    workers.kernels.seam.divergence_seam = lambda kind, out, rows: out
     engine = _engine(models["tiny-llama"])
     kernels._widths.update({k: 2 for k in kernels._widths})  # narrow chunks of 2, to see it work
     for seq in range(3):
@@ -245,7 +249,7 @@ def test_scoped_pin_reaches_only_its_forward_while_batched_decode_interleaves(mo
     cache = make_prompt_cache(engine.model)
     engine.forward(mx.array([[1, 2, 3]]), cache)  # wide prefill for the "verify" sequence
 
-    seen, workers.seam.divergence_seam = _row_counts()
+    seen, workers.kernels.seam.divergence_seam = _row_counts()
     with engine.pinned(Level.NARROW, "verify"):
         logits = engine.forward(mx.array([[4, 5, 6, 7, 8]]), cache)
         verify_rows = list(seen)
@@ -270,7 +274,7 @@ def test_process_wide_pin_makes_batched_decode_collateral(models: dict[str, Path
     """The bench's arm: a process-wide pin (``set_process_level``) runs every forward at its level."""
     engine = _engine(models["tiny-llama"])
     kernels._widths.update({k: 2 for k in kernels._widths})
-    seen, workers.seam.divergence_seam = _row_counts()
+    seen, workers.kernels.seam.divergence_seam = _row_counts()
     kernels.set_process_level(Level.NARROW)
     for seq in range(3):
         engine.submit(Job(seq=seq, prompt=[5 + seq, 6, 7], max_tokens=4))

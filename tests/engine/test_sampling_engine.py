@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from mlx_lm import load
 
-from workers.engine import Engine, Finished, Job, Tokens
-from workers.params import SamplingParams
+from workers.api import Finished, Job, SamplingParams, Tokens
+from workers.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

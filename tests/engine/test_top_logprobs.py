@@ -16,13 +16,12 @@ import pytest
 
 from tests.helpers.top_logprobs import LOOPING, Top, reference
 from tests.reference import load_reference, probed_bursts
-from workers import engine as engine_module
 from workers import kernels
-from workers.burst import BurstSettings
-from workers.drafters import PromptLookup
-from workers.engine import Engine, Event, Finished, Job, Tokens
-from workers.kernels import Level, measure_widths
-from workers.params import SamplingParams
+from workers.api import BurstSettings, Event, Finished, Job, Level, SamplingParams, Tokens
+from workers.engine import engine as engine_module
+from workers.engine.engine import Engine
+from workers.engine.spec.drafters import PromptLookup
+from workers.kernels import measure_widths
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [100], LOOPING]
 BURSTS = BurstSettings(k=3, audit_fraction=0.0, profile_steps=0, min_rounds=10**9)

@@ -20,13 +20,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers.burst import BurstSettings
-from workers.engine import Finished, Job, Tokens
+from workers.api import BurstSettings, EngineSettings, Finished, Job, Ready, Signal, Tokens
+from workers.engine.loop import EngineThread
+from workers.exact.probe import make_draws, probe
+from workers.exact.verdict_store import MAX_VERDICT_BYTES, VerdictStore, model_fingerprint
 from workers.kernels import measure_widths
-from workers.loop import EngineSettings, EngineThread, Ready, Signal
-from workers.models import load as load_model
-from workers.probe import make_draws, probe
-from workers.verdict_store import MAX_VERDICT_BYTES, VerdictStore, model_fingerprint
+from workers.models.loading import load as load_model
 
 VOCAB = 260
 K = 2

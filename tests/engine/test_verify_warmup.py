@@ -15,12 +15,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.reference import load_measured
-from workers.engine import Engine
-from workers.kernels import Level
-from workers.probe import ProbePolicy, make_draws, probe_steps
-from workers.synthetic import PRESETS, write_model
-from workers.verdict_store import VerdictStore
-from workers.verify_warmup import PURPOSE, block_lengths
+from workers.api import Level, ProbePolicy
+from workers.engine.engine import Engine
+from workers.exact.probe import make_draws, probe_steps
+from workers.exact.verdict_store import VerdictStore
+from workers.exact.verify_warmup import PURPOSE, block_lengths
+from workers.models.synthetic import PRESETS, write_model
 
 VOCAB = 260
 K = 3
@@ -90,7 +90,7 @@ def test_a_probe_without_warm_up_runs_none(model_path: Path, tmp_path: Path) -> 
 
 def test_a_drafter_that_always_proposes_k_builds_that_block_alone(model_path: Path, tmp_path: Path) -> None:
     """An MTP head or a draft model verifies K + 1 rows every round: the other lengths are not built."""
-    from workers.drafters import DraftModel, MTPDrafter, PromptLookup
+    from workers.engine.spec.drafters import DraftModel, MTPDrafter, PromptLookup
 
     assert (MTPDrafter.fixed_k, DraftModel.fixed_k, PromptLookup.fixed_k) == (True, True, False)
     assert block_lengths(K, fixed=True) == [K + 1]
@@ -105,9 +105,9 @@ def test_a_drafter_that_always_proposes_k_builds_that_block_alone(model_path: Pa
 def test_serving_start_up_builds_what_its_drafter_can_ask_for(flag: str, spec: str, lengths: list[int]) -> None:
     """Through the engine's start-up (``configure_bursts``) on the demo target: the MTP head's
     verdict lands after one block length is built, prompt lookup's after every one."""
-    from workers.burst import BurstSettings
-    from workers.models import load
-    from workers.startup import EngineSettings, configure_bursts
+    from workers.api import BurstSettings, EngineSettings
+    from workers.engine.startup import configure_bursts
+    from workers.models.loading import load
 
     loaded = load("demo")
     engine = Engine(loaded.model, eos_token_ids=(0,), vocab_size=loaded.info.vocab_size)

@@ -1,6 +1,6 @@
 """A model folder whose greedy answer is a script: it thinks, then calls a tool, the Qwen way.
 
-The tokenizer is the byte tokenizer of ``workers.synthetic`` plus Qwen-style added tokens
+The tokenizer is the byte tokenizer of ``workers.models.synthetic`` plus Qwen-style added tokens
 (``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, so mlx-lm finds thinking markers and
 the ``json_tools`` parser its config names) and a few whole phrases, each one token. The chat template
 renders tools, tool results and earlier calls, closes the think block when ``enable_thinking`` is
@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from workers.synthetic import BYTE_VOCAB, EOS_TOKEN, build_model, llama_config, write_byte_tokenizer
+from workers.models.synthetic import BYTE_VOCAB, EOS_TOKEN, build_model, llama_config, write_byte_tokenizer
 
 THINK, THINK_END, CALL, CALL_END = "<think>", "</think>", "<tool_call>", "</tool_call>"
 REASON = "The user asks for the weather in Paris; the tool knows it."

@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_TARGET = Path(__file__).resolve().parents[2] / "workers" / "demo" / "weights" / "target"
+DEMO_TARGET = Path(__file__).resolve().parents[2] / "workers" / "models" / "demo" / "weights" / "target"

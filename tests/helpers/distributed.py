@@ -36,7 +36,7 @@ DEATH_TIMEOUT = 60
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Tiny random float32 llamas: two seeds of one shape, and one whose 1 KV head cannot split in two."""
-    from workers.synthetic import llama_config, write_model
+    from workers.models.synthetic import llama_config, write_model
 
     root = tmp_path_factory.mktemp("dist-models")
 

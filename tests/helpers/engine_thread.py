@@ -7,9 +7,9 @@ import queue
 from pathlib import Path
 from typing import Any
 
-from workers.engine import Finished, Tokens
-from workers.loop import EngineSettings, EngineThread, Ready, Signal
-from workers.models import load as load_model
+from workers.api import EngineSettings, Finished, Ready, Signal, Tokens
+from workers.engine.loop import EngineThread
+from workers.models.loading import load as load_model
 
 
 class EngineThreadRun:

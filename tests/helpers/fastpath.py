@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers import fastpath
-from workers.engine import Engine, Job, Tokens
+from workers.api import Job, Tokens
+from workers.engine.engine import Engine
+from workers.kernels import fastpath
 
 
 @pytest.fixture()

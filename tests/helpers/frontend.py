@@ -17,8 +17,7 @@ from scheduler.settings import FrontEndSettings
 from scheduler.stats import Counters
 from scheduler.tenants import TenantTable
 from scheduler.transport import Transport
-from workers.engine import Finished, Job, Timings
-from workers.models import ModelInfo
+from workers.api import Finished, Job, ModelInfo, Timings
 
 
 class _Detok:

@@ -36,7 +36,7 @@ def _load(spec: dict[str, Any], world: Any) -> tuple[Any, Any]:
     """Load the model (lazily, as a sharded engine would), check the ranks agree, shard it."""
     from mlx_lm import load
 
-    from workers.distributed import checkpoint_fingerprint, prepare
+    from workers.dist import checkpoint_fingerprint, prepare
 
     path = spec["models"][world.rank] if "models" in spec else spec["model"]
     model, _, config = load(path, lazy=True, return_config=True)  # type: ignore[misc]
@@ -62,7 +62,8 @@ def _greedy(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from workers.distributed import Broadcaster, Lockstep
+    from workers.api import Cancel, Command, Job, Pause, Resume, SamplingParams, SubmitJob
+    from workers.dist import Broadcaster, Lockstep
 
     model, report = _load(spec, world)
     broadcast = Broadcaster(world)
@@ -75,27 +76,35 @@ def _greedy(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     queue = list(spec["prompts"]) if world.leader else []
     while True:
         if world.leader:
-            commands = [{"c": "submit", "prompt": queue.pop(0), "max_tokens": spec["max_tokens"]}] if queue else []
+            commands: list[Command] = (
+                [SubmitJob(Job(seq=len(tokens), prompt=queue.pop(0), max_tokens=spec["max_tokens"], received_at=0.0))]
+                if queue
+                else []
+            )
             plan = lockstep.publish(commands, {"action": "decode" if commands else "stop"}, stop=not commands)
         else:
             plan = lockstep.receive()
         plans.append(plan.to_wire())
         if plan.stop:
             break
-        job = plan.commands[0]
+        submit = plan.commands[0]
+        assert isinstance(submit, SubmitJob)
+        job = submit.job
         got: list[int] = []
-        for token, logprobs in generate_step(mx.array(job["prompt"]), model, max_tokens=job["max_tokens"]):
+        for token, logprobs in generate_step(mx.array(job.prompt), model, max_tokens=job.max_tokens):
             got.append(int(token))
             row = np.array(logprobs.astype(mx.float32))
             digest.update(row.tobytes())
             rows.append(row)
         tokens.append(got)
     # A plan past the inline size takes a second collective: a long prompt and every command kind.
-    big = [
-        {"c": "submit", "prompt": list(range(3000)), "seed": 2**62 + 1},
-        {"c": "cancel", "seq": 3},
-        {"c": "pause", "seq": 4},
-        {"c": "resume", "seq": 4},
+    big: list[Command] = [
+        SubmitJob(
+            Job(seq=9, prompt=list(range(3000)), max_tokens=1, sampling=SamplingParams(seed=2**62 + 1), received_at=0.0)
+        ),
+        Cancel(3, "cancelled", None, None),
+        Pause(4),
+        Resume(4),
     ]
     if world.leader:
         plans.append(lockstep.publish(big, {"burst": False, "probe": True}, wait_s=0.01).to_wire())
@@ -119,10 +128,9 @@ def _engine(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     """The daemon's ``Engine`` (``BatchGenerator``, its look-ahead step) driven by plans: requests
     arrive at rank 0 only, on different iterations, one is cancelled mid-decode; every rank applies
     the same commands and steps the same iterations."""
-    from scheduler.engine_process import job_from_wire, job_to_wire
-    from workers.distributed import Lockstep
-    from workers.engine import Engine, Job, Tokens
-    from workers.params import SamplingParams
+    from workers.api import Cancel, Command, Job, SamplingParams, SubmitJob, Tokens
+    from workers.dist import Lockstep
+    from workers.engine.engine import Engine
 
     model, report = _load(spec, world)
     engine = Engine(model, eos_token_ids=(0,), vocab_size=spec["vocab"], max_batch=8)
@@ -132,14 +140,14 @@ def _engine(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     seq = iteration = 0
     while True:
         if world.leader:
-            commands: list[Any] = []
+            commands: list[Command] = []
             for prompt in arrivals.get(iteration, []):
                 sampling = SamplingParams(temperature=0.8, seed=1000 + seq) if seq % 2 else SamplingParams()
                 job = Job(seq=seq, prompt=prompt, max_tokens=MAX_TOKENS, sampling=sampling)
-                commands.append({"c": "submit", "job": job_to_wire(job)})
+                commands.append(SubmitJob(job))
                 seq += 1
             if iteration == 10:
-                commands.append({"c": "cancel", "seq": 1})
+                commands.append(Cancel(1, "cancelled", None, None))
             step = engine.has_work or bool(commands)
             plan = lockstep.publish(commands, {"step": step}, stop=iteration > max(arrivals) and not step)
         else:
@@ -147,10 +155,10 @@ def _engine(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
         if plan.stop:
             break
         for c in plan.commands:
-            if c["c"] == "submit":
-                engine.submit(job_from_wire(c["job"]))
-            else:
-                engine.cancel(c["seq"])
+            if isinstance(c, SubmitJob):
+                engine.submit(c.job)
+            elif isinstance(c, Cancel):
+                engine.cancel(c.seq)
         if plan.decisions["step"]:
             for event in engine.step():
                 if isinstance(event, Tokens):
@@ -164,7 +172,7 @@ def _serve(spec: dict[str, Any], world: Any, out: Path) -> dict[str, Any]:
     plan, until rank 0 is told to stop (SIGTERM) or a peer dies."""
     import mlx.core as mx
 
-    from workers.distributed import Lockstep
+    from workers.dist import Lockstep
 
     model, _ = _load(spec, world)
     lockstep = Lockstep(world)
@@ -220,7 +228,7 @@ def rank_main(scenario: str, spec_path: str) -> int:
         _write(out, group.rank(), {"size": group.size(), "sum": total.item()})
         return 0
 
-    from workers.distributed import JOIN_TIMEOUT_S, World
+    from workers.dist import JOIN_TIMEOUT_S, World
 
     world = World.from_env(timeout_s=spec.get("join_timeout", JOIN_TIMEOUT_S))
     try:

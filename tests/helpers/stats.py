@@ -7,7 +7,7 @@ import re
 from typing import cast
 
 from scheduler.stats_types import PinTax, StatsReply, engine_of
-from workers.kernels import Level
+from workers.api import Level
 
 
 def _row(frame: str, label: str) -> list[str]:

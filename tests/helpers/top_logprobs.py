@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from tests.reference import reference_steps
-from workers.arrays import as_float
+from workers.kernels.arrays import as_float
 
 Top = list[tuple[int, float]]
 #: A prompt the tiny model continues in loops, so a prompt-lookup drafter's drafts are accepted.

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.burst import (
+from workers.api import BurstSettings
+from workers.engine.spec.policy import (
     BLOCK_ROUNDS,
     EXPLORE_BLOCKS,
     EXPLORE_ROUNDS,
     REEXPLORE_ROUNDS,
     WARM_ROUNDS,
     Adaptive,
-    BurstSettings,
 )
 
 SETTINGS = BurstSettings(k=4, profile_steps=3, min_rounds=16, reprofile_after_s=30.0)

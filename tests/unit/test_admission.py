@@ -1,21 +1,20 @@
-"""Admission waves as a policy (``workers.admission``): which commands an iteration applies, given
+"""Admission waves as a policy (``workers.engine.arrivals``): which commands an iteration applies, given
 what arrived, whether the engine has work, and the clock (passed in, so nothing here waits)."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.admission import IDLE_HOLD_MAX, IDLE_HOLD_S, AdmissionWaves
-from workers.commands import Cancel, Command, Shutdown, Submit
-from workers.jobs import Job
+from workers.api import Cancel, Command, Job, Shutdown, SubmitJob
+from workers.engine.arrivals import IDLE_HOLD_MAX, IDLE_HOLD_S, AdmissionWaves
 
 
-def sub(seq: int) -> Submit:
-    return Submit(Job(seq=seq, prompt=[1, 2], max_tokens=4))
+def sub(seq: int) -> SubmitJob:
+    return SubmitJob(Job(seq=seq, prompt=[1, 2], max_tokens=4))
 
 
 def seqs(cmds: list[Command]) -> list[object]:
-    return [c.job.seq if isinstance(c, Submit) else type(c).__name__ for c in cmds]
+    return [c.job.seq if isinstance(c, SubmitJob) else type(c).__name__ for c in cmds]
 
 
 def test_window_zero_applies_every_arrival_at_once() -> None:
@@ -116,8 +115,8 @@ def test_a_short_idle_window_keeps_the_cap_of_the_default_one() -> None:
     assert 2.0 + 0.0015 * i >= 2.05 > 2.0 + 0.0015 * (i - 1)  # let in at the cap, not at 5 windows (10 ms)
 
 
-def grouped(seq: int, group: str | None, size: int) -> Submit:
-    return Submit(Job(seq=seq, prompt=[1, 2], max_tokens=4, group=group, group_size=size))
+def grouped(seq: int, group: str | None, size: int) -> SubmitJob:
+    return SubmitJob(Job(seq=seq, prompt=[1, 2], max_tokens=4, group=group, group_size=size))
 
 
 def test_a_declared_lone_arrival_goes_in_at_once_and_an_undeclared_one_waits_the_window() -> None:

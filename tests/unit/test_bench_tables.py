@@ -338,7 +338,7 @@ def test_demo_prompts_are_the_demo_commands_text_through_the_served_tokenizer() 
 
     from scheduler.bench.arms import text_prompts
     from scheduler.cli.demo import DEMO_PROMPTS
-    from workers.demo import demo_path
+    from workers.models.demo import demo_path
 
     tokenizer = load_tokenizer(demo_path("target"))
     got = text_prompts(tokenizer, DEMO_PROMPTS, 6, seed=3)

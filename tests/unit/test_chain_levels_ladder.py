@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from workers import fastpath, kernels
-from workers.kernels import Level
+from workers import kernels
+from workers.api import Level
+from workers.kernels import fastpath
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 

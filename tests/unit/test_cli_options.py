@@ -167,9 +167,9 @@ def test_in_range_values_and_defaults_still_parse() -> None:
 
 def test_drafted_tokens_default_by_drafter_kind() -> None:
     """An MTP head drafts 7 a round unless told (one 8-row call of the row kernels), others 4."""
-    from workers.burst import DEFAULT_K, MTP_K
-    from workers.gemv_rows import MAX_ROWS as DENSE_ROWS
-    from workers.qmv_launch import MAX_ROWS as QUANT_ROWS
+    from workers.api import DEFAULT_K, MTP_K
+    from workers.api import MAX_ROWS as DENSE_ROWS
+    from workers.api import MAX_ROWS as QUANT_ROWS
 
     def k(*argv: str) -> int:
         return engine_settings(build_parser().parse_args(["serve", *argv])).bursts.k

@@ -1,5 +1,5 @@
 """The shipped MTP head's config is fingerprinted against its target, and its weights do not copy the
-target's embedding (the committed files under ``workers/demo/weights``, read without building a model)."""
+target's embedding (the committed files under ``workers/models/demo/weights``, read without building a model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import mlx.core as mx
 
-from workers.demo import SHIPPED
+from workers.models.demo import SHIPPED
 
 WEIGHTS = SHIPPED
 

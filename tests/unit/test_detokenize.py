@@ -1,7 +1,7 @@
 """Streamed text continues the prompt: the first generated token keeps its leading space.
 
 mlx-lm's BPE and SPM streaming detokenizers trim that space (as if the output began a document);
-``workers.models.keep_leading_space`` turns the trim off, and the daemon loads every model through it.
+``workers.models.loading.keep_leading_space`` turns the trim off, and the daemon loads every model through it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from mlx_lm.utils import load_tokenizer
 
 from tests.helpers.detokenize import DEMO_TARGET
-from workers.models import keep_leading_space
+from workers.models.loading import keep_leading_space
 
 
 def _stream(tokenizer, ids: list[int]) -> str:

@@ -12,11 +12,8 @@ from typing import Any
 import msgpack
 
 from scheduler.engine_outbox import Outbox
-from scheduler.engine_process import signals_to_wire
 from scheduler.event_pipe import PipeWriter
-from workers.engine import Finished, StepInfo, Timings, Tokens
-from workers.jobs import StepKind, TokenMode
-from workers.params import FinishReason
+from workers.api import Finished, FinishReason, StepInfo, StepKind, Timings, TokenMode, Tokens, to_wire
 
 
 class FakeEngine:
@@ -48,7 +45,7 @@ def written(n: int) -> list[dict[str, Any]]:
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(r, 1 << 16), b"")))
     reader.start()
-    outbox = Outbox(PipeWriter(w), FakeEngine, signals_to_wire)
+    outbox = Outbox(PipeWriter(w), FakeEngine, to_wire)
     for b in batches(n):
         outbox.events(b)
     os.close(w)
@@ -60,7 +57,7 @@ def written(n: int) -> list[dict[str, Any]]:
 def test_each_batch_is_one_message_in_order_with_snapshots_on_the_first_and_on_ends() -> None:
     msgs = written(50)
     assert len(msgs) == 50
-    assert [m["events"] for m in msgs] == [signals_to_wire(b) for b in batches(50)]
+    assert [m["events"] for m in msgs] == [to_wire(b) for b in batches(50)]
     assert "snapshot" in msgs[0] and "snapshot" in msgs[-1]  # the first, and the one with an end
     assert sum("snapshot" in m for m in msgs) <= 3  # not every step: at most every 0.1 s besides
 

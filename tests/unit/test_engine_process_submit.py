@@ -7,8 +7,7 @@ import os
 from typing import Any
 
 from scheduler.engine_process import EngineProcess
-from workers.engine import Finished, Job
-from workers.params import FinishReason, SamplingParams
+from workers.api import Finished, FinishReason, Job, SamplingParams
 
 
 def test_a_job_msgpack_cannot_carry_ends_that_request_not_the_daemon() -> None:

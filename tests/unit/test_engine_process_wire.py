@@ -1,31 +1,58 @@
-"""What crosses the boundary to the engine process survives it exactly: jobs, settings and signals
-through the wire encoding, and the wire's sampling options field by field."""
+"""What crosses the boundary to the engine process survives it exactly: commands (jobs), settings and
+signals through ``workers.api``'s ``to_wire``/``from_wire``, and the wire's sampling options field by
+field."""
 
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 from clients.protocol import SamplingOptions
-from scheduler.engine_process import (
-    job_from_wire,
-    job_to_wire,
-    pack,
-    settings_from_wire,
-    settings_to_wire,
-    signal_from_wire,
-    signal_to_wire,
-    signals_from_wire,
-    signals_to_wire,
-    unpack,
+from scheduler.engine_process import pack, unpack
+from workers.api import (
+    BurstSettings,
+    Dead,
+    EngineSettings,
+    Finished,
+    FinishReason,
+    Job,
+    Level,
+    ModelInfo,
+    ProbePolicy,
+    Ready,
+    SamplingParams,
+    Signal,
+    StepInfo,
+    StepKind,
+    Stopped,
+    SubmitJob,
+    Timings,
+    TokenMode,
+    Tokens,
+    from_wire,
+    to_wire,
 )
-from workers.burst import BurstSettings
-from workers.engine import Finished, Job, StepInfo, Timings, Tokens
-from workers.jobs import StepKind, TokenMode
-from workers.kernels import Level
-from workers.loop import Dead, EngineSettings, Ready, Stopped
-from workers.models import ModelInfo
-from workers.params import FinishReason, SamplingParams
-from workers.probe import ProbePolicy
+
+
+def job_to_wire(job: Job) -> dict[str, Any]:
+    return to_wire(SubmitJob(job))["job"]  # type: ignore[no-any-return]
+
+
+def job_from_wire(plain: dict[str, Any]) -> Job:
+    cmd = from_wire("command", {"c": "submit", "job": plain})
+    assert isinstance(cmd, SubmitJob)
+    return cmd.job
+
+
+def signal_to_wire(sig: Signal) -> dict[str, Any]:
+    """One signal alone (a run of one plain token crosses as itself)."""
+    (plain,) = to_wire([sig])
+    return plain
+
+
+def signal_from_wire(plain: dict[str, Any]) -> Signal:
+    (sig,) = from_wire("signals", [plain])
+    return sig
 
 
 def test_what_crosses_the_boundary_comes_back_equal() -> None:
@@ -50,7 +77,7 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
         probe_policy=ProbePolicy(allow_inexact=True, pinned_level=Level.NARROW),
         bursts=BurstSettings(k=6, audit_fraction=0.5),
     )
-    assert settings_from_wire(unpack(pack(settings_to_wire(settings)))) == settings
+    assert from_wire("settings", unpack(pack(to_wire(settings)))) == settings
     info = ModelInfo("m", "/p", "llama", 300, 512, (0, 2), True, 4096)
     signals = [
         Tokens(3, [5, 6], [-0.5, -1.25], TokenMode.BURST),
@@ -63,7 +90,7 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
     for sig in signals:
         if isinstance(sig, (Tokens, StepInfo, Finished)):  # spelled out field by field: none left behind
             assert set(signal_to_wire(sig)) - {"t"} == {f.name for f in fields(sig)}
-        back = signal_from_wire(unpack(pack(signal_to_wire(sig))), lambda i: None)
+        back = signal_from_wire(unpack(pack(signal_to_wire(sig))))
         assert back == sig
         if isinstance(back, Finished):
             assert type(back.reason) is FinishReason
@@ -71,8 +98,9 @@ def test_what_crosses_the_boundary_comes_back_equal() -> None:
             assert type(back.mode) is TokenMode
         if isinstance(back, StepInfo):
             assert type(back.kind) is StepKind
-    ready = signal_from_wire(unpack(pack(signal_to_wire(Ready(info, "tok")))), lambda i: f"tokenizer of {i.name}")
-    assert isinstance(ready, Ready) and ready.info == info and ready.tokenizer == "tokenizer of m"
+    ready = signal_from_wire(unpack(pack(signal_to_wire(Ready(info, "tok")))))
+    # The tokenizer stays behind: the receiving process loads its own.
+    assert isinstance(ready, Ready) and ready.info == info and ready.tokenizer is None
 
 
 def test_a_plain_job_shares_no_list_with_its_job() -> None:
@@ -105,7 +133,7 @@ def test_a_step_s_plain_tokens_cross_as_one_map_of_columns_in_order() -> None:
     comes back equal, typed and in order."""
     step = StepInfo(StepKind.DECODE, 0.03, 6)
     plain = [Tokens(seq, [100 + seq]) for seq in range(6)]
-    wire = signals_to_wire([step, *plain])
+    wire = to_wire([step, *plain])
     assert [d["t"] for d in wire] == ["step", "tokens_run"]
     assert wire[1]["seq"] == list(range(6)) and wire[1]["token"] == [100 + s for s in range(6)]
     assert wire[1]["logprob"] is None
@@ -123,7 +151,7 @@ def test_a_step_s_plain_tokens_cross_as_one_map_of_columns_in_order() -> None:
         Tokens(7, [15]),
         Stopped(),
     ]
-    wire = signals_to_wire(signals)
+    wire = to_wire(signals)
     assert [d["t"] for d in wire] == [
         "step",
         "tokens_run",
@@ -134,7 +162,7 @@ def test_a_step_s_plain_tokens_cross_as_one_map_of_columns_in_order() -> None:
         "tokens_run",
         "stopped",
     ]
-    back = signals_from_wire(unpack(pack({"events": wire}))["events"], lambda i: None)
+    back = from_wire("signals", unpack(pack({"events": wire}))["events"])
     assert back == signals
     assert all(type(s.mode) is TokenMode for s in back if isinstance(s, Tokens))
-    assert signals_from_wire(signals_to_wire([]), lambda i: None) == []
+    assert from_wire("signals", to_wire([])) == []

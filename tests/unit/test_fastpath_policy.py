@@ -8,7 +8,8 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers import envs, fastpath, kernels
+from workers import envs, kernels
+from workers.kernels import fastpath
 
 
 def test_contiguous_kv_only_for_a_single_sequence(policy: None) -> None:

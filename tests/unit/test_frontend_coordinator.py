@@ -18,8 +18,7 @@ from scheduler.requests import Tracked
 from scheduler.settings import ConfigError, FrontEndSettings, load_table
 from scheduler.tenants import load_tenants
 from tests.helpers.frontend import INFO, Parts, Tokenizer, _finished
-from workers.engine import Tokens
-from workers.loop import Dead, Ready, Stopped
+from workers.api import Dead, Ready, Stopped, Tokens
 
 
 def test_waiting_requests_fill_the_free_slots_and_a_finish_starts_the_next() -> None:

@@ -11,7 +11,7 @@ from scheduler.outputs import Outputs, refused_submit_end
 from scheduler.requests import RequestTable, Tracked
 from scheduler.stopping import StopStrings
 from tests.helpers.frontend import VOCAB, _Detok, _finished
-from workers.engine import StepInfo, Tokens
+from workers.api import StepInfo, Tokens
 
 
 def _tracked(table: RequestTable, client: bytes, tenant: str, rid: str, **req: Any) -> Tracked:

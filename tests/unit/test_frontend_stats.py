@@ -14,7 +14,7 @@ from scheduler.stats import Counters, build_stats, health_message, stats_message
 from scheduler.stats_types import StatsReply
 from scheduler.tenants import Tenant, TenantTable
 from tests.helpers.stats import stats_snapshot
-from workers.jobs import EngineCounters
+from workers.engine.sequences import EngineCounters
 
 
 def _tenants() -> TenantTable:

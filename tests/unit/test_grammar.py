@@ -21,9 +21,10 @@ from clients.protocol import (
     submit_message,
 )
 from scheduler.response_format import check, from_openai
-from workers.demo import demo_path
-from workers.grammar import GrammarState, compile_error, grammar_text, lltokenizer
-from workers.models import load_tokenizer
+from workers.api.grammar import compile_error, grammar_text, lltokenizer
+from workers.engine.grammar_mask import GrammarState
+from workers.models.demo import demo_path
+from workers.models.loading import load_tokenizer
 
 EOS = 0
 VOCAB = 257
@@ -171,9 +172,7 @@ def test_openai_shapes_map_to_the_wire() -> None:
 
 def test_the_grammar_crosses_to_an_engine_process_with_the_job() -> None:
     from scheduler.engine_process import pack, unpack
-    from workers.commands import job_from_plain, job_to_plain
-    from workers.jobs import Job
-    from workers.params import SamplingParams
+    from workers.api import Job, SamplingParams, SubmitJob, from_wire, to_wire
 
     job = Job(seq=1, prompt=[1, 2], max_tokens=4, sampling=SamplingParams(grammar=grammar_text("regex", "a+")))
-    assert job_from_plain(unpack(pack(job_to_plain(job)))) == job
+    assert from_wire("command", unpack(pack(to_wire(SubmitJob(job))))) == SubmitJob(job)

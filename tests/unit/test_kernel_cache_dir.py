@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.startup import check_environment
+from workers.engine.startup import check_environment
 
 
 def test_compiled_kernels_go_to_the_project_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -127,3 +127,82 @@ def test_lazy_imports_count_and_type_checking_ones_do_not() -> None:
     )
     assert imports(source) == {"typing", "workers.engine"}
     assert imports(source, typed=True) == {"typing", "workers.engine", "scheduler.frontend"}
+
+
+#: The daemon's modules that only the engine process (or the bench) imports: everything else in
+#: ``scheduler`` is the front end's or the CLI's, and may load only the engine's light API.
+ENGINE_SIDE = ("scheduler.engine_child", "scheduler.engine_outbox", "scheduler.bench", "scheduler.__main__")
+#: What the front end may load from ``workers``.
+LIGHT = ("workers", "workers.api", "workers.envs")
+
+_IMPORT_FRONT_END = """
+import importlib, pkgutil, sys
+import scheduler, workers.api
+skip = {skip!r}
+for m in pkgutil.walk_packages(scheduler.__path__, "scheduler."):
+    if not m.name.startswith(skip):
+        importlib.import_module(m.name)
+print(sorted(m for m in sys.modules if m == "mlx" or m.startswith(("mlx.", "mlx_lm"))))
+print(sorted(m for m in sys.modules if m.startswith("workers")))
+"""
+
+
+def test_the_front_end_loads_no_mlx() -> None:
+    """Importing the daemon's front end, its HTTP doors and the CLI (every ``scheduler`` module but
+    the engine process's side) loads no ``mlx`` module and nothing of ``workers`` but its light API:
+    the engine's vocabulary crosses the process boundary without the engine."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_FRONT_END.format(skip=ENGINE_SIDE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    mlx, workers = ast.literal_eval(out[-2]), ast.literal_eval(out[-1])
+    assert mlx == []
+    assert [m for m in workers if not (m in LIGHT or m.startswith("workers.api."))] == []
+
+
+def _room(module: str) -> str | None:
+    """The sub-package of ``workers`` a module lives in (``workers.kernels.levels`` -> ``kernels``)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "workers" and len(parts) > 2 else None
+
+
+def deep_sibling_imports(mods: dict[str, Path] | None = None) -> dict[str, list[str]]:
+    """Per ``workers`` module, its imports of another room's module that bypass that room's package
+    (``from workers.kernels.levels import X`` from ``workers.exact``): a room's modules reach another
+    room only through its ``__init__``'s surface. The light API (``workers.api``) and ``workers.envs``
+    are for everyone."""
+    mods = _modules() if mods is None else mods
+    wrong: dict[str, list[str]] = {}
+    for m, path in mods.items():
+        here = _room(m) if path.name != "__init__.py" else m.split(".")[1] if m.count(".") else None
+        if here is None:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                room = _room(t)
+                if room is not None and room not in (here, "api"):
+                    wrong.setdefault(m, []).append(t)
+    return wrong
+
+
+def test_rooms_reach_each_other_only_through_their_package() -> None:
+    assert deep_sibling_imports() == {}
+
+
+def test_a_deep_import_of_a_sibling_room_is_found(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from workers.kernels.levels import ladder\nfrom workers.kernels import scoped\n")
+    found = deep_sibling_imports({"workers.exact.bad": bad})
+    assert found == {"workers.exact.bad": ["workers.kernels.levels"]}

@@ -8,8 +8,8 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.mirrored import _quantized
-from workers import qmv_launch, qmv_rows
-from workers.kernels import Level
+from workers.api import Level
+from workers.kernels import qmv_launch, qmv_rows
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state")
 

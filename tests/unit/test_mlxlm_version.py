@@ -1,4 +1,4 @@
-"""The installed mlx-lm is a release ``workers.mlxlm`` (the one door to mlx-lm's private internals)
+"""The installed mlx-lm is a release ``workers.kernels.mlxlm`` (the one door to mlx-lm's private internals)
 was written for, and pyproject.toml pins the same range."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from workers import mlxlm
+from workers.kernels import mlxlm
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -14,7 +14,7 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 def test_the_installed_mlx_lm_is_one_the_adapter_was_written_for() -> None:
     installed = mlxlm.installed_version()
     assert mlxlm.supported(installed), (
-        f"mlx-lm {installed} is outside {mlxlm.SUPPORTED}: run tests/engine/test_mlxlm_adapter.py, fix the accessors in workers/mlxlm.py, "
+        f"mlx-lm {installed} is outside {mlxlm.SUPPORTED}: run tests/engine/test_mlxlm_adapter.py, fix the accessors in workers/kernels/mlxlm.py, "
         "then move SUPPORTED and the pin in pyproject.toml together"
     )
     assert mlxlm.supported(mlxlm.WRITTEN_AGAINST)

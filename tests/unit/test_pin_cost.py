@@ -1,11 +1,11 @@
 """What a process-wide pin would cost batched decode, as the stats report it from the verdict's rows
-(``workers.probe_pin_cost``): the level a pin would run at, and the decode seconds scoping saved."""
+(``workers.exact.pin_cost``): the level a pin would run at, and the decode seconds scoping saved."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.probe_pin_cost import BATCH_BUCKETS, PinCost, bucket, pinning_rungs, summary
+from workers.exact.pin_cost import BATCH_BUCKETS, PinCost, bucket, pinning_rungs, summary
 
 
 def _rows(level: str, ratios: dict[int, float]) -> list[PinCost]:

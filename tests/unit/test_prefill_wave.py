@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.prefill_wave import most_prompts, wave_size
+from workers.engine.prefill_wave import most_prompts, wave_size
 
 
 def test_short_prompts_fill_the_wave_up_to_the_most_prompts() -> None:

@@ -32,7 +32,7 @@ def test_the_prefix_cache_is_on_by_default_and_fits_the_kv_budget() -> None:
 def test_under_a_launcher_the_default_is_off_and_only_a_given_bound_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers.distributed import DistributedError
+    from workers.dist import DistributedError
 
     monkeypatch.setenv("MLX_RANK", "0")
     args = build_parser().parse_args(["serve"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.drafters import PromptLookup
+from workers.engine.spec.drafters import PromptLookup
 
 
 @pytest.mark.parametrize(

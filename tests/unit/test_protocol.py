@@ -22,7 +22,7 @@ from clients.protocol import (
 )
 from scheduler.admission import Limits, admit
 from scheduler.stopping import StopStrings
-from workers.models import ModelInfo
+from workers.api import ModelInfo
 
 INFO = ModelInfo("m", "/m", "llama", vocab_size=100, context_length=50, eos_token_ids=(0,), has_chat_template=False)
 
@@ -253,9 +253,7 @@ field_values = numbers | st.lists(numbers, max_size=3) | st.text(max_size=3) | s
 def test_an_accepted_submit_holds_only_values_msgpack_and_the_engine_take(extra: dict[str, Any]) -> None:
     """Any integer (JSON has no bound) or float in any field: refused by code, or accepted within
     the documented ranges, so the engine's job packs."""
-    from workers.commands import job_to_plain
-    from workers.engine import Job
-    from workers.params import SamplingParams
+    from workers.api import Job, SamplingParams, SubmitJob, to_wire
 
     try:
         req = parse_request({"v": PROTOCOL_VERSION, "type": "submit", "id": "a", "tokens": [1], **extra})
@@ -278,7 +276,7 @@ def test_an_accepted_submit_holds_only_values_msgpack_and_the_engine_take(extra:
         top_logprobs=req.top_logprobs,
         group_size=0 if req.group is None else req.group[1],
     )
-    msgpack.packb(job_to_plain(job), use_bin_type=True)
+    msgpack.packb(to_wire(SubmitJob(job)), use_bin_type=True)
 
 
 @pytest.mark.parametrize("name", ["v", "type", "id", *SUBMIT_FIELDS])

@@ -14,9 +14,9 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from workers.arrays import as_int
-from workers.params import SamplingParams
-from workers.sampling import GREEDY_BELOW, make_sampler
+from workers.api import SamplingParams
+from workers.engine.sampling import GREEDY_BELOW, make_sampler
+from workers.kernels.arrays import as_int
 
 #: A draw never lands on a token whose scaled log-weight trails the top one's by more than this
 #: (Gumbel noise in float32 spans about 21; the bound leaves room for rounding).

@@ -18,10 +18,8 @@ from clients.protocol import (
     parse_request,
     submit_message,
 )
-from workers.commands import job_from_plain, job_to_plain
-from workers.jobs import Job
-from workers.logits_controls import processors_for, stop_ids
-from workers.params import SamplingParams
+from workers.api import Job, SamplingParams, SubmitJob, from_wire, to_wire
+from workers.engine.logits_controls import processors_for, stop_ids
 
 BASE = {"v": 1, "type": "submit", "id": "r", "tokens": [1, 2]}
 
@@ -95,8 +93,8 @@ def test_expand_n_gives_grouped_seeded_siblings() -> None:
 def test_sampling_params_cross_a_plan_as_plain_data() -> None:
     sampling = SamplingParams(repetition_penalty=1.2, logit_bias=((3, 1.5),), min_tokens=2, ignore_eos=True)
     job = Job(seq=1, prompt=[1, 2], max_tokens=4, sampling=sampling)
-    plain = msgpack.unpackb(msgpack.packb(job_to_plain(job)), strict_map_key=False)
-    assert job_from_plain(plain) == job
+    plain = msgpack.unpackb(msgpack.packb(to_wire(SubmitJob(job))), strict_map_key=False)
+    assert from_wire("command", plain) == SubmitJob(job)
 
 
 def test_plain_requests_get_no_processors() -> None:
@@ -119,7 +117,7 @@ def test_min_tokens_suppresses_the_stop_tokens_until_enough_are_out() -> None:
 def test_the_engine_gives_processors_and_declines_bursts_only_for_controlled_requests(tiny_model: Any) -> None:
     from mlx_lm import load
 
-    from workers.engine import Engine
+    from workers.engine.engine import Engine
 
     engine = Engine(load(str(tiny_model))[0], eos_token_ids=(0,), vocab_size=260)
     engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=4))
@@ -134,7 +132,7 @@ def test_the_engine_gives_processors_and_declines_bursts_only_for_controlled_req
 
 
 def _drive(engine: Any, jobs: list[Job]) -> dict[int, list[int]]:
-    from workers.engine import Tokens
+    from workers.api import Tokens
 
     for j in jobs:
         engine.submit(j)
@@ -151,8 +149,10 @@ def test_n_siblings_share_one_prefill_through_the_prefix_cache(tiny_model: Any) 
     prefix cache at its first token and each follower takes it, with the tokens a fresh prefill gives."""
     from mlx_lm import load
 
-    from workers.engine import Engine, Finished, Tokens
-    from workers.prefix_cache import PrefixCache, ReuseVerdict
+    from workers.api import Finished, Tokens
+    from workers.engine.engine import Engine
+    from workers.engine.prefix_cache import PrefixCache
+    from workers.engine.prefix_check import ReuseVerdict
 
     model = load(str(tiny_model))[0]
     prompt = [5 + i % 50 for i in range(40)]

@@ -1,11 +1,11 @@
-"""``workers.thread_clock``: the calling thread's CPU seconds, not its process's."""
+"""``workers.engine.thread_clock``: the calling thread's CPU seconds, not its process's."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from workers import thread_clock
+from workers.engine import thread_clock
 
 
 def _spin(seconds: float, used: list[float]) -> None:

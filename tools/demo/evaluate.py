@@ -31,8 +31,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from tools.demo.corpus import default_stdlib, read_source, select_files
-from workers import mtp as mtp_mod
-from workers.demo import SHIPPED as WEIGHTS
+from workers.models import mtp as mtp_mod
+from workers.models.demo import SHIPPED as WEIGHTS
 
 # Prompts end right after the ``:``. The first shipped set needed that (its BPE merged a newline with the
 # indentation after it, so a prompt ending in a bare "\n" ended on a boundary training never showed);

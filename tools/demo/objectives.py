@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from workers import mtp as mtp_mod
+from workers.models import mtp as mtp_mod
 
 
 def ce_loss(model: nn.Module, window: mx.array) -> mx.array:

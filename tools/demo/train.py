@@ -24,7 +24,7 @@ Step counts: give ``--target-steps`` etc. for a reproducible run; or a time budg
 does not depend on the total) and the count is fixed from them and recorded in the report. Either way
 the report (``train_report.json``) records the exact counts, so a rerun with them is the same run.
 
-Run from the repository root: ``python -m tools.demo.train`` (writes ``workers/demo/weights``, the shipped
+Run from the repository root: ``python -m tools.demo.train`` (writes ``workers/models/demo/weights``, the shipped
 set, unless ``--out`` says otherwise; see docs/demo-models.md).
 """
 
@@ -60,13 +60,13 @@ from tools.demo.models import (
 from tools.demo.objectives import ce_loss, distill_loss, eval_windows, lm_metrics, mtp_loss, mtp_metrics, sample_windows
 from tools.demo.phases import PhaseSpec, batches, file_starts, generate_pool, mixed_batches, train_phase
 from tools.demo.tokenizer import BYTE_VOCAB_SIZE, EOS_TOKEN, train_tokenizer
-from workers import mtp as mtp_mod
-from workers.demo import SHIPPED
+from workers.models import mtp as mtp_mod
+from workers.models.demo import SHIPPED
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=SHIPPED, help="default: the shipped set, workers/demo/weights")
+    p.add_argument("--out", type=Path, default=SHIPPED, help="default: the shipped set, workers/models/demo/weights")
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib root (default: this interpreter's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=0, help="use only the first N training files (smoke tests)")

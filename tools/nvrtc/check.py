@@ -310,10 +310,10 @@ def run_spec(path, dump):
 
 
 # ---------------------------------------------------------------------------------------------------
-# project mode: this repository's workers/qmv_source.py (qmv_rows' kernel) and workers/rowkernel.py
+# project mode: this repository's workers/kernels/qmv_source.py (qmv_rows' kernel) and workers/kernels/rowkernel.py
 def project_cases():
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from workers import qmv_source, rowkernel, sdpa_rows, sdpa_source  # noqa: E402  (read only: nothing is modified)
+    from workers.kernels import qmv_source, rowkernel, sdpa_rows, sdpa_source
 
     cases = []
     bf = "bfloat16"

@@ -1,0 +1,92 @@
+"""The engine's light API: every type that crosses the process boundary between the daemon's front end
+and its engine, and the one conversion each way (``to_wire``/``from_wire``).
+
+Nothing here imports MLX, so the front end (``scheduler.frontend`` and what it imports) holds jobs,
+events and settings without loading the engine. The grammar check the front end runs before
+admission (llguidance, no MLX) is ``workers.api.grammar``, imported where it is used.
+"""
+
+from workers.api.events import (
+    Cancel,
+    Command,
+    Dead,
+    Event,
+    Finished,
+    Job,
+    ModelInfo,
+    Pause,
+    Ready,
+    Resume,
+    Shutdown,
+    Signal,
+    StepInfo,
+    StepKind,
+    Stopped,
+    SubmitJob,
+    Timings,
+    TokenMode,
+    Tokens,
+    TopLogprobs,
+)
+from workers.api.params import FinishReason, SamplingParams
+from workers.api.settings import (
+    CUDNN_ATTENTION_DEFAULT,
+    DEFAULT_K,
+    MAX_ROWS,
+    MTP_K,
+    PREFILL_TOKENS,
+    SHARED_SALT,
+    BurstSettings,
+    EngineSettings,
+    Level,
+    PinScope,
+    ProbePolicy,
+    default_k,
+    salt_for,
+)
+from workers.api.stats import EnginePart, EngineSnapshot, read_engine, ready
+from workers.api.wire import from_wire, to_wire
+
+__all__ = [
+    "CUDNN_ATTENTION_DEFAULT",
+    "DEFAULT_K",
+    "MAX_ROWS",
+    "MTP_K",
+    "PREFILL_TOKENS",
+    "SHARED_SALT",
+    "BurstSettings",
+    "Cancel",
+    "Command",
+    "Dead",
+    "EnginePart",
+    "EngineSettings",
+    "EngineSnapshot",
+    "Event",
+    "Finished",
+    "FinishReason",
+    "Job",
+    "Level",
+    "ModelInfo",
+    "Pause",
+    "PinScope",
+    "ProbePolicy",
+    "Ready",
+    "Resume",
+    "SamplingParams",
+    "Shutdown",
+    "Signal",
+    "StepInfo",
+    "StepKind",
+    "Stopped",
+    "SubmitJob",
+    "Timings",
+    "TokenMode",
+    "Tokens",
+    "TopLogprobs",
+    "default_k",
+    "from_wire",
+    "read_engine",
+    "ready",
+    "salt_for",
+    "to_wire",
+]

@@ -1,0 +1,439 @@
+"""The batched decode engine: continuous batching on mlx-lm's ``BatchGenerator``.
+
+The engine is single-threaded by contract: one thread (``workers.engine.loop.EngineThread``) owns it
+and every MLX object in it. It speaks in plain dataclasses (jobs in, events out) and knows
+nothing of sockets, so it can be driven directly by tests and benchmarks.
+
+Its one idea is a sequence's life in the batch (admit, step, pause, resume, cancel, finish, its KV
+handed to the prefix cache). What it holds besides lives in its own modules: the burst runner
+(``workers.engine.spec.runner``), the verdict holder (``workers.exact``; a verdict carries what a
+process-wide pin would cost) and the pin ledger; ``holdings`` gives the engine's surface onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from workers import envs
+from workers.api import (
+    PREFILL_TOKENS,
+    Event,
+    Finished,
+    FinishReason,
+    Job,
+    Level,
+    PinScope,
+    StepInfo,
+    StepKind,
+    Timings,
+    TokenMode,
+    Tokens,
+    TopLogprobs,
+)
+from workers.api.grammar import lltokenizer
+from workers.engine import faults, thread_clock
+from workers.engine.grammar_mask import DECLINE_REASON as GRAMMAR_DECLINE
+from workers.engine.grammar_mask import GrammarState
+from workers.engine.holdings import Holdings
+from workers.engine.logits_controls import DECLINE_REASON, processors_for, stop_ids
+from workers.engine.parking import Parking
+from workers.engine.prefill_wave import most_prompts, wave_size
+from workers.engine.prefix_cache import PrefixCache
+from workers.engine.sampling import make_sampler
+from workers.engine.sequences import EngineCounters, Sequence, top_logprobs
+from workers.engine.shared_prefill import SharedPrefill
+from workers.engine.spec.policy import Gate, emit_in_order
+from workers.engine.spec.runner import BurstRunner
+from workers.exact import CountedModel, PinLedger, Verdicts, bucket, unpinned
+from workers.kernels import compiled_layers, fastpath, mlxlm, plan_timing, process_level
+from workers.models import cache_dir
+
+log = logging.getLogger("mlx_batchd.engine")
+
+
+class Engine(Parking, Holdings):
+    """Owns the model and a ``BatchGenerator``; turns jobs into token and finish events."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        max_batch: int = 32,
+        prefill_batch: int | None = None,
+        prefill_step: int = 2048,
+        prefill_tokens: int = PREFILL_TOKENS,
+        lockstep: bool = False,
+    ) -> None:
+        #: ``process`` only in the bench's arm that pins the whole process (``envs.BENCH_PROCESS_PIN``).
+        self.pin_scope: PinScope = "process" if envs.switch(envs.BENCH_PROCESS_PIN) else "scoped"
+        #: One of several ranks stepping the same batch (``workers.engine.loop``): a failed step cannot be
+        #: recovered from on one rank alone, so it raises instead (and every rank stops).
+        self.lockstep = lockstep
+        self.model = model
+        self.ledger = PinLedger()
+        #: The target as every forward sees it: counted, and wrapped for per-query attention.
+        self.counted = CountedModel(model, self.ledger)
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        #: The model's tokenizer (``workers.engine.loop`` sets it): what a grammar's token masks are built from.
+        self.tokenizer: Any = None
+        self.max_batch = max_batch
+        #: Most prompts one prefill wave takes (``None``: the decode batch's size); the wave is sized
+        #: by ``prefill_tokens`` within it (``workers.engine.prefill_wave``).
+        self.prefill_batch = most_prompts(prefill_batch, max_batch)
+        self.prefill_step = prefill_step
+        self.prefill_tokens = prefill_tokens
+        self.counters = EngineCounters()
+        self._verdicts = Verdicts(self.pin_scope)
+        self.runner = BurstRunner(self, self._verdicts)
+        #: Batched decode seconds by batch bucket (``workers.exact.bucket``): what scoping saved.
+        self.decode_seconds_by_batch: dict[int, float] = {}
+        self._seqs: dict[int, Sequence] = {}  # by caller seq
+        #: Siblings of one request waiting for their leader's prefill (``workers.engine.shared_prefill``).
+        self.shared = SharedPrefill()
+        self._by_uid: dict[int, Sequence] = {}
+        #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
+        self.prefix_cache: PrefixCache | None = None
+        self._gen = self._new_generator()
+        # Where the backend's policy asks for it (MLX CUDA): a few seconds the first time on a machine,
+        # then read from the store. Not in lockstep: the plans come from timings, which differ per
+        # machine, and a projection every rank computes whole (the unsplit lm_head) must run the
+        # same kernel everywhere or the ranks' tokens part.
+        #: The row-count plans that calibration chose, by projection shape (``fastpath.plans_summary``):
+        #: timed once per machine and kept (``workers.kernels.plan_store``), so every process serving the
+        #: model runs the same kernels; stats carry them.
+        self.kernel_plans = (
+            {} if lockstep else fastpath.plans_summary(plan_timing.calibrate(model, cache_dir() / "kernel-plans"))
+        )
+        #: Decoder layers registered to run as compiled halves in decode steps, which they do where the
+        #: policy says so (``compiled_layers.running``); none in lockstep, whose layers hold the ranks'
+        #: collectives.
+        self.compiled_layers = 0 if lockstep else compiled_layers.install(model)
+
+    def reset_counters(self) -> None:
+        """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""
+        self.counters = EngineCounters()
+        self.decode_seconds_by_batch = {}
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.counted,  # type: ignore[arg-type]
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.prefill_batch,
+            prefill_step_size=self.prefill_step,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step has anything to do: a sequence that is not parked (paused out of the batch)."""
+        return any(s.parked is None for s in self._seqs.values())
+
+    @property
+    def active(self) -> int:
+        """Sequences admitted and not finished (queued for prefill, prefilling, decoding or paused)."""
+        return len(self._seqs)
+
+    @property
+    def paused(self) -> int:
+        """Sequences paused by the caller (parked, or still prefilling and parked once they decode)."""
+        return sum(1 for s in self._seqs.values() if s.paused)
+
+    def live(self) -> list[Sequence]:
+        """The sequences that want tokens: every one not paused."""
+        return [s for s in self._seqs.values() if not s.paused]
+
+    def batch_size(self) -> int:
+        """Sequences in the decode batch right now."""
+        return mlxlm.decode_batch_size(self._gen)
+
+    # ------------------------------------------------------------------ commands
+
+    def submit(self, job: Job) -> None:
+        stops = stop_ids(job.sampling, self.eos_token_ids, job.stop_token_ids)
+        processors = processors_for(job.sampling, len(job.prompt), stops)
+        sampler = make_sampler(job.sampling, self.vocab_size)
+        if job.sampling.grammar is not None:  # the mask runs last: what the grammar refuses stays refused
+            state = GrammarState(lltokenizer(self.tokenizer, self.vocab_size), job.sampling.grammar, stops, sampler)
+            processors.append(state.processor)
+            sampler = state.sampler  # type: ignore[assignment]
+        seq = Sequence(job=job, uid=-1, sampler=sampler, stops=stops, processors=processors)
+        if processors:  # a burst's verify does not run them: classic decode only, counted as declined
+            seq.no_burst = GRAMMAR_DECLINE if job.sampling.grammar is not None else DECLINE_REASON
+        pc = self.prefix_cache
+        leader = self.shared.leader_for(seq, self._seqs.values()) if pc is not None and pc.serving else None
+        if leader is not None:  # a sibling of one request: it takes the leader's prompt KV (``shared_prefill``)
+            self.shared.hold(leader, seq)
+        else:
+            self._place(seq)
+        self._seqs[job.seq] = seq
+        self.counters.submitted += 1
+
+    def _place(self, seq: Sequence) -> None:
+        """Put a new sequence into the batch, on the prefix cache's KV where it has the prompt's start."""
+        job = seq.job
+        hit = None if self.prefix_cache is None else self.prefix_cache.lookup(job.cache_salt, job.prompt)
+        if hit is None or hit.cache is None:
+            seq.uid = self._insert(seq, [job.prompt], job.max_tokens, None, [])
+        else:  # only the suffix is prefilled, on a private copy of the cached prefix's KV
+            seq.cached = len(hit.cached)
+            seq.uid = self._insert(seq, [hit.rest], job.max_tokens, hit.cache, hit.cached)
+
+    def _place_followers(self) -> None:
+        """Siblings whose leader has its first token (or will not get one soon) enter the batch; the
+        leader's prompt KV goes to the prefix cache first, so they prefill only the prompt's last token."""
+        for leader, followers in self.shared.ready(self._seqs):
+            if leader.job.seq in self._seqs and leader.first_token is not None and leader.parked is None:
+                self._keep_in_generator(leader)
+            for f in followers:
+                self._place(f)
+
+    def keep_prefix(self, s: Sequence, cache: list[Any] | None, tokens: list[int] | None) -> None:
+        """Offer an ending sequence's KV (of exactly ``tokens``) to the prefix cache; a failure here
+        costs the cache an entry, never the request."""
+        pc = self.prefix_cache
+        if pc is None or cache is None or tokens is None or len(tokens) <= s.cached:
+            return
+        try:
+            pc.store(s.job.cache_salt, list(tokens), cache)
+        except Exception:
+            log.exception("could not keep request seq %d's KV in the prefix cache", s.job.seq)
+
+    def _insert(
+        self, s: Sequence, segments: list[list[int]], max_tokens: int, cache: list[Any] | None, in_cache: list[int]
+    ) -> int:
+        """Put a sequence into ``BatchGenerator`` (new, or back from a burst with its cache)."""
+        # ``None`` is the batch's shared greedy sampler (mlx-lm's annotation omits it).
+        samplers: list[Any] = [s.sampler]
+        (uid,) = self._gen.insert_segments(
+            [segments],
+            max_tokens=[max_tokens],
+            caches=None if cache is None else [cache],
+            all_tokens=[in_cache],
+            samplers=samplers,
+            logits_processors=[s.processors],
+            stop_sequences=[StopSequences([(t,) for t in sorted(s.stops)])],
+        )
+        self._by_uid[uid] = s
+        return uid
+
+    def cancel(
+        self, seq: int, reason: str = "cancelled", code: str | None = None, message: str | None = None
+    ) -> list[Event]:
+        """Remove a sequence wherever it is (queued, prefilling, decoding) and free its cache."""
+        s = self._seqs.get(seq)
+        if s is None:
+            return []
+        why = FinishReason(reason)
+        keep = why is not FinishReason.ERROR  # a failed step or a shutdown leaves nothing worth keeping
+        if self.shared.holds(s):  # a sibling still waiting for its leader: nothing of it is in the batch
+            self.shared.drop(s)
+        elif self.runner.holds(s):
+            self.runner.close(keep)
+        elif s.parked is None:
+            if keep:
+                self._keep_in_generator(s)
+            self._gen.remove([s.uid])
+        elif keep:
+            self.keep_prefix(s, s.parked.cache, s.parked.history[:-1])
+        return [self._finish(s, why, code, message)]
+
+    def _keep_in_generator(self, s: Sequence) -> None:
+        """Offer the KV of a sequence still in ``BatchGenerator`` (queued, prefilling or decoding)."""
+        if self.prefix_cache is None:
+            return
+        try:
+            cache, tokens = self._gen.extract_cache([s.uid]).get(s.uid, (None, None))
+        except Exception:
+            log.exception("could not extract request seq %d's KV for the prefix cache", s.job.seq)
+            return
+        self.keep_prefix(s, cache, tokens)
+
+    def cancel_all(self, reason: str, code: str | None = None, message: str | None = None) -> list[Event]:
+        return [e for seq in list(self._seqs) for e in self.cancel(seq, reason, code, message)]
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, gate: Gate | None = None) -> list[Event]:
+        """A burst round for the lone sequence when the burst runner wants one, else one
+        ``BatchGenerator`` step: a decode step for the batch plus a prefill chunk. ``gate`` is the
+        clock-driven part of the burst decision when another process took it (``BurstRunner.wants``).
+
+        A failure inside the step leaves the generator's state unknown, so every sequence in
+        it ends with ``engine_error`` and a fresh generator takes over; the engine lives on.
+        In ``lockstep`` the failure is raised instead: the other ranks' generators went on.
+
+        The last step is timed for the burst gate from its start to this one's (``cycle_ended``).
+        """
+        self.runner.cycle_ended(time.perf_counter())
+        try:
+            live = self.live()  # paused sequences do not contend
+            if self.runner.wants(live, gate):  # burst the lone sequence
+                events = self.runner.round()
+            else:
+                events = self.runner.interrupt(live) + self._step()
+            self._park_paused()
+            return events
+        except Exception as exc:  # one broken step must not take the daemon down
+            if self.lockstep:
+                raise
+            self.counters.step_errors += 1
+            log.exception("engine step failed")
+            message = f"the engine failed this step: {exc!r}"
+            in_step = [seq for seq, s in self._seqs.items() if s.parked is None]  # parked ones keep their caches
+            events = [e for seq in in_step for e in self.cancel(seq, "error", "engine_error", message)]
+            self.runner.end()
+            self._gen = self._new_generator()
+            return events
+        finally:
+            if not self.has_work:  # the loop waits for work now: no part of this step
+                self.runner.cycle_ended(None)
+
+    def _step(self) -> list[Event]:
+        tic = time.perf_counter()
+        self._place_followers()
+        batch = mlxlm.decode_batch_size(self._gen)
+        decoding = batch > 0
+        solo = mlxlm.decode_batch_size(self._gen) == 1 and not mlxlm.prefill_pending(self._gen)
+        # Batched work never sees a scoped pin; the lone sequence's classic step runs at the
+        # verdict's rung when that rung pins classic decode too (``padded``).
+        chain = self.runner.chain_level() if solo else None
+        if mlxlm.prefill_pending(self._gen):  # the next wave sized by tokens (``prefill_wave``)
+            prefilling, queued = mlxlm.prefill_lengths(self._gen)
+            size = wave_size(prefilling, queued, self.prefill_batch, self.prefill_tokens, self.prefill_step)
+            self._gen.prefill_batch_size = size
+        clock = thread_clock.read()
+        with unpinned("serving") if chain is None else self.pinned(chain, "classic"):
+            prompt_responses, gen_responses = self._gen.next()
+        used = thread_clock.read()
+        now = time.monotonic()
+        level = process_level()
+        if level is not Level.WIDE:
+            self.ledger.record_seconds(level, "serving", False, time.perf_counter() - tic)
+        self.counters.peak_batch_size = max(self.counters.peak_batch_size, self.batch_size())
+        self.counters.steps += 1
+        self.counters.step_seconds += time.perf_counter() - tic
+        self.counters.step_cpu_seconds += used.cpu_seconds - clock.cpu_seconds
+        self.counters.step_preemptions += used.preemptions - clock.preemptions
+        if decoding:
+            self.counters.decode_steps += 1
+            self.counters.decode_seconds += time.perf_counter() - tic
+            by_batch, key = self.decode_seconds_by_batch, bucket(batch)
+            by_batch[key] = by_batch.get(key, 0.0) + time.perf_counter() - tic
+            if solo and not prompt_responses:
+                self.runner.classic_began(tic)
+        self.counters.prefill_steps += bool(prompt_responses)
+        self.counters.finish_steps += any(r.finish_reason is not None for r in gen_responses)
+        for pr in prompt_responses:
+            s = self._by_uid.get(pr.uid)
+            if s is not None and s.prefill_started is None:
+                s.prefill_started = now
+        events: list[Event] = [
+            StepInfo(StepKind.DECODE if decoding else StepKind.PREFILL, time.perf_counter() - tic, len(gen_responses))
+        ]
+        tops = self._batched_tops(gen_responses)
+        for r in gen_responses:
+            s = self._by_uid.get(r.uid)
+            if s is None:
+                continue
+            try:
+                events += self._respond(s, r, now, tops.get(r.uid))
+                if r.finish_reason is not None:  # mlx-lm hands over the ended sequence's cache and tokens
+                    self.keep_prefix(s, r.prompt_cache, r.all_tokens)
+            except Exception as exc:  # this request's own failure: it ends, the batch goes on
+                log.exception("request seq %d failed in the engine", s.job.seq)
+                self._gen.remove([s.uid])
+                events.append(
+                    self._finish(s, FinishReason.ERROR, "engine_error", f"this request failed in the engine: {exc}")
+                )
+        return events
+
+    def _batched_tops(self, responses: list[Any]) -> dict[int, TopLogprobs]:
+        """The top logprobs of this step's tokens for the sequences that asked (by uid), in one
+        selection over their rows; nothing is computed when none asked."""
+        asking: list[tuple[int, int, mx.array]] = []
+        for r in responses:
+            s = self._by_uid.get(r.uid)
+            if s is not None and s.job.top_logprobs > 0 and r.finish_reason != "stop":
+                asking.append((r.uid, s.job.top_logprobs, r.logprobs))
+        if not asking:
+            return {}
+        rows = top_logprobs(mx.stack([row for _, _, row in asking]), max(k for _, k, _ in asking))
+        # Rows are in a canonical order (value, then id), so a prefix is that row's own top k.
+        return {uid: row[:k] for (uid, k, _), row in zip(asking, rows)}
+
+    def _respond(self, s: Sequence, r: Any, now: float, top: TopLogprobs | None = None) -> list[Event]:
+        """One sequence's share of a batched step: its token, its end."""
+        faults.check_request(s.job.prompt)
+        events: list[Event] = []
+        if s.prefill_started is None:
+            s.prefill_started = now
+        if s.first_token is None:
+            s.first_token = now
+        # A stop token ends the sequence and is not part of the output (as in mlx-lm).
+        if r.finish_reason != "stop":
+            lp = [r.logprobs[r.token].item()] if s.job.wants_logprobs else None
+            events.append(Tokens(s.job.seq, [r.token], lp, TokenMode.BATCHED, None if top is None else [top]))
+            s.emitted += 1
+            self.counters.generated_tokens += 1
+        if r.finish_reason is not None:
+            events.append(self._finish(s, FinishReason(r.finish_reason), None, None))
+        return events
+
+    def _finish(self, s: Sequence, reason: FinishReason, code: str | None, message: str | None) -> Finished:
+        del self._seqs[s.job.seq]
+        self._by_uid.pop(s.uid, None)
+        self.counters.finished += 1
+        self.counters.prompt_tokens += len(s.job.prompt) if s.prefill_started is not None else 0
+        now = time.monotonic()
+        t0 = s.job.received_at
+        timings = Timings(
+            queue_s=None if s.prefill_started is None else s.prefill_started - t0,
+            ttft_s=None if s.first_token is None else s.first_token - t0,
+            decode_s=None if s.first_token is None else now - s.first_token,
+            total_s=now - t0,
+        )
+        return Finished(s.job.seq, reason, len(s.job.prompt), s.emitted, timings, code, message)
+
+    # ------------------------------------------------------------------ for the burst runner
+
+    def emit(
+        self, s: Sequence, candidates: list[int], logprobs: list[float], tops: list[TopLogprobs] | None = None
+    ) -> list[Event]:
+        """Emit what classic decode would of ``candidates`` (``tops``: their top logprobs, if asked)."""
+        tokens, lps, finish = emit_in_order(candidates, logprobs, s.emitted, s.job.max_tokens, s.stops)
+        events: list[Event] = []
+        if tokens:
+            if s.first_token is None:
+                s.first_token = time.monotonic()
+            mode = TokenMode.BURST if self.runner.holds(s) else TokenMode.BATCHED
+            top = None if tops is None else tops[: len(tokens)]  # what is emitted is a prefix of candidates
+            events.append(Tokens(s.job.seq, tokens, lps if s.job.wants_logprobs else None, mode, top))
+            s.emitted += len(tokens)
+            self.counters.generated_tokens += len(tokens)
+        if finish is not None:
+            if self.runner.holds(s):
+                self.runner.close(True)
+            events.append(self._finish(s, finish, None, None))
+        return events
+
+    def decoding(self, s: Sequence) -> bool:
+        """Whether ``s`` is in the decode batch with no prefill pending (so a burst may take it)."""
+        return s.uid in mlxlm.decoding_uids(self._gen) and not mlxlm.prefill_pending(self._gen)
+
+    def cache_of(self, s: Sequence) -> list[Any]:
+        """The KV cache of a sequence in the batch (a view: the sequence stays where it is)."""
+        cache, _ = self._gen.extract_cache([s.uid])[s.uid]
+        return cache
+
+    def admitted(self, s: Sequence) -> bool:
+        """Whether ``s`` has not finished."""
+        return s.job.seq in self._seqs

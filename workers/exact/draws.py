@@ -1,0 +1,159 @@
+"""The probe's draws and how one is run: classic decode's chain and the verify block, compared byte for byte.
+
+Draws are chosen where divergences hide: short prompts, a block whose keys run 255 -> 256 -> 257
+(mlx-lm's capacity step, where kernels have shown key-length effects), and a long context past the
+sliding window (or >= 1024 tokens). Every run starts from a fresh cache built as serving builds it,
+with a layout-stable growth step (``layout_stable``), as bursts get.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from workers.api import Level
+from workers.kernels import CapturedCall, as_int, calibrate, capturing, mlxlm, scoped, stabilize_layout, wrap_caches
+
+SHORT_PROMPT = 8
+CAPACITY_STEP = 256
+LONG_CONTEXT = 1024
+#: Block runs per draw at most while calibration still narrows widths (they only ever narrow).
+MAX_CALIBRATION_PASSES = 4
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One probe input: prefill ``prompt[:-1]``, then chain/block from ``prompt[-1]``."""
+
+    name: str
+    prompt: list[int]
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        w = source.get("sliding_window")
+        if isinstance(w, int) and w > 0:
+            return w
+    return None
+
+
+def make_draws(k: int, vocab: int, context: int, window: int | None, seed: int = 0) -> list[Draw]:
+    """Three short draws, one whose block crosses a capacity boundary, one long one."""
+    rng = random.Random(seed)
+    width = k + 1
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    draws = [Draw(f"short-{i + 1}", prompt(SHORT_PROMPT)) for i in range(3)]
+    # Keys before the block: ``o``; query j sees o + j + 1 keys. Start so they run 255, 256, 257.
+    o = CAPACITY_STEP - 2 if width >= 3 else CAPACITY_STEP - 1
+    if o + width < context:
+        draws.append(Draw(f"capacity-{CAPACITY_STEP}", prompt(o + 1)))
+    long_len = max(window + 64, LONG_CONTEXT + 37) if window is not None else LONG_CONTEXT + 37
+    long_len = min(long_len, context - width - 1)
+    if long_len > o + 1:
+        draws.append(Draw(f"long-{long_len}" + (f"-past-window-{window}" if window else ""), prompt(long_len)))
+    return draws
+
+
+MakeCache = Callable[[], list[Any]]
+
+
+def prefill(model: Any, cache: list[Any], tokens: list[int], step: int = 2048) -> None:
+    for i in range(0, len(tokens), step):
+        model(mx.array([tokens[i : i + step]]), cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def chain_level(level: Level) -> Level:
+    """The level classic decode runs at while ``level`` is the verdict: wide, except for a rung
+    that pins the chain too (``padded``)."""
+    return level if level.pins_chain else Level.WIDE
+
+
+def run_chain(
+    model: Any, make_cache: MakeCache, draw: Draw, width: int, level: Level = Level.WIDE
+) -> tuple[mx.array, list[int]]:
+    """Classic decode as the engine runs a lone sequence's: ``width`` single-token forwards at
+    ``level``, feeding its own argmax, on the prefilled cache merged into a one-row batch (mlx-lm's
+    ``BatchGenerator`` decodes on such a cache, whose attention MLX may compute with other bytes
+    than the single-sequence cache's: ``workers.kernels.lone_mask``). A verdict is then about the tokens
+    the engine serves, not about a decode that it never runs."""
+    single = make_cache()
+    prefill(model, single, draw.prompt[:-1])
+    cache = mlxlm.merge_caches([single])
+    token = draw.prompt[-1]
+    fed, rows = [], []
+    with scoped(level):
+        for _ in range(width):
+            fed.append(token)
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+            mx.eval(logits)
+            rows.append(logits)
+            token = as_int(mx.argmax(logits))
+    return mx.stack(rows), fed
+
+
+def run_block(
+    model: Any,
+    make_cache: MakeCache,
+    draw: Draw,
+    tokens: list[int],
+    level: Level,
+    calls: list[CapturedCall] | None = None,
+) -> mx.array:
+    """One forward over ``tokens`` at ``level`` on a freshly prefilled cache; with ``calls``, the
+    block's own projection calls (never the prefill's) are captured into it for calibration."""
+    cache = make_cache()
+    prefill(model, cache, draw.prompt[:-1])
+    with scoped(level), capturing(calls) if calls is not None else nullcontext():
+        layers = wrap_caches(cache) if level.per_query else cache
+        logits = model(mx.array([tokens]), cache=layers)[0]
+        mx.eval(logits)
+    return logits
+
+
+def run_calibrated_block(
+    model: Any, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level
+) -> tuple[mx.array, dict[int, tuple[int, int]]]:
+    """``run_block`` at a calibrated level, with every width verified on the rows this block feeds
+    its module: where one does not hold it is narrowed and the block run again (narrower widths
+    change the activations downstream, so until a run narrows nothing). Returns the block's logits
+    and ``{module id: (width before, width after)}`` for the modules narrowed."""
+    narrowed: dict[int, tuple[int, int]] = {}
+    for _ in range(MAX_CALIBRATION_PASSES):
+        calls: list[CapturedCall] = []
+        block = run_block(model, make_cache, draw, tokens, level, calls)
+        changed = calibrate(calls)
+        if not changed:
+            return block, narrowed
+        for mid, (before, after) in changed.items():
+            narrowed[mid] = (narrowed.get(mid, (before, after))[0], after)
+    return run_block(model, make_cache, draw, tokens, level), narrowed
+
+
+def layout_stable(make_cache: MakeCache) -> MakeCache:
+    """``make_cache`` whose caches grow in ``LAYOUT_STEP`` tokens, as a burst's caches do."""
+
+    def make() -> list[Any]:
+        cache = make_cache()
+        stabilize_layout(cache)
+        return cache
+
+    return make
+
+
+def compare(chain: mx.array, block: mx.array) -> tuple[int | None, int, int]:
+    """First differing position, differing bytes, total bytes."""
+    a = chain.view(mx.uint8).reshape(chain.shape[0], -1)
+    b = block.view(mx.uint8).reshape(block.shape[0], -1)
+    diff = a != b
+    per_row: list[int] = mx.sum(diff, axis=1).tolist()  # type: ignore[assignment]
+    first = next((i for i, n in enumerate(per_row) if n), None)
+    return first, int(sum(per_row)), int(a.size)
