@@ -21,6 +21,8 @@ from anyio.abc import TaskGroup
 
 from clients.connection import Connection, address_problem, raise_local_failure
 from clients.events import ClientError, EndEvent, Event, RequestError, Result, event_from_message
+from clients.messages import simple_message, submit_message
+from clients.parse import expand_n, parse_response_format
 from clients.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_GROUP_SIZE,
@@ -29,10 +31,6 @@ from clients.protocol import (
     ProtocolError,
     SamplingOptions,
     Submit,
-    expand_n,
-    parse_response_format,
-    simple_message,
-    submit_message,
 )
 
 #: Seconds ``health``, ``stats`` and ``cancel`` wait when neither the call nor the client sets a

@@ -24,7 +24,8 @@ from anyio.abc import TaskGroup
 
 from clients.address import default_address, ipc_path, unsafe_reason
 from clients.events import ClientError, RequestError
-from clients.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, pack, unbatch, unpack
+from clients.messages import unbatch
+from clients.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, pack, unpack
 from clients.route import Route
 
 #: ZMTP heartbeats (milliseconds): a PING every second; no traffic for 3 s after one means the
@@ -44,7 +45,7 @@ _LOCAL_FAILURE = "_local_failure"
 _LOCAL_TIMEOUT = "_local_timeout"
 
 #: The ZAP status the daemon refuses a handshake with when it holds all the connections it allows
-#: (``scheduler.transport.ZAP_TOO_MANY``); a refused CURVE key is 400. libzmq stops reconnecting
+#: (``scheduler.zap_gate.ZAP_TOO_MANY``); a refused CURVE key is 400. libzmq stops reconnecting
 #: after either: the client stays refused until it is made again.
 TOO_MANY_CONNECTIONS_STATUS = 500
 _HANDSHAKE_FAILED = (

@@ -3,8 +3,8 @@ error codes, and one frame <-> one map.
 
 Every message is one ZeroMQ frame holding a msgpack map. ``unpack`` is where a frame from the
 other side is first read, so it bounds what a hostile frame can make the reader allocate. The
-messages themselves (what each holds, how requests are checked) are in ``protocol``, which
-re-exports everything here: the two sides import ``clients.protocol``.
+messages themselves (what each holds) are in ``protocol``, which re-exports everything here; how
+requests are checked is in ``parse``, the maps each side sends in ``messages``.
 """
 
 from __future__ import annotations

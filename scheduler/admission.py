@@ -1,6 +1,6 @@
 """Turning a parsed submit into an engine job: tokenizing, and the checks that need the model.
 
-``clients.protocol.parse_request`` checks shapes and types; this module checks what only the
+``clients.parse.parse_request`` checks shapes and types; this module checks what only the
 daemon knows: the vocabulary, the context length, the max_tokens cap and the chat template.
 """
 

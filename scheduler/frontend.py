@@ -40,16 +40,12 @@ from scheduler.engine_process import EngineHandle
 from scheduler.flight import REFILL_POLL_S, REFILL_SLACK_S, Flight
 from scheduler.intake import Intake
 from scheduler.local import LocalConnection
+from scheduler.outbox import OUTBOX_RETRY_S
 from scheduler.outputs import Outputs
 from scheduler.settings import BindError, ConfigError, FrontEndSettings, load_table
 from scheduler.stats import Counters
 from scheduler.tenants import TenantTable
-from scheduler.transport import (
-    CONNECTION_POLL_S,
-    HARD_FRAME_FACTOR,
-    OUTBOX_RETRY_S,
-    Transport,
-)
+from scheduler.transport import CONNECTION_POLL_S, HARD_FRAME_FACTOR, Transport
 from workers.api import ModelInfo, Ready, Signal
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from clients.protocol import ErrorCode, MsgType, ProtocolError, Submit, parse_request
+from clients.parse import parse_request
+from clients.protocol import ErrorCode, MsgType, ProtocolError, Submit
 from scheduler import tool_calls, tool_grammar
 from scheduler.anthropic_reply import Reply, event
 from scheduler.anthropic_tools import convert_messages, parse_tools, wire_messages

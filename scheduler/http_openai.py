@@ -1,6 +1,6 @@
 """OpenAI request bodies in, wire ``Submit`` out; errors in the OpenAI shape.
 
-The body is translated into the wire protocol's submit map and checked by ``clients.protocol``'s
+The body is translated into the wire protocol's submit map and checked by ``clients.parse``'s
 own ``parse_request``, so an HTTP request is held to exactly the rules of a ZeroMQ one; what only
 OpenAI has (``n``, ``tools``, ``response_format``, its two spellings of logprobs, ...) is checked
 here (``n`` becomes ``n`` sequences, ``Parsed.submits``), and what the daemon cannot do yet is a 400
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
-from clients.protocol import MAX_N, MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit, expand_n, parse_request
+from clients.parse import expand_n, parse_request
+from clients.protocol import MAX_N, MAX_TOP_LOGPROBS, ErrorCode, MsgType, ProtocolError, Submit
 from scheduler.http_errors import HTTPError, unsupported
 from scheduler.response_format import from_openai
 from scheduler.tool_calls import parse_tools, template_message

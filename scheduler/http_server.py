@@ -38,7 +38,7 @@ from scheduler.tenants import TenantTable
 
 if TYPE_CHECKING:
     from scheduler.http_front import Front
-    from scheduler.metrics import Observations
+    from scheduler.observations import Observations
 
 log = logging.getLogger("mlx_batchd")
 
@@ -137,7 +137,7 @@ class Listeners:
         for a metrics address open to the network without ``--insecure``: it has no keys)."""
         s = self.settings
         if s.metrics is not None:
-            from scheduler.metrics import parse_address
+            from scheduler.exposition import parse_address
 
             try:
                 host, port = parse_address(s.metrics)
@@ -186,7 +186,7 @@ class Listeners:
     async def serve(self, front: Front, obs: Observations, stop: anyio.Event) -> None:
         """Serve both until ``stop`` is set (the metrics of ``obs`` and of the published stats, with
         their ``vllm:`` aliases, on the metrics listener and at the HTTP door's ``/metrics``)."""
-        from scheduler.metrics import metrics_app
+        from scheduler.exposition import metrics_app
 
         def model() -> str | None:
             info = front.model_info

@@ -18,19 +18,9 @@ from typing import Any
 import zmq
 from anyio.abc import TaskGroup
 
-from clients.protocol import (
-    Cancel,
-    ErrorCode,
-    FinishReason,
-    Health,
-    MsgType,
-    ProtocolError,
-    Stats,
-    Submit,
-    error_message,
-    parse_request,
-    unpack,
-)
+from clients.messages import error_message
+from clients.parse import parse_request
+from clients.protocol import Cancel, ErrorCode, FinishReason, Health, MsgType, ProtocolError, Stats, Submit, unpack
 from scheduler.admission import Admitted, admit, prompt_ids
 from scheduler.control import Control
 from scheduler.flight import Flight

@@ -1,11 +1,9 @@
-"""Prometheus exposition (``--metrics HOST:PORT``) of the numbers the ``stats`` reply carries.
+"""The daemon's Prometheus families (``mlx_batchd_``) of the numbers the ``stats`` reply carries.
 
 The event loop publishes a stats snapshot a few times a second; a scrape reads the latest snapshot,
-so it never touches live daemon state and never waits on the engine. The exposition is served by
-the daemon's own bounded HTTP server on its event loop (``scheduler.http_server``: a connection cap,
-head deadlines), through prometheus_client's ASGI app, so its bytes are the library's own. Labels
-are bounded: tenants come from the tenants file, outcomes, levels, purposes and decline reasons
-from fixed sets in the code.
+so it never touches live daemon state and never waits on the engine. Labels are bounded: tenants
+come from the tenants file, outcomes, levels, purposes and decline reasons from fixed sets in the
+code. ``scheduler.exposition`` serves them.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from scheduler.stats_types import BurstSummary, EngineSnapshot, StatsReply, engine_of, read_stats
@@ -272,143 +269,3 @@ def _engine_families(engine: EngineSnapshot | None) -> Iterator[Metric]:
         "Requests held for the next prefill wave now",
         value=0 if admission is None else admission["held"],
     )
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too; an empty host is loopback), or ``ValueError`` saying why."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError("expected HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:9464")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host or "127.0.0.1", int(port)
-
-
-def metrics_app(
-    snapshot: Callable[[], Mapping[str, Any]],
-    registry: CollectorRegistry,
-    *,
-    model: Callable[[], str | None] | None = None,
-    observations: Observations | None = None,
-) -> Any:
-    """The ASGI app that serves the exposition of ``registry`` and the published ``snapshot``; with
-    ``model`` (the served model's name, ``None`` while loading) also the ``vllm:`` aliases, their
-    histograms from ``observations``."""
-    registry.register(StatsCollector(snapshot))
-    if model is not None:
-        registry.register(VllmAliases(snapshot, model, observations))
-    return make_asgi_app(registry)
-
-
-#: The labels vLLM puts on its serving metrics: the served model's name and the engine's index.
-VLLM_LABELS = ["model_name", "engine"]
-
-
-class VllmAliases(Collector):
-    """vLLM's names for the common serving metrics, so dashboards made for vLLM read this daemon:
-    the same numbers as the ``mlx_batchd_`` families (running and waiting requests, KV cache usage,
-    prompt and generation tokens, time to first token, inter-token and end-to-end latency), under
-    vLLM's names, types and labels (``model_name``, ``engine="0"``). Histograms keep this daemon's
-    buckets. Every family is declared from the first scrape; its samples come once the model is
-    loaded (they need its name)."""
-
-    def __init__(
-        self,
-        snapshot: Callable[[], Mapping[str, Any]],
-        model: Callable[[], str | None],
-        observations: Observations | None,
-    ) -> None:
-        self._snapshot, self._model, self._obs = snapshot, model, observations
-
-    def collect(self) -> Iterator[Metric]:
-        published, name = self._snapshot(), self._model()
-        labels = None if not published or name is None else [name, "0"]
-        running = GaugeMetricFamily(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=VLLM_LABELS
-        )
-        waiting = GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=VLLM_LABELS
-        )
-        usage = GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage (of kv_budget_mb; 0 without a budget).",
-            labels=VLLM_LABELS,
-        )
-        prompt = CounterMetricFamily("vllm:prompt_tokens", "Number of prefill tokens processed.", labels=VLLM_LABELS)
-        generation = CounterMetricFamily(
-            "vllm:generation_tokens", "Number of generation tokens processed.", labels=VLLM_LABELS
-        )
-        if labels is not None:
-            s = read_stats(published)
-            engine = engine_of(s)
-            running.add_metric(labels, 0 if engine is None else engine["active_sequences"])
-            waiting.add_metric(labels, s["requests_waiting"])
-            budget = s["kv_budget_bytes"]
-            usage.add_metric(labels, s["kv_reserved_bytes"] / budget if budget > 0 else 0.0)
-            prompt.add_metric(labels, sum(t["served_prompt_tokens"] for t in s["tenants"].values()))
-            generation.add_metric(labels, sum(t["served_generated_tokens"] for t in s["tenants"].values()))
-        yield from (running, waiting, usage, prompt, generation)
-        obs = self._obs
-        ttft, tokens, e2e = (None, None, None) if obs is None else (obs.ttft, obs.tokens, obs.e2e)
-        histograms: tuple[tuple[str, str, Collector | None], ...] = (
-            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft),
-            ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", tokens),
-            (
-                "time_per_output_token_seconds",
-                "Histogram of time per output token in seconds (the inter-token latency, vLLM's older name).",
-                tokens,
-            ),
-            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", e2e),
-        )
-        for name_, help_, source in histograms:
-            family = HistogramMetricFamily(f"vllm:{name_}", help_, labels=VLLM_LABELS)
-            if labels is not None and source is not None:
-                buckets, total = _histogram_of(source)
-                family.add_metric(labels, buckets, total)
-            yield family
-
-
-def _histogram_of(source: Collector) -> tuple[list[tuple[str, float]], float]:
-    """The cumulative buckets and the sum of the first (unlabelled) histogram ``source`` collects."""
-    metric = next(iter(source.collect()))
-    buckets = [(s.labels["le"], s.value) for s in metric.samples if s.name.endswith("_bucket")]
-    total = next(s.value for s in metric.samples if s.name.endswith("_sum"))
-    return buckets, total
-
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-class Observations:
-    """Distributions observed as things happen (a snapshot cannot give percentiles). The metric
-    objects are thread-safe; the event loop observes, and scrapes read them on the same loop."""
-
-    def __init__(self) -> None:
-        from prometheus_client import Histogram
-
-        from scheduler.token_metrics import Counts
-
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "From submit read to first token",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
-            f"{PREFIX}_request_duration_seconds", "From submit read to the end", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.queue = Histogram(
-            f"{PREFIX}_queue_time_seconds", "From submit read to prefill start", registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.step = Histogram(
-            f"{PREFIX}_step_seconds", "Engine step time by kind", ["kind"], registry=r, buckets=LATENCY_BUCKETS
-        )
-        self.batch = Histogram(
-            f"{PREFIX}_batch_size", "Sequences per batched decode step", registry=r, buckets=BATCH_BUCKETS
-        )
-        #: The per-token families (inter-token gaps, generated tokens by mode) as plain counts.
-        self.tokens = Counts(PREFIX, LATENCY_BUCKETS)
-        r.register(self.tokens)

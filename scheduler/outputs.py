@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.protocol import ErrorCode, FinishReason, empty_timings, empty_usage, end_message, token_message
-from scheduler.metrics import Observations
+from clients.messages import empty_timings, empty_usage, end_message, token_message
+from clients.protocol import ErrorCode, FinishReason
+from scheduler.observations import Observations
 from scheduler.requests import Tracked
 from workers.api import Finished, StepInfo, StepKind, Tokens
 

@@ -1,7 +1,7 @@
 """Structured output at the front end: OpenAI's ``response_format`` to the wire's, and the check that
 a request's grammar compiles for the model before it is admitted.
 
-The wire's ``response_format`` (``clients.protocol.parse_response_format``) is checked for shape
+The wire's ``response_format`` (``clients.parse.parse_response_format``) is checked for shape
 without the model; here, once the tokenizer is known, it becomes an llguidance grammar
 (``workers.api.grammar``) that must compile against the tokenizer, or the request is refused with
 ``bad_field`` naming ``response_format`` and the engine's reason. The engine builds the same

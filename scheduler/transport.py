@@ -1,13 +1,12 @@
-"""The front end's connections: the ZeroMQ ROUTER, CURVE and ZAP, the disconnect monitor, and
-sending without ever waiting (binding the address and unlinking the ipc socket file: ``binding``).
+"""The front end's connections: the ZeroMQ ROUTER, CURVE, the disconnect monitor and the
+connection table (binding the address and unlinking the ipc socket file: ``binding``; sending
+without ever waiting, outboxes, pausing and in-process connections: ``outbox``; the connection cap's
+ZAP handler: ``zap_gate``; cutting a connection that floods the reader: ``flood``).
 
 Every connection is tracked by its routing id and the file descriptor its messages arrive on
 (``ZMQ_SRCFD``); a socket monitor reports disconnects by descriptor, so a connection's requests end
 the moment it is gone and a later connection that reuses its routing id finds nothing to read or
-cancel. A connection that does not read fast enough gets back-pressure, not a cut: its ZeroMQ queue
-is bounded (``max_unsent_per_client``), what does not fit waits in an outbox, in order, and the
-front end pauses its sequences until the outbox drains. In-process connections (``open_local``) get
-the same outbox and pausing, with a bounded memory stream in place of the socket.
+cancel. A connection that does not read fast enough gets back-pressure, not a cut (``outbox``).
 
 Input never stops (no receive high-water mark: libzmq aborts when a PING meets a stopped input);
 what a connection may queue is bounded by the reader, which cuts a connection that sends faster than
@@ -20,12 +19,8 @@ paused)``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -33,13 +28,13 @@ from typing import Any, cast
 import anyio
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-from clients.protocol import batch_message, pack
 from scheduler.binding import BoundFile, bind_listen, unlink_bound
+from scheduler.flood import FLOOD_MESSAGES, RCVHWM, shut_down
+from scheduler.outbox import OUTBOX_RETRY_S, Outbox
 from scheduler.settings import ConfigError
+from scheduler.zap_gate import DEFAULT_MAX_CONNECTIONS, ZAP_DOMAIN, ZapGate, fitted_connection_cap
 
 log = logging.getLogger("mlx_batchd")
 
@@ -58,41 +53,13 @@ TCP_KEEPALIVE_CNT = 3
 #: Seconds the id and descriptor of a connection seen closed are remembered, so that the messages it
 #: left queued (delivered after its disconnect) are skipped rather than taken for a new connection.
 STALE_S = 10.0
-#: How often disconnects are looked for while nothing is sent or received, and how often a full
-#: outbox is retried.
+#: How often disconnects are looked for while nothing is sent or received.
 CONNECTION_POLL_S = 0.1
-OUTBOX_RETRY_S = 0.005
-#: The ROUTER's receive high-water mark: none. libzmq 4.3.5 answers a peer's PING at once, and
-#: asserts (``!_io_error``, zeromq/libzmq#3937) when it does so on a connection whose input a full
-#: receive queue had stopped and which then hung up; an unbounded queue never stops a connection's
-#: input. What a connection may queue is bounded by the reader instead (``FLOOD_MESSAGES``).
-RCVHWM = 0
-#: Messages the reader may take from one connection while it never catches up with the socket
-#: (each read found a message already waiting). A connection that goes on sending faster than the
-#: daemon reads is cut (its socket shut down): without a receive high-water mark nothing else would
-#: stop what it queues from growing. Far above what a client keeps in flight (the client library's
-#: ``generate_many`` sends at most ``DEFAULT_CONCURRENCY`` jobs at once).
-FLOOD_MESSAGES = 4096
-#: ZeroMQ connections held at once when not configured (``zmq_max_connections``); lowered at start
-#: to half the descriptors the HTTP listeners leave to ZeroMQ, the engine's pipes and files.
-DEFAULT_MAX_CONNECTIONS = 256
-#: The ZAP domain of the daemon's socket: with it set, libzmq asks the ZAP handler about every
-#: handshake, NULL ones included, and the handler refuses those past the connection cap.
-ZAP_DOMAIN = b"mlx-batchd"
-#: The ZAP status a handshake refused for the connection cap gets (the client library reads it as
-#: ``too_many_connections``; 400 stays a refused key). 300 is not used: libzmq sends the client no
-#: answer for it and the handshake hangs.
-ZAP_TOO_MANY = b"500"
 #: Seconds between two warnings that handshakes are refused or connections cut.
 WARN_EVERY_S = 10.0
 
 
-#: Outgoing messages waiting in an outbox: packed frames for ZeroMQ connections, the maps themselves
-#: for in-process ones.
-_Outgoing = bytes | dict[str, Any]
-
-
-class Transport:
+class Transport(Outbox):
     """The ROUTER socket and every connection's bookkeeping; never waits on a send."""
 
     def __init__(
@@ -105,26 +72,14 @@ class Transport:
         on_pause: Callable[[bytes, bool], None],
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
+        super().__init__(max_unsent_per_client=max_unsent_per_client, on_gone=on_gone, on_pause=on_pause)
         self.listen = listen
         self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
-        self.max_unsent_per_client = max_unsent_per_client
-        self._on_gone = on_gone
-        self._on_pause = on_pause
         #: The descriptor each client's connection was last seen on, and back: a disconnect names the
         #: descriptor only. A client that is not here has no live connection as far as we know.
         self._fd_of: dict[bytes, int] = {}
         self._client_on: dict[int, bytes] = {}
-        #: Messages that did not fit a client's ZeroMQ queue, oldest first; their clients are paused.
-        self._outbox: dict[bytes, deque[_Outgoing]] = {}
-        #: In-process connections (``open_local``) and the streams their messages go into.
-        self._local: dict[bytes, MemoryObjectSendStream[dict[str, Any]]] = {}
-        self._paused: set[bytes] = set()
-        #: Connections that said they read ``batch`` messages (``Submit.batch``).
-        self._batching: set[bytes] = set()
-        #: While one step's engine events are handled: what each batching connection is owed, in
-        #: order, sent as one frame when the step is done (``end_step``).
-        self._step_out: dict[bytes, list[dict[str, Any]]] | None = None
         #: The ipc socket file this daemon bound, so exit removes only that file: device, inode and
         #: change time (an inode number alone is reused as soon as a file is deleted).
         self._bound_socket: BoundFile | None = None
@@ -161,7 +116,7 @@ class Transport:
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
         self._monitor = self._open_monitor(ctx, sock)
-        self._gate = _Gate(ctx, self._has_room)
+        self._gate = ZapGate(ctx, self._has_room)
         self._gate.start()
 
     def close(self) -> None:
@@ -270,20 +225,8 @@ class Transport:
         fd = self._fd_of.get(client, -1)
         if fd < 0 or self._client_on.get(fd) != client:
             return False
-        try:
-            copy = os.dup(fd)  # the same connection; closing the copy leaves libzmq's descriptor open
-        except OSError:
+        if not shut_down(fd):
             return False
-        try:
-            dup = socket.socket(fileno=copy)
-        except OSError:
-            os.close(copy)
-            return False
-        with dup:
-            try:
-                dup.shutdown(socket.SHUT_RDWR)  # libzmq reads the end of the stream and closes it
-            except OSError:
-                return False
         self.flood_cuts += 1
         self._warn(
             f"cut client {client.hex()}: it sent more than {FLOOD_MESSAGES} messages faster than the daemon reads"
@@ -332,39 +275,8 @@ class Transport:
         fd = self._fd_of.pop(client, None)
         if fd is not None and self._client_on.get(fd) == client:
             del self._client_on[fd]
-        self._outbox.pop(client, None)
-        self._paused.discard(client)
-        self._batching.discard(client)
         self._streak.pop(client, None)
-        local = self._local.pop(client, None)
-        if local is not None:
-            local.close()
-
-    def open_local(self, client: bytes) -> MemoryObjectReceiveStream[dict[str, Any]]:
-        """An in-process connection under id ``client``: its messages go into the returned stream."""
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](self.max_unsent_per_client)
-        self._local[client] = send
-        return receive
-
-    def is_local(self, client: bytes) -> bool:
-        return client in self._local
-
-    def mark_batching(self, client: bytes) -> None:
-        self._batching.add(client)
-
-    def is_paused(self, client: bytes) -> bool:
-        return client in self._paused
-
-    @property
-    def paused_count(self) -> int:
-        return len(self._paused)
-
-    @property
-    def unsent(self) -> int:
-        return sum(len(box) for box in self._outbox.values())
-
-    def outbox_full(self, client: bytes) -> bool:
-        return len(self._outbox.get(client, ())) >= self.max_unsent_per_client
+        self._forget_sending(client)
 
     async def tend(self) -> None:
         """Notice disconnects while nothing is sent or received, and drain outboxes."""
@@ -380,135 +292,3 @@ class Transport:
                 self.poll()
                 self.flush_outboxes()
                 await anyio.sleep(OUTBOX_RETRY_S)
-
-    # ------------------------------------------------------------------ sending
-
-    def begin_step(self) -> None:
-        """From now until ``end_step``, what batching connections are sent is gathered."""
-        self._step_out = {}
-
-    def end_step(self) -> None:
-        """One frame per connection for a step's events (a lone event goes as itself)."""
-        out, self._step_out = self._step_out or {}, None
-        for client, events in out.items():
-            self._send_frame(client, events[0] if len(events) == 1 else batch_message(events))
-
-    def send(self, client: bytes, msg: dict[str, Any]) -> None:
-        """Send ``msg`` now, or, while a step's events are handled and ``client`` reads batches,
-        add it to what that connection gets in one frame at the end of the step."""
-        if self._step_out is not None and client in self._batching:
-            self._step_out.setdefault(client, []).append(msg)
-        else:
-            self._send_frame(client, msg)
-
-    def _send_frame(self, client: bytes, msg: dict[str, Any]) -> None:
-        """Send one message without ever waiting, in order, never dropping it while its client lives.
-
-        A client that is gone is reported (``on_gone``). When the client's ZeroMQ queue is full
-        (it reads slower than its requests generate), the message goes to the client's outbox,
-        later messages queue behind it, and the client is paused until the outbox drains
-        (``_flush``).
-
-        The send goes through the asyncio socket (NOBLOCK, so its future is already resolved):
-        ZeroMQ's notification fd is edge-triggered, and pyzmq re-arms the pending receive after
-        its own sends; a send through a second (shadow) socket object would swallow that edge and
-        leave new requests unread while the daemon streams tokens.
-        """
-        frame: _Outgoing
-        if client in self._local:
-            frame = msg  # in-process: the map itself, nothing to encode
-        else:
-            self.poll()
-            if client not in self._fd_of:
-                return  # gone: its requests were ended when that was noticed
-            frame = pack(msg)
-        box = self._outbox.get(client)
-        if box is not None:
-            box.append(frame)
-            return
-        result = self._try_send(client, frame)
-        if result == "full":
-            self._outbox[client] = deque([frame])
-            self._set_paused(client, True)
-        elif result == "gone":
-            self._on_gone(client, "a send found no connection")
-
-    def _try_send(self, client: bytes, frame: _Outgoing) -> str:
-        """``sent``, ``full`` (its ZeroMQ queue is at the high-water mark, or its in-process stream
-        is full) or ``gone``."""
-        if isinstance(frame, dict):
-            local = self._local.get(client)
-            if local is None:
-                return "gone"
-            try:
-                local.send_nowait(frame)
-            except anyio.WouldBlock:
-                return "full"
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return "gone"
-            return "sent"
-        sent = cast("asyncio.Future[Any]", self._sock.send_multipart([client, frame], flags=zmq.NOBLOCK))
-        exc = sent.exception() if sent.done() else None
-        if exc is None:
-            return "sent"
-        if isinstance(exc, zmq.Again):
-            return "full"
-        if not isinstance(exc, zmq.ZMQError):
-            raise exc
-        return "gone"  # EHOSTUNREACH: ROUTER_MANDATORY's word for a peer it does not have
-
-    def flush_outboxes(self) -> None:
-        for client in list(self._outbox):
-            self._flush(client)
-
-    def _flush(self, client: bytes) -> None:
-        """Send what waits for ``client`` while its queue takes it; resume it when done."""
-        box = self._outbox.get(client)
-        while box:
-            result = self._try_send(client, box[0])
-            if result == "full":
-                return
-            if result == "gone":
-                self._on_gone(client, "a send found no connection")
-                return
-            box.popleft()
-        self._outbox.pop(client, None)
-        self._set_paused(client, False)
-
-    def _set_paused(self, client: bytes, paused: bool) -> None:
-        if paused == (client in self._paused):
-            return
-        (self._paused.add if paused else self._paused.discard)(client)
-        self._on_pause(client, paused)
-
-
-class _Gate(AsyncioAuthenticator):
-    """The socket's ZAP handler, on the event loop: a handshake past the connection cap is refused
-    (``ZAP_TOO_MANY``); the rest get pyzmq's checks (NULL: admitted; CURVE: the tenants' keys)."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, has_room: Callable[[], bool]) -> None:
-        super().__init__(ctx)
-        self._has_room = has_room
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) >= 6 and not self._has_room():
-            self._send_zap_reply(msg[1], ZAP_TOO_MANY, b"too many connections")
-            return
-        await super().handle_zap_message(msg)
-
-
-def fitted_connection_cap(wanted: int) -> int:
-    """``wanted`` ZeroMQ connections, lowered (with a warning) to half the descriptors the HTTP
-    listeners leave to ZeroMQ, the engine's pipes and files (``http_limits.connection_cap``)."""
-    from scheduler.http_limits import RESERVE_MAX, RESERVE_MIN, descriptor_limit
-
-    limit = descriptor_limit()
-    if limit is None:
-        return wanted
-    room = max(1, max(RESERVE_MIN, min(RESERVE_MAX, limit // 4)) // 2)
-    if room < wanted:
-        log.warning(
-            "zmq_max_connections %d lowered to %d: the descriptor limit (RLIMIT_NOFILE) is %d", wanted, room, limit
-        )
-        return room
-    return wanted

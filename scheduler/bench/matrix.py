@@ -47,7 +47,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
-from scheduler.affinity import allowed_cpus, running_on
+from scheduler.affinity import running_on
 from scheduler.bench.arms import (
     HTTP_ARMS,
     RUN_BURST_KEYS,
@@ -67,57 +67,17 @@ from scheduler.bench.arms import (
     text_prompts,
     wait_idle,
 )
-from scheduler.bench.b1 import b1_rows, write_b1
-from scheduler.bench.batched import Setup, batched_rows, write_report
+from scheduler.bench.batched import Setup
+from scheduler.bench.daemon_meta import read_daemons
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.rewrite import rewrite_prompts
 from scheduler.bench.spreads import rotated
+from scheduler.bench.tables import write_b1_table, write_tables
 from scheduler.cli.demo import DEMO_PROMPTS
 from workers import envs
-
-
-def write_tables(
-    samples: dict[tuple[str, int], list[float]],
-    setup: Setup,
-    meta: dict[str, Any],
-    out: Path,
-    counts: dict[str, dict[str, float]] | None = None,
-    verdicts: dict[str, dict[str, Any]] | None = None,
-    runs: list[dict[str, Any]] | None = None,
-    gates: dict[str, dict[str, Any]] | None = None,
-) -> str:
-    """Write every table with the batch sizes finished so far and return their Markdown.
-
-    Called after each batch size, so a run that an outer timeout stops keeps the rows it finished
-    (``meta['complete']`` says whether every batch size is in). The B = 1 table needs the burst
-    ``counts`` of its arms, taken when B = 1 finished."""
-    done = setup.finished(samples)
-    meta = {**meta, "batches": list(setup.batches), "batches_done": done, "complete": done == list(setup.batches)}
-    rows = batched_rows(samples, setup)
-    if not rows:
-        return ""
-    md = write_report(rows, meta, out, runs)
-    if 1 in done and setup.b1_arms and counts is not None:
-        md += "\n" + write_b1_table(samples, setup, meta, out, counts, verdicts or {}, runs or [], gates)
-    return md
-
-
-def write_b1_table(
-    samples: dict[tuple[str, int], list[float]],
-    setup: Setup,
-    meta: dict[str, Any],
-    out: Path,
-    counts: dict[str, dict[str, float]],
-    verdicts: dict[str, dict[str, Any]],
-    runs: list[dict[str, Any]],
-    gates: dict[str, dict[str, Any]] | None = None,
-) -> str:
-    """The B = 1 burst table (JSON, Markdown, PNG) from the samples so far; returns its Markdown."""
-    b1 = b1_rows(samples, counts, verdicts, setup.reference(1), gates)
-    return write_b1(b1, meta, out, setup.reference_line(1), [r for r in runs if r["batch"] == 1])
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -145,7 +105,7 @@ def _main(args: argparse.Namespace) -> int:
     from workers.api import EngineSettings
     from workers.engine.engine import Engine
     from workers.engine.startup import buffer_cache_limit
-    from workers.kernels import compiled_layers, fastpath, qmv_launch
+    from workers.kernels import fastpath, qmv_launch
     from workers.kernels.backend import backend_fingerprint, configure_attention
     from workers.models.loading import load
 
@@ -277,35 +237,7 @@ def _main(args: argparse.Namespace) -> int:
         model_id = served_model(http) if http else ""
         progress("bench: waiting for the daemons' start-up probes")
         wait_idle(clients)  # every start-up probe has finished before anything is timed
-        probe_seconds: dict[str, float] = {}
-        for name, c in clients.items():
-            for pairing, v in c.stats()["engine"]["verdicts"].items():
-                if "probe_seconds" in v:
-                    probe_seconds[f"{name} ({pairing})"] = v["probe_seconds"]
-                verdicts[name] = v
-        meta["probe_seconds"] = probe_seconds
-        # Row-count plans are kept per machine (workers.kernels.plan_store), yet a daemon started with another
-        # $MLX_BATCHD_CACHE times its own: one whose plans differ from the engine alone's runs other
-        # kernels, which its ratio then includes.
-        plans = {"engine": engine.kernel_plans}
-        plans.update({name: c.stats()["engine"].get("kernel_plans", {}) for name, c in clients.items()})
-        meta["kernel_plans"] = plans
-        # How each daemon's pins apply: ``process`` only for the process-wide pin arm.
-        meta["pin_scope"] = {name: c.stats()["engine"].get("pin_scope") for name, c in clients.items()}
-        # Decoder layers each arm runs compiled around attention (workers.kernels.compiled_layers; 0: none).
-        meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
-            name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()
-        }
-        # The in-process arms run on the CPUs the daemon arm's engine process runs on
-        # (scheduler.affinity): like for like, the ratios then hold the daemon's cost alone.
-        engine_cpus = clients["daemon"].stats()["engine"]["loop"].get("cpus")
-        in_process_cpus = None if engine_cpus is None or tuple(engine_cpus) == allowed_cpus() else engine_cpus
-        meta["in_process_cpus"] = in_process_cpus
-        if in_process_cpus is not None:
-            progress(f"bench: the raw and engine arms run on CPUs {in_process_cpus}, as the daemon's engine process")
-        differ = [name for name in clients if plans[name] != engine.kernel_plans]
-        if differ:
-            progress(f"bench: note: {', '.join(differ)} chose other row-count plans than the engine alone (meta)")
+        probe_seconds, in_process_cpus = read_daemons(clients, engine, meta, verdicts)
 
         def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
             if arm == "raw":

@@ -16,7 +16,8 @@ import zmq
 
 from clients import AsyncClient
 from clients.events import EndEvent, TokenEvent
-from clients.protocol import FinishReason, batch_message, empty_timings, end_message, pack, token_message, unpack
+from clients.messages import batch_message, empty_timings, end_message, token_message
+from clients.protocol import FinishReason, pack, unpack
 
 
 class ScriptedPeer:

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from clients import Client
-from clients.protocol import PROTOCOL_VERSION, pack, unbatch, unpack
+from clients.messages import unbatch
+from clients.protocol import PROTOCOL_VERSION, pack, unpack
 from tests.conftest import TEST_CONTEXT, Daemon, start_daemon
 from tests.reference import greedy_reference
 

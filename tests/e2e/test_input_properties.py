@@ -23,7 +23,8 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from clients.protocol import PROTOCOL_VERSION, pack, unbatch, unpack
+from clients.messages import unbatch
+from clients.protocol import PROTOCOL_VERSION, pack, unpack
 from tests.conftest import TEST_CONTEXT, Daemon, start_daemon
 from tests.e2e.test_http import TEMPLATE_WITH_VARIABLE, http_url
 

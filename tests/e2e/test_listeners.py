@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from clients import Client
+from scheduler.exposition import metrics_app
 from scheduler.http_limits import HEAD_TIMEOUT_S, ListenerLimits, connection_cap
 from scheduler.http_server import bind, serve_app
-from scheduler.metrics import metrics_app
 from tests.conftest import Daemon, start_daemon
 from tests.e2e.test_http import http_url, wait_until
 from tests.e2e.test_http_auth import mlx_batchd

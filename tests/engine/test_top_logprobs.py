@@ -18,7 +18,7 @@ from tests.helpers.top_logprobs import LOOPING, Top, reference
 from tests.reference import load_reference, probed_bursts
 from workers import kernels
 from workers.api import BurstSettings, Event, Finished, Job, Level, SamplingParams, Tokens
-from workers.engine import engine as engine_module
+from workers.engine import batch_step
 from workers.engine.engine import Engine
 from workers.engine.spec.drafters import PromptLookup
 from workers.kernels import measure_widths
@@ -136,13 +136,13 @@ def test_top_logprobs_imply_logprobs_and_cost_nothing_when_not_asked(
     target: Any, eos: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[tuple[int, ...]] = []
-    real = engine_module.top_logprobs
+    real = batch_step.top_logprobs
 
     def counted(rows: mx.array, k: int) -> list[Top]:
         calls.append(tuple(rows.shape))
         return real(rows, k)
 
-    monkeypatch.setattr(engine_module, "top_logprobs", counted)
+    monkeypatch.setattr(batch_step, "top_logprobs", counted)
     out = run(make_engine(target, eos), [Job(seq=1, prompt=[5, 6, 7], max_tokens=12, logprobs=True)])
     assert out[1].lps is not None and out[1].tops is None and calls == []
     out = run(make_engine(target, eos), [job(2, [5, 6, 7], n=12, k=2)])  # logprobs left false

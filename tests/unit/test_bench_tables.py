@@ -13,11 +13,11 @@ import pytest
 from scheduler.bench.arms import HTTP_ARMS, drafter_args
 from scheduler.bench.b1 import b1_markdown, b1_rows
 from scheduler.bench.batched import Setup, batched_markdown, batched_rows
-from scheduler.bench.matrix import write_tables
 from scheduler.bench.output import BenchError
 from scheduler.bench.prefix import PrefixPlan
 from scheduler.bench.prefix_report import prefix_markdown
 from scheduler.bench.reference import known_bandwidth, reference_line, reference_tok_s
+from scheduler.bench.tables import write_tables
 from scheduler.cli import build_parser
 
 CLASSIC = [100.0, 90.0, 110.0]

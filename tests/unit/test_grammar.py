@@ -12,14 +12,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from clients.protocol import (
-    ProtocolError,
-    SamplingOptions,
-    Submit,
-    parse_request,
-    parse_response_format,
-    submit_message,
-)
+from clients.messages import submit_message
+from clients.parse import parse_request, parse_response_format
+from clients.protocol import ProtocolError, SamplingOptions, Submit
 from scheduler.response_format import check, from_openai
 from workers.api.grammar import compile_error, grammar_text, lltokenizer
 from workers.engine.grammar_mask import GrammarState

@@ -10,16 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clients.events import EndEvent, TokenEvent, event_from_message
-from clients.protocol import (
-    PROTOCOL_VERSION,
-    ErrorCode,
-    ProtocolError,
-    SamplingOptions,
-    Submit,
-    parse_request,
-    submit_message,
-    unpack,
-)
+from clients.messages import submit_message
+from clients.parse import parse_request
+from clients.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, SamplingOptions, Submit, unpack
 from scheduler.admission import Limits, admit
 from scheduler.stopping import StopStrings
 from workers.api import ModelInfo
@@ -225,7 +218,8 @@ def test_decoder_survives_arbitrary_msgpack(value: Any) -> None:
 
 
 def test_a_batch_carries_events_in_order_and_anything_else_is_one_event() -> None:
-    from clients.protocol import FinishReason, batch_message, end_message, pack, token_message, unbatch
+    from clients.messages import batch_message, end_message, token_message, unbatch
+    from clients.protocol import FinishReason, pack
 
     first = token_message("a", [1], "x", None)
     second = end_message("a", FinishReason.LENGTH, {"prompt_tokens": 1, "completion_tokens": 1}, {}, None)

@@ -8,16 +8,9 @@ import mlx.core as mx
 import msgpack
 import pytest
 
-from clients.protocol import (
-    MAX_N,
-    ErrorCode,
-    ProtocolError,
-    SamplingOptions,
-    Submit,
-    expand_n,
-    parse_request,
-    submit_message,
-)
+from clients.messages import submit_message
+from clients.parse import expand_n, parse_request
+from clients.protocol import MAX_N, ErrorCode, ProtocolError, SamplingOptions, Submit
 from workers.api import Job, SamplingParams, SubmitJob, from_wire, to_wire
 from workers.engine.logits_controls import processors_for, stop_ids
 

@@ -7,7 +7,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from scheduler.metrics import LATENCY_BUCKETS
+from scheduler.observations import LATENCY_BUCKETS
 from scheduler.token_metrics import Counts
 
 

@@ -9,16 +9,9 @@ import pytest
 
 from clients import TokenEvent
 from clients.events import event_from_message
-from clients.protocol import (
-    ErrorCode,
-    ProtocolError,
-    Submit,
-    pack,
-    parse_request,
-    submit_message,
-    token_message,
-    unpack,
-)
+from clients.messages import submit_message, token_message
+from clients.parse import parse_request
+from clients.protocol import ErrorCode, ProtocolError, Submit, pack, unpack
 
 
 def _submit(**fields: Any) -> dict[str, Any]:

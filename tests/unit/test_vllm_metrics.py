@@ -6,7 +6,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import Observations, metrics_app
+from scheduler.exposition import metrics_app
+from scheduler.observations import Observations
 from tests.helpers.exposition import VLLM_FAMILIES, VLLM_HISTOGRAMS, strict_problems
 from tests.helpers.stats import stats_snapshot
 

@@ -22,6 +22,7 @@ _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "w4a16_marlin.py"
 
 
 def _load() -> ModuleType:
+    sys.path.insert(0, str(_PATH.parent))  # its sibling modules (the CUDA text, the emulator)
     spec = importlib.util.spec_from_file_location("w4a16_marlin", _PATH)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

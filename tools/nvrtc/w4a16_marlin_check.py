@@ -22,6 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchma
 import check  # noqa: E402
 import w4a16_marlin as w4m  # noqa: E402
 
+#: The dtype of each kernel input (in ``LAYOUTS[layout].input_names`` order; ``locks`` is 1-D).
+INPUT_DTYPES = {
+    "repacked": ["bfloat16", "uint32", "bfloat16", "int32"],
+    "native": ["bfloat16", "uint32", "bfloat16", "bfloat16", "int32"],
+}
+
 
 def cases(all_variants: bool) -> list[tuple[str, w4m.Plan, int, bool, bool]]:
     """(label, plan, group size, split, reduce) for every variant to compile."""
@@ -78,21 +84,18 @@ def main() -> int:
     for (label, p, gs, split, reduce), is_native in todo:
         if args.only and label != args.only:
             continue
-        if is_native:
-            name = w4m.native_kernel_name(p, gs, split, reduce)
-            inputs = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf), ("locks", 1, "int32")]
-            source, header, tmpl = w4m.NATIVE_SOURCE, w4m.NATIVE_HEADER, w4m.native_template(p, gs, split, reduce)
-        else:
-            name = w4m.kernel_name(p, gs, split, reduce)
-            inputs = [("x", 2, bf), ("wq", 2, "uint32"), ("sb", 2, bf), ("locks", 1, "int32")]
-            source, header, tmpl = w4m.SOURCE, w4m.HEADER, w4m.template(p, gs, split, reduce)
+        layout: w4m.Layout = "native" if is_native else "repacked"
+        kern = w4m.LAYOUTS[layout]
+        dtypes = INPUT_DTYPES[layout]
+        inputs = [(n, 1 if n == "locks" else 2, dt) for n, dt in zip(kern.input_names, dtypes, strict=True)]
+        tmpl = w4m.template(p, gs, split, reduce, layout)
         r = check.compile_kernel(
-            name,
+            w4m.kernel_name(p, gs, split, reduce, layout),
             inputs,
             w4m.OUTPUT_NAMES,
             [bf, "float32"],
-            source,
-            header,
+            kern.source,
+            kern.header,
             [(n, v if isinstance(v, (bool, int)) else bf) for n, v in tmpl],
             args.dump,
             args.arch,

@@ -26,7 +26,7 @@ class SamplingParams:
     """How to pick each token. ``temperature == 0`` is greedy (argmax) and ignores the filters; the
     logits controls apply either way, before the pick.
 
-    The bounds are the wire's (``clients.protocol.parse_request`` checks them): temperature in
+    The bounds are the wire's (``clients.parse.parse_request`` checks them): temperature in
     [0, 100], top_p in (0, 1], min_p in [0, 1], top_k >= 0 (0: no top-k filter). ``seed`` makes a
     sampled request's draws reproducible whatever else the batch holds (``workers.engine.sampling``).
     """

@@ -12,7 +12,8 @@ One model over several ranks (docs/distributed.md) runs one of these per rank: e
 decided by rank 0 (``_decide``: the commands, seeds for unseeded sampled jobs, every choice that
 reads the clock) and published as a ``workers.dist.Plan``; every rank applies the plans with
 the same code (``_apply``), so all run the same forwards, and each follower checks rank 0's state
-in the plan against its own before applying it.
+in the plan against its own before applying it (``workers.engine.ranks``: a follower's loop, the
+digest the ranks compare, the watchdog).
 
 Its vocabulary (commands, signals) is ``workers.api``; building the engine it serves is
 ``workers.engine.startup``.
@@ -20,10 +21,8 @@ Its vocabulary (commands, signals) is ``workers.api``; building the engine it se
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,14 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import msgpack
 
 from workers.api import (
     Cancel,
     Command,
     Dead,
     EngineSettings,
-    Finished,
     Job,
     Pause,
     Ready,
@@ -48,7 +45,6 @@ from workers.api import (
     Signal,
     Stopped,
     SubmitJob,
-    Tokens,
 )
 from workers.api.stats import (
     AdmissionSnapshot,
@@ -64,6 +60,7 @@ from workers.engine.arrivals import AdmissionWaves
 from workers.engine.engine import Engine
 from workers.engine.prefill_wave import most_prompts
 from workers.engine.profiling import profiled
+from workers.engine.ranks import Ranks
 from workers.engine.sampling import with_seed
 from workers.engine.spec.policy import Gate
 from workers.engine.startup import buffer_cache_limit, build_engine, check_environment, check_same_settings
@@ -73,9 +70,6 @@ from workers.kernels import SettingError, configure_attention
 from workers.models import LoadedModel, ModelError
 
 log = logging.getLogger("mlx_batchd.engine")
-
-#: The code of a shutdown the daemon asked for (SIGTERM, SIGINT); any other code means it is gone.
-SHUTDOWN = "shutdown"
 
 
 def release_thread_streams() -> None:
@@ -87,7 +81,7 @@ def release_thread_streams() -> None:
         log.exception("could not release this thread's MLX streams")
 
 
-class EngineThread:
+class EngineThread(Ranks):
     """Runs ``load`` then the engine loop on a dedicated thread.
 
     Across ranks (``world`` of several, or a callable that joins the group on the engine thread)
@@ -223,28 +217,6 @@ class EngineThread:
         lost = as_peer_lost(self.world, exc)
         return str(lost) if lost is not None else traceback.format_exc()
 
-    def _watch(self) -> None:
-        """End this process when one iteration runs past ``rank_timeout_s``.
-
-        A ring collective whose peer died mid-transfer can wait for good (its promise is never
-        kept), with nothing raised: the engine thread cannot notice, and the daemon would hold
-        every request open. The rank says why (``Dead``, and in its log) and exits 1; the others
-        then lose their peer in turn."""
-        limit = self._settings.rank_timeout_s
-        while self._thread.is_alive():
-            time.sleep(min(1.0, limit / 4))
-            since = self._busy_since
-            if since is None or time.monotonic() - since <= limit:
-                continue
-            why = (
-                f"rank {self.world.rank}: one engine iteration ran past {limit:g} s (rank_timeout in the config file); "
-                "a peer is gone or stuck inside a collective, so this rank stops"
-            )
-            log.error("%s", why)
-            self._emit([Dead(why)])
-            time.sleep(1.0)  # the word leaves with the engine process's socket
-            os._exit(1)
-
     def _commands(self, block: bool, timeout: float | None = None) -> list[Command]:
         """The inbox's commands; when ``block``, the first is waited for (for at most ``timeout``, and
         across ranks for at most ``IDLE_WAIT_S``: the other ranks wait inside the next plan's
@@ -277,31 +249,6 @@ class EngineThread:
             self._busy_since = time.monotonic()
             if self._apply(engine, self._decide(engine, cmds, idle)):
                 return
-
-    def _follow(self, engine: Engine) -> None:
-        """Another rank's loop: rank 0's plans, each checked against this rank's state, then applied."""
-
-        def apply(plan: Plan) -> None:
-            want, have = plan.decisions.get("check"), self._state(engine)
-            if want != have:
-                raise DistributedError(
-                    f"rank {self.world.rank} diverged from rank 0 before plan {plan.iteration} "
-                    f"(rank 0: {want}, rank {self.world.rank}: {have}); stopping every rank"
-                )
-            self._apply(engine, plan)
-            if self._cache_dirty and not engine.has_work and not engine.probing:
-                self._release_cache()
-
-        while True:
-            self._busy_since = time.monotonic()
-            plan = self._lockstep.receive()
-            if not plan.stop:
-                apply(plan)
-                continue
-            code = plan.decisions.get("stop", SHUTDOWN)
-            if code != SHUTDOWN:  # rank 0's engine stopped because its daemon is gone, not asked to
-                raise DistributedError(f"rank 0 stopped every rank ({code}); its daemon is gone")
-            return
 
     def _decide(self, engine: Engine, cmds: list[Command], idle: bool) -> Plan:
         """This iteration as rank 0 decides it: the commands (unseeded sampled jobs get their seed
@@ -361,22 +308,6 @@ class EngineThread:
             self._cache_dirty = True
             engine.probe_step()
         return False
-
-    def _note(self, events: list[Signal]) -> None:
-        """Fold this iteration's tokens and ends into the digest ``_state`` compares across ranks."""
-        h = hashlib.blake2b(self._digest, digest_size=8)
-        for e in events:
-            if isinstance(e, Tokens):
-                h.update(msgpack.packb([e.seq, e.tokens]))
-            elif isinstance(e, Finished):
-                h.update(msgpack.packb([e.seq, str(e.reason)]))
-        self._digest = h.digest()
-
-    def _state(self, engine: Engine) -> list[Any]:
-        """What every rank's engine must agree on between plans (lists only: it crosses msgpack)."""
-        verdicts = [[name, v.level] for name, v in sorted(engine.verdicts.items())]
-        bursting = engine.runner.current is not None
-        return [engine.active, engine.batch_size(), bursting, engine.probing, verdicts, self._digest.hex()]
 
     def _release_cache(self) -> None:
         """Give MLX's cached buffers back while nothing runs. They are the engine's own peak, kept

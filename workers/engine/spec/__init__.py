@@ -1,8 +1,9 @@
 """Speculative decoding inside the engine: a proposer (``drafters``: a draft model, prompt lookup or an
 MTP head) drafts K tokens, the target verifies them in one forward of K + 1 rows, and the accept rule
 (``accept``) keeps the longest prefix classic decode would have produced. ``runner`` runs a burst's
-rounds on the lone sequence; ``policy`` decides when bursts pay (the adaptive gate, the audits);
-``lookahead`` builds the next round's verify while this one runs; ``kv_state`` undoes a guess.
+rounds on the lone sequence (``rounds``: one round); ``policy`` decides when bursts pay (the adaptive
+gate, the audits); ``lookahead`` builds the next round's verify while this one runs; ``kv_state``
+undoes a guess.
 
 It lives inside ``workers.engine`` because a burst is a mode of the engine's step: it works on the
 engine's sequences (``workers.engine.sequences``) and samplers (``workers.engine.sampling``).
