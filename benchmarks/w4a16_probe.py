@@ -34,16 +34,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import w4a16_kernel as w4a16  # noqa: E402
+from w4a16_marlin_probe import LLAMA_8B  # noqa: E402
 
-LLAMA_8B = {
-    "q": (4096, 4096),
-    "k": (1024, 4096),
-    "v": (1024, 4096),
-    "o": (4096, 4096),
-    "gate": (14336, 4096),
-    "up": (14336, 4096),
-    "down": (4096, 14336),
-}
 SMOLLM2 = {"q": (576, 576), "kv": (192, 576), "gate": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
