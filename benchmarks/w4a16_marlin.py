@@ -17,13 +17,13 @@
   then two ``fma.rn.bf16x2``: ``v * s - 128 s`` is ``s * q`` rounded once, plus the bias rounded: the
   bits of MLX's dequantize) and fed to ``mma.sync.m16n8k16`` bf16 with fp32 accumulators.
 
-* the native kernel (``native``, ``native_matmul``): the same dequantization and MMAs straight from MLX's
-  arrays (no repack, no second copy): each k64 step's packed words and activations are staged in
-  swizzled shared memory with 16-byte ``cp.async`` (a pipeline of 2-4 steps), lanes take their weight
-  words with ``ldmatrix`` and order K within each MMA to suit the word (``NATIVE_SOURCE`` says how).
+* the native kernel (``native``, ``native_matmul``: the engine's, ``workers.kernels.w4a16``): the same
+  dequantization and MMAs straight from MLX's arrays (no repack, no second copy): each k64 step's packed
+  words and activations are staged in swizzled shared memory with 16-byte ``cp.async`` (a pipeline of
+  2-4 steps), lanes take their weight words with ``ldmatrix`` and order K within each MMA to suit the
+  word (``workers.kernels.w4a16_source`` says how).
 
-The CUDA text lives in ``w4a16_marlin_source.py`` (helpers, repacked kernel, the shared store) and
-``w4a16_marlin_native_source.py``. ``emulate`` (``emulate_native``, in ``w4a16_marlin_emulate.py``)
+The repacked kernel's CUDA text lives in ``w4a16_marlin_source.py``. ``emulate (``emulate_native``, in ``w4a16_marlin_emulate.py``)
 replays the kernel's per-lane index math in numpy (which word each lane loads, which nibbles
 land in which fragment register, ``ldmatrix``'s row addresses, the C fragment's store positions), so the
 layout is checked against ``mx.dequantize`` without a GPU (tests/unit/test_w4a16_marlin.py).
@@ -32,99 +32,47 @@ layout is checked against ``mx.dequantize`` without a GPU (tests/unit/test_w4a16
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
 from w4a16_marlin_emulate import emulate as emulate
 from w4a16_marlin_emulate import emulate_native as emulate_native
-from w4a16_marlin_native_source import NATIVE_HEADER, NATIVE_INPUT_NAMES, NATIVE_SOURCE
-from w4a16_marlin_source import CH, HEADER, INPUT_NAMES, OUTPUT_NAMES, SOURCE
+from w4a16_marlin_source import CH, HEADER, INPUT_NAMES, SOURCE
+
+from workers.kernels import w4a16
+from workers.kernels.w4a16 import GROUP_SIZES as GROUP_SIZES
+from workers.kernels.w4a16 import Kernel as Kernel
+from workers.kernels.w4a16 import Native as Native
+from workers.kernels.w4a16 import available as available
+from workers.kernels.w4a16 import check_shapes as check_shapes
+from workers.kernels.w4a16 import native as native
+from workers.kernels.w4a16_source import OUTPUT_NAMES as OUTPUT_NAMES
 
 #: Streaming multiprocessors of the target GPU (H100 SXM / H200: 132).
-SMS = 132
-#: Group sizes the kernel takes (a k16 MMA step never straddles a group; K % 64 == 0 is required).
-GROUP_SIZES = (32, 64, 128)
+SMS = w4a16.DEFAULT_SMS
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One launch: ``mt`` 16-row tiles and ``nb`` 16-output blocks a warp, ``warps`` a CTA, ``splits`` K
-    slices, their partials added by the kernel's last CTA a tile (``reduce``) or by an MLX sum after it."""
+class Plan(w4a16.Plan):
+    """The engine's launch plan (``workers.kernels.w4a16.Plan``) plus the repacked layout's ``xbuf``
+    activation buffers (2 overlaps the next chunk's copy with this one's MMAs)."""
 
-    mt: int
-    nb: int
-    warps: int
-    splits: int
-    reduce: bool = True
     xbuf: int = 2
-    stages: int = 4
-
-    def tiles(self, m: int, n: int) -> int:
-        """CTAs a K slice (the counters the in-kernel reduction uses)."""
-        gx, gy, _ = self.grid(m, n)
-        return gx // (32 * self.warps) * gy
-
-    def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        """The launch grid in threads (``mx.fast.cuda_kernel`` counts threads along x)."""
-        row_tiles = -(-m // (16 * self.mt))
-        n_ctas = -(-(n // 16) // (self.nb * self.warps))
-        return row_tiles * 32 * self.warps, n_ctas, self.splits
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: ``xbuf`` chunks of activations (``16 * mt`` rows of 256 + 8 bf16)."""
+        """The repacked kernel's dynamic shared memory: ``xbuf`` chunks of activations (``16 * mt`` rows of
+        256 + 8 bf16)."""
         return self.xbuf * self.mt * 16 * (CH * 64 + 8) * 2
 
-    def native_shared_bytes(self) -> int:
-        """The native kernel's dynamic shared memory: ``stages`` k64 steps of activations (``16 * mt``
-        rows of 64 bf16) and of MLX's packed weights (the CTA's outputs, 8 words each)."""
-        return self.stages * (self.mt * 16 * 128 + self.nb * self.warps * 16 * 32)
 
-
-def plan(
-    m: int,
-    n: int,
-    k: int,
-    mt: int | None = None,
-    nb: int | None = None,
-    warps: int | None = None,
-    splits: int | None = None,
-    ctas_per_sm: float | None = None,
-    reduce: bool = True,
-    xbuf: int | None = None,
-    stages: int | None = None,
-) -> Plan:
-    """The tile for ``m`` rows (any field may be forced): 16/32/64-row tiles, two 16-output blocks a warp,
-    four warps, and as many K slices as it takes to give every SM about ``ctas_per_sm`` CTAs (4 for
-    16-row tiles, 2 for larger: bandwidth wants several CTAs an SM, the larger tiles fewer), at least two
-    k64 steps a slice. ``stages`` (the native kernel's cp.async pipeline depth, 2-4) is the deepest that
-    fits the default 48 KB of shared memory."""
-    if mt is None:
-        mt = 1 if m <= 16 else 2 if m <= 32 else 4
-    nb = 2 if nb is None else nb
-    warps = 4 if warps is None else warps
-    if splits is None:
-        if ctas_per_sm is None:
-            ctas_per_sm = 4.0 if mt == 1 else 2.0
-        row_tiles = -(-m // (16 * mt))
-        ctas = row_tiles * -(-(n // 16) // (nb * warps))
-        target = ctas_per_sm * SMS
-        splits = 1 if ctas >= target / 2 else math.ceil(target / ctas)
-        splits = max(1, min(splits, k // 64 // 2, 64))
-    if xbuf is None:  # two activation buffers where they fit the default 48 KB of shared memory
-        xbuf = 2 if Plan(mt, nb, warps, 1, xbuf=2).shared_bytes() <= 48000 else 1
-    if stages is None:
-        stages = next((st for st in (4, 3) if Plan(mt, nb, warps, 1, stages=st).native_shared_bytes() <= 48000), 2)
-    return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, xbuf, max(2, stages))
-
-
-def check_shapes(n: int, k: int, group_size: int) -> None:
-    """Raise ``ValueError`` for a shape the kernel does not take."""
-    if group_size not in GROUP_SIZES or k % 64 or k % group_size or n % 16:
-        raise ValueError(
-            f"w4a16_marlin: needs N % 16 == 0, K % 64 == 0, group in {GROUP_SIZES}; got N={n} K={k} gs={group_size}"
-        )
+def plan(m: int, n: int, k: int, xbuf: int | None = None, **over: Any) -> Plan:
+    """``workers.kernels.w4a16.plan`` (any field may be forced) with the repacked layout's ``xbuf``: two
+    activation buffers where they fit the default 48 KB of shared memory."""
+    p = w4a16.plan(m, n, k, **over)
+    if xbuf is None:
+        xbuf = 2 if Plan(p.mt, p.nb, p.warps, 1, xbuf=2).shared_bytes() <= w4a16.SHARED_LIMIT else 1
+    return Plan(p.mt, p.nb, p.warps, p.splits, p.reduce, p.stages, xbuf)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,150 +165,31 @@ def pack(w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64) 
     return Packed(wq, sb, mx.zeros((w.shape[0],), dtype=mx.int32), group_size)
 
 
-def available() -> bool:
-    """Whether the kernel can run here: MLX's CUDA backend on the default device."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-@dataclass(frozen=True)
-class Native:
-    """A weight as MLX holds it (``mx.quantize``'s arrays, untouched) plus one int32 counter an output
-    (the in-kernel reduction's; zero between launches)."""
-
-    w: mx.array
-    scales: mx.array
-    biases: mx.array
-    locks: mx.array
-    group_size: int
-
-    @property
-    def n(self) -> int:
-        return self.w.shape[0]
-
-    @property
-    def k(self) -> int:
-        return self.w.shape[1] * 8
-
-    @property
-    def nbytes(self) -> int:
-        return self.w.nbytes + self.scales.nbytes + self.biases.nbytes + self.locks.nbytes
-
-
-def native(w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64) -> Native:
-    """MLX's 4-bit arrays and the reduction counters: what ``native_matmul`` takes (no copy)."""
-    check_shapes(w.shape[0], w.shape[1] * 8, group_size)
-    if scales.dtype != mx.bfloat16 or biases.dtype != mx.bfloat16:
-        raise ValueError("w4a16_marlin: native needs bf16 scales and biases")
-    return Native(w, scales, biases, mx.zeros((w.shape[0],), dtype=mx.int32), group_size)
-
-
 # ---------------------------------------------------------------------------------------------------
 # kernels
 
 Layout = Literal["repacked", "native"]
 
-
-@dataclass(frozen=True)
-class Kernel:
-    """What one layout's kernel is built from: its name's tag, the template argument that sets its
-    pipeline depth (``XB`` activation buffers, ``STAGES`` cp.async steps), its inputs and its text."""
-
-    tag: str
-    depth: str
-    input_names: list[str]
-    source: str
-    header: str
-
-    def depth_of(self, p: Plan) -> int:
-        """The plan's value of the depth argument."""
-        return p.xbuf if self.depth == "XB" else p.stages
-
-    def shared_bytes(self, p: Plan) -> int:
-        """The dynamic shared memory a launch of this plan takes."""
-        return p.shared_bytes() if self.depth == "XB" else p.native_shared_bytes()
-
-
-LAYOUTS: dict[str, Kernel] = {
-    "repacked": Kernel("w4m", "XB", INPUT_NAMES, SOURCE, HEADER),
-    "native": Kernel("w4n", "STAGES", NATIVE_INPUT_NAMES, NATIVE_SOURCE, NATIVE_HEADER),
-}
-
-_kernels: dict[str, Any] = {}
+REPACKED = Kernel("w4m", "XB", lambda p: p.xbuf, lambda p: p.shared_bytes(), INPUT_NAMES, SOURCE, HEADER)
+LAYOUTS: dict[str, Kernel] = {"repacked": REPACKED, "native": w4a16.NATIVE}
 
 
 def kernel_name(p: Plan, gs: int, split: bool, reduce: bool, layout: Layout = "repacked") -> str:
     """One name a variant (MLX caches compiled kernels by name)."""
-    kern = LAYOUTS[layout]
-    return f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}"
+    return w4a16.kernel_name(LAYOUTS[layout], p, gs, split, reduce)
 
 
-def template(
-    p: Plan, gs: int, split: bool, reduce: bool, layout: Layout = "repacked", dtype: Any = mx.bfloat16
-) -> list[tuple[str, Any]]:
+def template(p: Plan, gs: int, split: bool, reduce: bool, layout: Layout = "repacked") -> list[tuple[str, Any]]:
     """The kernel's template arguments for a plan."""
-    kern = LAYOUTS[layout]
-    return [
-        ("T", dtype),
-        ("MT", p.mt),
-        ("NB", p.nb),
-        ("WARPS", p.warps),
-        (kern.depth, kern.depth_of(p)),
-        ("GS", gs),
-        ("SPLIT", split),
-        ("REDUCE", reduce),
-    ]
-
-
-def _kernel(p: Plan, gs: int, split: bool, reduce: bool, layout: Layout) -> Any:
-    name = kernel_name(p, gs, split, reduce, layout)
-    kernel = _kernels.get(name)
-    if kernel is None:
-        kern = LAYOUTS[layout]
-        kernel = _kernels[name] = mx.fast.cuda_kernel(
-            name=name,
-            input_names=kern.input_names,
-            output_names=OUTPUT_NAMES,
-            source=kern.source,
-            header=kern.header,
-            shared_memory=kern.shared_bytes(p),
-        )
-    return kernel
-
-
-def _launch(layout: Layout, x: mx.array, w: Packed | Native, arrays: list[mx.array], p: Plan | None) -> mx.array:
-    """Check the shapes, plan, launch ``layout``'s kernel on ``[x, *arrays, locks]``; bf16 [M, N]."""
-    if x.dtype != mx.bfloat16 or x.ndim != 2:
-        raise ValueError("w4a16_marlin: 2-D bf16 activations only")
-    m, k = x.shape
-    n = w.n
-    check_shapes(n, k, w.group_size)
-    if w.k != k:
-        raise ValueError(f"w4a16_marlin: x has K={k}, the weight {w.k}")
-    if m == 0:
-        return mx.zeros((0, n), dtype=mx.bfloat16)
-    p = p or plan(m, n, k)
-    if layout == "native" and not 2 <= p.stages <= 4:
-        raise ValueError(f"w4a16_marlin: native takes 2-4 stages, got {p.stages}")
-    split = p.splits > 1
-    reduce = split and p.reduce and p.tiles(m, n) <= w.locks.size
-    out, ws = _kernel(p, w.group_size, split, reduce, layout)(
-        inputs=[x, *arrays, w.locks],
-        template=template(p, w.group_size, split, reduce, layout),
-        grid=p.grid(m, n),
-        threadgroup=(32 * p.warps, 1, 1),
-        output_shapes=[(m, n), (p.splits, m, n) if split else (1,)],
-        output_dtypes=[mx.bfloat16, mx.float32],
-    )
-    if split and not reduce:
-        return ws.sum(axis=0).astype(mx.bfloat16)
-    return out
+    return w4a16.template(LAYOUTS[layout], p, gs, split, reduce)
 
 
 def matmul(x: mx.array, w: Packed, p: Plan | None = None) -> mx.array:
     """``x @ dequantize(w).T`` for bf16 ``x`` [M, K] and a packed weight (``pack``); bf16 [M, N]."""
-    return _launch("repacked", x, w, [w.wq, w.sb], p)
+    p = p or plan(x.shape[0], w.n, w.k)
+    return w4a16.launch(REPACKED, x, w.n, w.k, w.group_size, [w.wq, w.sb], w.locks, p)
 
 
 def native_matmul(x: mx.array, w: Native, p: Plan | None = None) -> mx.array:
-    """``x @ dequantize(w).T`` straight from MLX's packed arrays (``native``); bf16 [M, N]."""
-    return _launch("native", x, w, [w.w, w.scales, w.biases], p)
+    """``x @ dequantize(w).T`` straight from MLX's packed arrays (``workers.kernels.w4a16``); bf16 [M, N]."""
+    return w4a16.native_matmul(x, w, p)

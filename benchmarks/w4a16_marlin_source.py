@@ -1,68 +1,24 @@
 """The CUDA text of the repacked w4a16 kernel (``w4a16_marlin.py`` builds and launches it).
 
-``HEADER`` holds the device helpers both kernels use (the MMA, ``ldmatrix``, the bf16x2 dequantization,
-``cp.async``), ``SOURCE`` the repacked kernel's body, and ``EPILOGUE`` its C store and split-K reduction,
-which the native kernel (``w4a16_marlin_native_source.py``) ends with too.
+The device helpers, the C store and the split-K reduction are the engine's (``workers.kernels.w4a16_source``,
+whose native kernel reads MLX's arrays as they are); ``HEADER`` adds the repacked layout's two loads and
+``SOURCE`` is its body.
 """
 
 from __future__ import annotations
+
+from workers.kernels.w4a16_source import EPILOGUE as EPILOGUE
+from workers.kernels.w4a16_source import HEADER as _HEADER
+from workers.kernels.w4a16_source import OUTPUT_NAMES as OUTPUT_NAMES
 
 #: k64 steps a chunk of activations in shared memory, and steps of weight loads in flight (equal: the
 #: register ring's slot is the step's index in its chunk; ``CHK`` in ``SOURCE``).
 CH = 4
 
-HEADER = r"""
-#undef FP_NAN
-#undef FP_INFINITE
-#undef FP_ZERO
-#undef FP_SUBNORMAL
-#undef FP_NORMAL
-
+HEADER = (
+    _HEADER
+    + r"""
 namespace w4m {
-
-__device__ __forceinline__ void mma_bf16_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ uint32_t bfma2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// Two weights of one word: nibbles j (low half) and j + 4 (high half), shifted down by 4 * j before
-// the call. (q | 0x4300) as bf16 is v = 128 + q. fma(v, s, -128 s) is s * q rounded once (-128 s is
-// exact), then + bias rounded: bit for bit MLX's dequantize (scale * q + bias in bf16, two roundings).
-__device__ __forceinline__ uint32_t dq2(uint32_t w, uint32_t s2, uint32_t ns2, uint32_t b2) {
-  const uint32_t v = (w & 0x000f000fu) | 0x43004300u;
-  const uint32_t sq = bfma2(v, s2, ns2);
-  return bfma2(sq, 0x3f803f80u, b2);
-}
-
-// (-128 s, -128 s): exact.
-__device__ __forceinline__ uint32_t neg128(uint32_t s2) { return bfma2(s2, 0xc300c300u, 0x80008000u); }
-
-// 16 bytes global -> shared, bypassing L1; zero-filled when !ok (src is then not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
 
 __device__ __forceinline__ uint32_t u4get(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -78,64 +34,7 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 
 }  // namespace w4m
 """
-
-#: The C fragments' store and the split-K reduction, shared by both kernels (names their bodies define:
-#: acc, m0, nb0, NBLK, N, M, g, t, z, S, out, ws, locks).
-EPILOGUE = r"""
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    const int r0 = m0 + i * 16 + g;
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      if (nb0 + j >= NBLK) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int n = (nb0 + j) * 16 + h * 8 + 2 * t;
-        const float* c = acc[i][j][h];
-        if constexpr (SPLIT) {
-          float* o = ws + (size_t)z * M * N;
-          if (r0 < M) *reinterpret_cast<float2*>(o + (size_t)r0 * N + n) = make_float2(c[0], c[1]);
-          if (r0 + 8 < M) *reinterpret_cast<float2*>(o + (size_t)(r0 + 8) * N + n) = make_float2(c[2], c[3]);
-        } else {
-          if (r0 < M)
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r0 * N + n) = __floats2bfloat162_rn(c[0], c[1]);
-          if (r0 + 8 < M)
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)(r0 + 8) * N + n) = __floats2bfloat162_rn(c[2], c[3]);
-        }
-      }
-    }
-  }
-
-  // Several K slices, REDUCE: the last CTA of a tile to finish (a counter a tile in ``locks``, which it
-  // resets to zero) adds the slices' partials in slice order and writes bf16: deterministic.
-  if constexpr (SPLIT && REDUCE) {
-    __shared__ int w4m_last;
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    int* lk = const_cast<int*>(reinterpret_cast<const int*>(locks));
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) w4m_last = atomicAdd(lk + tile, 1) == S - 1;
-    __syncthreads();
-    if (!w4m_last) return;
-    __threadfence();
-    constexpr int CTA_PAIRS = WARPS * NB * 8;   // column pairs of the CTA's outputs
-    const int n_lo = blockIdx.y * WARPS * NB * 16;
-    for (int i = threadIdx.x; i < ROWS * CTA_PAIRS; i += WARPS * 32) {
-      const int r = m0 + i / CTA_PAIRS;
-      const int n = n_lo + 2 * (i % CTA_PAIRS);
-      if (r < M && n < N) {
-        float2 v = make_float2(0.f, 0.f);
-        for (int zz = 0; zz < S; ++zz) {
-          const float2 p = __ldcg(reinterpret_cast<const float2*>(ws + ((size_t)zz * M + r) * N + n));
-          v.x += p.x;
-          v.y += p.y;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * N + n) = __floats2bfloat162_rn(v.x, v.y);
-      }
-    }
-    if (threadIdx.x == 0) lk[tile] = 0;
-  }
-"""
+)
 
 #: Template: T (bf16), MT (16-row tiles a CTA), NB (16-output blocks a warp), WARPS, XB (activation
 #: buffers: 2 overlaps the next chunk's copy with this one's MMAs), GS, SPLIT (several K
@@ -276,4 +175,3 @@ SOURCE = (
 )
 
 INPUT_NAMES = ["x", "wq", "sb", "locks"]
-OUTPUT_NAMES = ["out", "ws"]

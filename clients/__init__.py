@@ -2,7 +2,7 @@
 
 from clients.address import default_address
 from clients.client import DEFAULT_CALL_TIMEOUT, AsyncClient
-from clients.events import ClientError, EndEvent, Event, RequestError, Result, TokenEvent
+from clients.events import ClientError, EndEvent, Event, RequestError, Result, TokenEvent, ToolCall
 from clients.protocol import PROTOCOL_VERSION, ErrorCode, FinishReason
 from clients.sync import Client
 
@@ -19,5 +19,6 @@ __all__ = [
     "RequestError",
     "Result",
     "TokenEvent",
+    "ToolCall",
     "default_address",
 ]

@@ -13,7 +13,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import anyio
@@ -32,6 +32,7 @@ from clients.protocol import (
     SamplingOptions,
     Submit,
 )
+from clients.tools import parse_tools
 
 #: Seconds ``health``, ``stats`` and ``cancel`` wait when neither the call nor the client sets a
 #: timeout. Streams and ``generate`` have none by default: a long generation is legitimate, and a
@@ -142,6 +143,9 @@ class AsyncClient(Connection):
         min_tokens: int = 0,
         ignore_eos: bool = False,
         response_format: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Submit a job and yield its events: ``TokenEvent`` s, then exactly one ``EndEvent``.
 
@@ -163,6 +167,11 @@ class AsyncClient(Connection):
         Structured output: ``response_format`` as the wire takes it, e.g. ``{"type": "json_schema",
         "schema": {...}}``, ``{"type": "json_object"}``, ``{"type": "regex", "pattern": "..."}`` or
         ``{"type": "grammar", "grammar": "<lark>"}``; the tokens follow it (``docs/protocol.md``).
+
+        Tools: ``tools`` (OpenAI's function tools), ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
+        ``parallel_tool_calls``, as OpenAI's API takes them (``clients.tools``); the calls come back
+        parsed in ``TokenEvent.tool_calls`` and ``Result.tool_calls``.
         """
         req = Submit(
             id=request_id or uuid.uuid4().hex,
@@ -191,6 +200,7 @@ class AsyncClient(Connection):
             priority=priority,
             group=group,
             batch=True,  # ``_reader`` unbatches
+            tools=parse_tools(None if tools is None else list(tools), _plain(tool_choice), parallel_tool_calls),
         )
         recv = self._open_route(req.id)
         ended = False
@@ -356,6 +366,11 @@ async def _run_all(count: int, one: Callable[[int], Awaitable[None]]) -> None:
             group.start_soon(run, i, group)
     if failure:
         raise failure[0]
+
+
+def _plain(value: Any) -> Any:
+    """A mapping as the dict the wire's checks read; anything else as it is."""
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _job_kwargs(index: int, request: Any) -> dict[str, Any]:

@@ -27,6 +27,16 @@ class RequestError(ClientError):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call the model made, parsed by its family's tool-call parser: ``arguments`` is a JSON
+    text (an object), as OpenAI's API carries it; ``id`` is the daemon's, for the tool's answer."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """New tokens of one request. ``text`` is the decoded text they add (may be empty while a
     multi-byte character or a possible stop string is incomplete; a last event with no tokens
@@ -38,6 +48,9 @@ class TokenEvent:
     logprobs: list[float] | None = None
     #: Per token, ``(token_id, logprob)`` of the most likely tokens, most likely first (when asked).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The calls this event's text completed (a request with ``tools``): the text still holds them
+    #: as the model wrote them.
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,8 @@ class Result:
     timings: dict[str, float | None] = field(default_factory=dict)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: Every call of the answer, in order (a request with ``tools``).
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -75,6 +90,8 @@ class Result:
                 self.logprobs = (self.logprobs or []) + list(event.logprobs)
             if event.top_logprobs is not None:
                 self.top_logprobs = (self.top_logprobs or []) + list(event.top_logprobs)
+            if event.tool_calls:
+                self.tool_calls.extend(event.tool_calls)
         else:
             self.finish_reason = event.finish_reason
             self.usage = event.usage
@@ -92,6 +109,7 @@ def event_from_message(msg: dict[str, Any]) -> Event | None:
             str(msg.get("text", "")),
             msg.get("logprobs"),
             None if tops is None else [[(int(t), float(lp)) for t, lp in row] for row in tops],
+            _calls(msg.get("tool_calls")),
         )
     if kind == "end":
         err = msg.get("error")
@@ -105,3 +123,14 @@ def event_from_message(msg: dict[str, Any]) -> Event | None:
         error = RequestError(str(msg.get("code")), str(msg.get("message")), rid)
         return EndEvent(rid, "error", {}, {}, error)
     return None
+
+
+def _calls(value: Any) -> list[ToolCall] | None:
+    """A ``token`` message's ``tool_calls`` (``None`` when it has none)."""
+    if not isinstance(value, list) or not value:
+        return None
+    return [
+        ToolCall(str(c.get("id", "")), str(c.get("name", "")), str(c.get("arguments", "")))
+        for c in value
+        if isinstance(c, dict)
+    ]

@@ -59,6 +59,10 @@ def submit_message(req: Submit) -> dict[str, Any]:
         msg["group"], msg["group_size"] = req.group
     if req.batch:
         msg["batch"] = True
+    if req.tools is not None:
+        msg["tools"], msg["tool_choice"] = list(req.tools.tools), req.tools.choice
+        if not req.tools.parallel and req.tools.name is None:
+            msg["parallel_tool_calls"] = False
     return msg
 
 
@@ -78,9 +82,11 @@ def token_message(
     text: str | None,
     logprobs: list[float] | None,
     top_logprobs: list[list[tuple[int, float]]] | None = None,
+    tool_calls: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """``top_logprobs``: per token, ``(token_id, logprob)`` pairs most likely first; sent as
-    ``[token_id, logprob]`` lists (msgpack has no tuples, and JSON neither)."""
+    ``[token_id, logprob]`` lists (msgpack has no tuples, and JSON neither). ``tool_calls``: the
+    calls this text completed, each ``{"id", "name", "arguments"}`` (the arguments a JSON text)."""
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": MsgType.TOKEN.value, "id": rid, "tokens": tokens}
     if text is not None:
         msg["text"] = text
@@ -88,6 +94,8 @@ def token_message(
         msg["logprobs"] = logprobs
     if top_logprobs is not None:
         msg["top_logprobs"] = [[[t, lp] for t, lp in row] for row in top_logprobs]
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
     return msg
 
 

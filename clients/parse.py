@@ -36,6 +36,7 @@ from clients.protocol import (
     Stats,
     Submit,
 )
+from clients.tools import parse_tools
 from clients.wire import PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError
 
 #: Characters of a refused value that an error message quotes.
@@ -223,6 +224,7 @@ def _parse_submit(msg: dict[str, Any], rid: str) -> Submit:
         top_logprobs=top_logprobs,
         priority=priority,
         batch=bool(_get(msg, "batch", bool, rid, False)),
+        tools=parse_tools(msg.get("tools"), msg.get("tool_choice"), msg.get("parallel_tool_calls"), rid),
     )
 
 

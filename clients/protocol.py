@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from clients.tools import Tools
 from clients.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, FinishReason, MsgType, ProtocolError
 from clients.wire import pack as pack
 from clients.wire import unpack as unpack
@@ -49,6 +50,7 @@ __all__ = [
     "SamplingOptions",
     "Stats",
     "Submit",
+    "Tools",
     "pack",
     "unpack",
 ]
@@ -163,6 +165,9 @@ class Submit:
     #: this connection in one frame (one per engine step). Clients that never say so get one event
     #: per frame, as protocol 1 always did.
     batch: bool = False
+    #: Function tools the chat template renders and the family's parser reads calls of
+    #: (``clients.tools``); the answer's calls come back as ``tool_calls`` on its ``token`` events.
+    tools: Tools | None = None
 
 
 @dataclass(frozen=True)

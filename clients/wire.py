@@ -54,6 +54,11 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"
     MAX_TOKENS_OUT_OF_RANGE = "max_tokens_out_of_range"
     NO_CHAT_TEMPLATE = "no_chat_template"
+    #: ``tools`` sent for a model whose family has no tool-call parser, or whose template ignores tools.
+    NO_TOOL_SUPPORT = "no_tool_support"
+    #: A value the daemon cannot honour for this model (a forced ``tool_choice`` its family's call
+    #: format cannot be enforced for); the message names the field.
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
     FRAME_TOO_LARGE = "frame_too_large"
     BAD_FRAMES = "bad_frames"
     DUPLICATE_REQUEST_ID = "duplicate_request_id"

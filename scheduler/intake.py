@@ -21,7 +21,9 @@ from anyio.abc import TaskGroup
 from clients.messages import error_message
 from clients.parse import parse_request
 from clients.protocol import Cancel, ErrorCode, FinishReason, Health, MsgType, ProtocolError, Stats, Submit, unpack
+from scheduler import tool_calls
 from scheduler.admission import Admitted, admit, prompt_ids
+from scheduler.chat_reply import Answer
 from scheduler.control import Control
 from scheduler.flight import Flight
 from scheduler.outputs import refused_submit_end
@@ -211,7 +213,7 @@ class Intake:
         self._start(t)
 
     def _start(self, t: Tracked) -> None:
-        if t.req.tokens is not None:
+        if t.req.tokens is not None and t.req.tools is None:
             self._admit(t, list(t.req.tokens))  # nothing to tokenize: admit in order, at once
         else:
             self.tasks.start_soon(self._tokenize_then_admit, t)
@@ -270,7 +272,14 @@ class Intake:
         flight = self._flight
         assert flight.info is not None
         try:
-            ids = await self._tokenizer.run(t.tenant, prompt_ids, t.req, flight.tokenizer, flight.info)
+            if t.req.tools is None:
+                ids = await self._tokenizer.run(t.tenant, prompt_ids, t.req, flight.tokenizer, flight.info)
+            else:
+                t.req, ids, opens = await self._tokenizer.run(
+                    t.tenant, tool_calls.prepare, t.req, flight.tokenizer, flight.info
+                )
+                if t.req.tools is not None and t.req.tools.parse:
+                    t.calls = Answer(flight.tokenizer, t.req.tools, opens)
         except ProtocolError as exc:
             flight.finish_here(t, FinishReason.ERROR, (exc.code, exc.message))
             return

@@ -73,7 +73,8 @@ class Outputs:
             counts.observe_gap((now - t.last_token_at) / n, n)  # a step's tokens share its gap
         t.last_token_at = now
         counts.generated(ev.mode, n)
-        return token_message(t.rid, out_tokens, text, out_lps, out_tops), t.stopped
+        calls = t.calls.feed(text).calls if t.calls is not None else None
+        return token_message(t.rid, out_tokens, text, out_lps, out_tops, calls), t.stopped
 
     def finished(self, t: Tracked, ev: Finished) -> list[dict[str, Any]]:
         """The messages that end ``t`` after the engine's ``Finished``: the text the detokenizer and
@@ -88,8 +89,11 @@ class Outputs:
                 tail, hit = t.stops.feed(tail)
                 tail += "" if hit else t.stops.flush()
                 reason = FinishReason.STOP if hit else reason
-            if tail:
-                out.append(token_message(t.rid, [], tail, [] if t.req.logprobs else None))
+            calls = None
+            if t.calls is not None:  # the calls the tail completes, and one its end never closed
+                calls = t.calls.feed(tail).calls + t.calls.flush().calls
+            if tail or calls:
+                out.append(token_message(t.rid, [], tail, [] if t.req.logprobs else None, None, calls))
         error = None
         if ev.error_code is not None:
             error = (ErrorCode(ev.error_code), ev.error_message or ev.error_code)

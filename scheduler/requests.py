@@ -44,6 +44,9 @@ class Tracked:
 
     detok: Any = None
     stops: StopStrings | None = None
+    #: A request with ``tools`` (``tool_choice`` not ``none``): reads the calls out of its text
+    #: (``scheduler.chat_reply.Answer``).
+    calls: Any = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     in_engine: bool = False

@@ -1,11 +1,13 @@
-"""Tools on the HTTP doors: the request's ``tools`` and ``tool_choice``, tool messages for the chat
-template, the model family's tool-call parser on the answer, and the render that puts them together.
+"""Tools on the native protocol and the HTTP doors: the request's ``tools`` and ``tool_choice``
+(checked by ``clients.tools``, shared with the wire), tool messages for the chat template, the model
+family's tool-call parser on the answer, and the render that puts them together (``prepare`` for a
+wire request; the HTTP doors call the same parts).
 
 The parts are mlx-lm's: the tokenizer wrapper names the family's markers (``tool_call_start``,
 ``tool_call_end``) and parser (``tool_parser``, from ``mlx_lm.tool_parsers``), and the chat template
 renders the tool definitions (``apply_chat_template(..., tools=...)``), the assistant's earlier calls
 and the tools' results. A model without a parser, or whose template ignores ``tools``, answers a
-request with tools one 400 (``no_tool_support``). ``tool_choice`` ``required`` or a named function
+request with tools one refusal (``no_tool_support``: a 400 at the HTTP doors). ``tool_choice`` ``required`` or a named function
 is enforced by the grammar engine (``scheduler.tool_grammar``) where the family's format can be
 written as a grammar; elsewhere it is a 400 naming the value, never ignored.
 """
@@ -13,16 +15,18 @@ written as a grammar; elsewhere it is a 400 naming the value, never ignored.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
+from clients import tools as tools_wire
+from clients.protocol import ErrorCode, ProtocolError, Submit
+from clients.tools import ToolError, Tools
+from scheduler import response_format, tool_grammar
+from scheduler.admission import prompt_ids
 from scheduler.http_errors import HTTPError
+from workers.api import ModelInfo
 
-#: OpenAI's rule for a function's name.
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _SHOWN = 40
 #: A message the probe renders with and without a tool, to tell whether a template renders tools.
 _PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
@@ -35,87 +39,26 @@ def bad(message: str, param: str) -> HTTPError:
     return HTTPError(400, message, param=param, code="bad_field")
 
 
-@dataclass(frozen=True)
-class Tools:
-    """A request's tools, as the chat template takes them, and how the answer treats calls."""
-
-    tools: list[dict[str, Any]]
-    #: ``tool_choice`` ``auto``: calls in the answer are parsed into ``tool_calls``; ``none``: the
-    #: answer is text.
-    parse: bool = True
-    #: ``parallel_tool_calls`` false: the answer keeps its first call only.
-    parallel: bool = True
-    #: ``tool_choice`` ``required`` or a named function: the answer must be calls (``tool_grammar``).
-    forced: bool = False
-    #: The function a named ``tool_choice`` names (``None``: any of ``tools``).
-    name: str | None = None
-
-    @property
-    def forced_shown(self) -> str:
-        """The forced choice as an error message names it."""
-        return f"naming {self.name[:_SHOWN]!r}" if self.name is not None else "requiring a call"
+def http_of(err: ToolError) -> HTTPError:
+    """A refused tool field as the HTTP doors answer it: a 400 naming the field, with its code."""
+    return HTTPError(400, err.message, param=err.param, code=err.code.value)
 
 
 def check_function(fn: Any, where: str, param: str) -> dict[str, Any]:
-    """One function definition: a valid ``name``, an optional ``description`` and JSON-schema
-    ``parameters`` object."""
-    if not isinstance(fn, dict):
-        raise bad(f"{where} must be an object", param)
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad(f"{where}.name is required: a non-empty string", param)
-    if not _NAME.match(name):
-        raise bad(f"{where}.name {name[:_SHOWN]!r} must be 1 to 64 letters, digits, '_', '.', ':' or '-'", param)
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise bad(f"{where}.description must be a string", param)
-    params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise bad(f"{where}.parameters must be a JSON schema object", param)
-    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-        raise bad(f"{where}.strict must be a boolean", param)
-    out = {"name": name, "description": fn.get("description") or "", "parameters": params or {}}
-    return out
+    """One function definition (``clients.tools.check_function``), refused as an HTTP 400."""
+    try:
+        return tools_wire.check_function(fn, where, param)
+    except ToolError as exc:
+        raise http_of(exc) from None
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
-    """An OpenAI body's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; ``None`` without tools."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    if tools is None or tools == []:
-        if choice not in (None, "none", "auto"):
-            raise bad("'tool_choice' names a tool but 'tools' is empty", "tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise bad("'tools' must be a list of function tools", "tools")
-    defs: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise bad(f"{where} must be an object with type 'function'", "tools")
-        defs.append(
-            {"type": "function", "function": check_function(tool.get("function"), f"{where}.function", "tools")}
-        )
-    names = [d["function"]["name"] for d in defs]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise bad(f"'tools' defines the function {dup!r} twice", "tools")
-    if choice in (None, "auto", "none"):
-        return Tools(defs, parse=choice != "none", parallel=parallel is not False)
-    if choice == "required":
-        return Tools(defs, parallel=parallel is not False, forced=True)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name:
-            raise bad("'tool_choice.function.name' is required: a non-empty string", "tool_choice")
-        if name not in names:
-            raise bad(
-                f"'tool_choice' names the function {name[:_SHOWN]!r}, which 'tools' does not define", "tool_choice"
-            )
-        return Tools(defs, parallel=False, forced=True, name=name)
-    raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}", "tool_choice")
+    """An OpenAI body's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked as the wire
+    checks them (``clients.tools.parse_tools``); ``None`` without tools."""
+    try:
+        return tools_wire.parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except ToolError as exc:
+        raise http_of(exc) from None
 
 
 def text_of(content: Any, where: str, parts: str = "text parts") -> str:
@@ -206,10 +149,18 @@ def support(tokenizer: Any) -> str:
     return why
 
 
-def require_support(tokenizer: Any, model: str, param: str = "tools") -> None:
+def support_error(tokenizer: Any, model: str, param: str = "tools", rid: str | None = None) -> ToolError | None:
+    """The refusal of tools for a model that cannot take them (``no_tool_support``), or ``None``."""
     why = support(tokenizer)
-    if why:
-        raise HTTPError(400, f"model {model!r} cannot call tools: it {why}", param=param, code="no_tool_support")
+    if not why:
+        return None
+    return ToolError(f"model {model!r} cannot call tools: it {why}", param, rid, ErrorCode.NO_TOOL_SUPPORT)
+
+
+def require_support(tokenizer: Any, model: str, param: str = "tools") -> None:
+    err = support_error(tokenizer, model, param)
+    if err is not None:
+        raise http_of(err)
 
 
 def render(
@@ -266,3 +217,26 @@ def renders_here(parsed: Any, tokenizer: Any) -> bool:
 def splits(parsed: Any, tokenizer: Any) -> bool:
     """Whether a chat answer goes through ``chat_reply.Answer``: calls to parse, or thinking to split."""
     return bool((parsed.tools is not None and parsed.tools.parse) or getattr(tokenizer, "has_thinking", False))
+
+
+def prepare(req: Submit, tokenizer: Any, info: ModelInfo) -> tuple[Submit, list[int], bool]:
+    """A wire request with ``tools`` ready for admission: the model's support checked, the prompt's
+    ids (``messages`` rendered with the tool definitions; ``prompt`` and ``tokens`` as they are),
+    whether the prompt leaves a think block open, and the request with its forced ``tool_choice``
+    as a grammar (``tool_grammar.forced``). Raises ``ProtocolError`` (a ``ToolError`` for the
+    tool fields). Blocking: the caller runs it off the event loop."""
+    tools = req.tools
+    assert tools is not None
+    err = support_error(tokenizer, info.name, "tools", req.id)
+    if err is not None:
+        raise err
+    if req.messages is not None and info.has_chat_template:
+        response_format.check(req, tokenizer, info.vocab_size)
+        try:
+            ids = render(tokenizer, list(req.messages), tools.tools)
+        except Exception as exc:  # jinja errors from a template that rejects these messages
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"the chat template rejected 'messages': {exc}", req.id) from None
+    else:
+        ids = prompt_ids(req, tokenizer, info)
+    opens = opens_thinking(tokenizer, ids)
+    return tool_grammar.forced(req, tokenizer, info.name, tools, opens, info.vocab_size), ids, opens

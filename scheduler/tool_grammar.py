@@ -17,7 +17,8 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from clients.protocol import Submit
+from clients.protocol import ErrorCode, Submit
+from clients.tools import ToolError
 from scheduler import response_format
 from scheduler.http_errors import HTTPError
 from workers.api.grammar import JSON_OPTIONS
@@ -94,38 +95,45 @@ def grammar(tokenizer: Any, tools: list[dict[str, Any]], name: str | None, many:
     return "\n".join(rules + lines) + "\n"
 
 
-def enforce(
+def forced(
     submit: Submit, tokenizer: Any, model: str, tools: Any, opens: bool, vocab_size: int, param: str = "tool_choice"
 ) -> Submit:
     """``submit`` with the grammar of its forced ``tool_choice`` as its response format; unchanged
-    when the choice is not forced. A request that already has a ``response_format`` or a family
-    the grammar cannot express is a 400 naming ``param``; a tool schema the engine cannot compile,
-    one naming ``tools``. May take milliseconds (the compile): the caller runs it off the event loop."""
+    when the choice is not forced. A family the grammar cannot express is ``unsupported_parameter``
+    naming ``param``; a request that already has a ``response_format`` or ``min_tokens``,
+    ``bad_field`` naming ``param``; a tool schema the engine cannot compile, ``bad_field`` naming
+    ``tools`` (each a ``ToolError``). May take milliseconds (the compile): the caller runs it off
+    the event loop."""
     if tools is None or not tools.forced:
         return submit
+    rid = submit.id
     why = why_not(tokenizer)
     if why:
-        raise HTTPError(
-            400,
+        raise ToolError(
             f"'{param}' {tools.forced_shown} needs constrained decoding, and model {model!r} cannot: it {why}",
-            param=param,
-            code="unsupported_parameter",
+            param,
+            rid,
+            ErrorCode.UNSUPPORTED_PARAMETER,
         )
-    if submit.sampling.response_format is not None:
-        raise HTTPError(
-            400,
-            f"'{param}' {tools.forced_shown} cannot be combined with 'response_format'",
-            param=param,
-            code="bad_field",
-        )
+    for name, given in (
+        ("response_format", submit.sampling.response_format),
+        ("min_tokens", submit.sampling.min_tokens),
+    ):
+        if given:
+            raise ToolError(f"'{param}' {tools.forced_shown} cannot be combined with '{name}'", param, rid)
     text = grammar(tokenizer, tools.tools, tools.name, tools.parallel, opens)
     failed = response_format.compile_failure("grammar", text, tokenizer, vocab_size)
     if failed is not None:
         first = failed.strip().splitlines()[0] if failed.strip() else "it does not compile"
-        raise HTTPError(
-            400,
-            f"'tools' has a schema the grammar engine cannot compile: {first[:300]}",
-            param="tools",
-            code="bad_field",
-        )
+        raise ToolError(f"'tools' has a schema the grammar engine cannot compile: {first[:300]}", "tools", rid)
     return replace(submit, sampling=replace(submit.sampling, response_format=("grammar", text)))
+
+
+def enforce(
+    submit: Submit, tokenizer: Any, model: str, tools: Any, opens: bool, vocab_size: int, param: str = "tool_choice"
+) -> Submit:
+    """``forced``, refused as the HTTP doors answer it (a 400 naming the field)."""
+    try:
+        return forced(submit, tokenizer, model, tools, opens, vocab_size, param)
+    except ToolError as exc:
+        raise HTTPError(400, exc.message, param=exc.param, code=exc.code.value) from None

@@ -37,6 +37,10 @@ COMPILED_LAYERS = EnvVar("MLX_BATCHD_COMPILED_LAYERS", "", ("", "0", "1"))
 #: The row-exact kernel (``workers.kernels.rowkernel``): empty picks CUDA where MLX runs on it; ``reference``
 #: is its plain-MLX twin (CPU tests), ``off`` leaves the ``rowwise`` rung off the ladder.
 ROWKERNEL = EnvVar("MLX_BATCHD_ROWKERNEL", "", ("", "off", "reference", "cuda"))
+#: The w4a16 tensor-core kernel for batched decode's 4-bit projections (``workers.kernels.w4a16``): ``1``
+#: offers it to the plans on MLX CUDA. Off by default: its mean error against a float32 reference is
+#: still above MLX's own (docs/benchmarks.md, "w4a16 in the engine").
+W4A16 = EnvVar("MLX_BATCHD_W4A16", "", ("", "0", "1"))
 #: A folder: the engine loop runs under cProfile and writes its profile there (device runs).
 PROFILE_DIR = EnvVar("MLX_BATCHD_PROFILE_DIR", "")
 #: Test seams (``workers.engine.faults``), e.g. ``request_token=257,engine_loop_after=40``.
@@ -45,7 +49,7 @@ TEST_FAULTS = EnvVar("MLX_BATCHD_TEST_FAULTS", "")
 #: scoped pins replace. Only the bench sets it, for its arm that shows what scoping saves.
 BENCH_PROCESS_PIN = EnvVar("MLX_BATCHD_BENCH_PROCESS_PIN", "", ("", "0", "1"))
 
-ALL = (CACHE, FASTPATH, COMPILED_LAYERS, ROWKERNEL, PROFILE_DIR, TEST_FAULTS, BENCH_PROCESS_PIN)
+ALL = (CACHE, FASTPATH, COMPILED_LAYERS, ROWKERNEL, W4A16, PROFILE_DIR, TEST_FAULTS, BENCH_PROCESS_PIN)
 
 
 def read(var: EnvVar) -> str:

@@ -34,10 +34,9 @@ from workers.api import (
 )
 from workers.api.grammar import lltokenizer
 from workers.engine.batch_step import BatchStep
-from workers.engine.grammar_mask import DECLINE_REASON as GRAMMAR_DECLINE
 from workers.engine.grammar_mask import GrammarState
 from workers.engine.holdings import Holdings
-from workers.engine.logits_controls import DECLINE_REASON, processors_for, stop_ids
+from workers.engine.logits_controls import processors_for, stop_ids
 from workers.engine.parking import Parking
 from workers.engine.prefill_wave import most_prompts
 from workers.engine.prefix_cache import PrefixCache
@@ -160,11 +159,10 @@ class Engine(Parking, Holdings, BatchStep):
         sampler = make_sampler(job.sampling, self.vocab_size)
         if job.sampling.grammar is not None:  # the mask runs last: what the grammar refuses stays refused
             state = GrammarState(lltokenizer(self.tokenizer, self.vocab_size), job.sampling.grammar, stops, sampler)
-            processors.append(state.processor)
+            processors.append(state)  # the object itself: a burst's verify masks its rows through it
             sampler = state.sampler  # type: ignore[assignment]
+        # A burst's verify runs the same processors row by row (``workers.engine.spec.controls``): they keep bursts.
         seq = Sequence(job=job, uid=-1, sampler=sampler, stops=stops, processors=processors)
-        if processors:  # a burst's verify does not run them: classic decode only, counted as declined
-            seq.no_burst = GRAMMAR_DECLINE if job.sampling.grammar is not None else DECLINE_REASON
         pc = self.prefix_cache
         leader = self.shared.leader_for(seq, self._seqs.values()) if pc is not None and pc.serving else None
         if leader is not None:  # a sibling of one request: it takes the leader's prompt KV (``shared_prefill``)

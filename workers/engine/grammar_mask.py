@@ -17,22 +17,27 @@ The processor queues the step's forward (``mx.async_eval``, behind step ``k - 1`
 token (waiting for step ``k - 1`` only) and computes the mask on the CPU while the forward runs;
 the masked logits are what the sampler sees. End-of-sequence (and the request's stop ids) are allowed only where the
 grammar accepts, and once the grammar is complete only they are.
+
+A burst's verify (``workers.engine.spec.controls``) masks its rows with the same rule, position by
+position: ``speculate`` advances the matcher through the block (the pending token, then the drafts,
+stopping at a draft the grammar refuses), one mask per row, and ``settle`` rolls the matcher back to
+the drafts the accept rule kept and hands it the token that follows them, as the batch would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
+from workers.engine.sampling import SeededSampler
 from workers.kernels import as_int
 
-#: The reason a sequence with a grammar is declined bursts (their verify applies no mask).
-DECLINE_REASON = "grammar"
+#: A row's mask: llguidance's bitmask words and whether the request's stop ids are allowed.
+RowMask = tuple[np.ndarray, bool]
 
 
 def apply_bitmask(
@@ -54,19 +59,26 @@ def apply_bitmask(
 class GrammarState:
     """One sequence's grammar: its matcher, its processor and its sampler wrapper.
 
-    ``processor`` consumes the token sampled last (``pending``, set by ``sampler``) and masks the
-    row; ``sampler`` wraps the sequence's own sampler (``None``: greedy) so the token it draws is
-    known to the processor at the next step without a new device op.
+    ``processor`` (also the object itself, called) consumes the token sampled last (``pending``,
+    set by ``sampler``) and masks the row; ``sampler`` wraps the sequence's own sampler (``None``:
+    greedy) so the token it draws is known to the processor at the next step without a new device
+    op. ``speculate`` and ``settle`` do the same for a burst's verify rows.
     """
 
     def __init__(
-        self, lltok: llguidance.LLTokenizer, grammar: str, stops: Iterable[int], sampler: Callable[..., Any] | None
+        self, lltok: llguidance.LLTokenizer, grammar: str, stops: Iterable[int], sampler: SeededSampler | None
     ) -> None:
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         self.stops = frozenset(stops)
         self.inner = sampler
-        self.pending: mx.array | None = None
+        #: The token to consume before the next mask: an array the sampler queued, or a burst's int.
+        self.pending: mx.array | int | None = None
         self.words = np.zeros((lltok.vocab_size + 31) // 32, dtype=np.int32)
+        #: Of the drafts the last ``speculate`` went through, whether the matcher consumed each.
+        self._taken: list[bool] = []
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.processor(tokens, logits)
 
     def sampler(self, logprobs: mx.array) -> mx.array:
         token = mx.argmax(logprobs, axis=-1) if self.inner is None else self.inner(logprobs)
@@ -74,17 +86,65 @@ class GrammarState:
         return token
 
     def processor(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        m = self.matcher
         # The step's forward is queued first (behind the previous step, still running maybe), so the
         # device never waits for the mask; the token sampled in the previous step was queued before
         # it, so reading it waits for that step only, and the mask is computed while the forward runs.
         mx.async_eval(logits)
         if self.pending is not None:
-            token = as_int(self.pending)
+            token = self.pending if isinstance(self.pending, int) else as_int(self.pending)
             self.pending = None
-            if token not in self.stops or not m.is_accepting():
-                m.consume_token(token)
+            self._consume(token)
+        return self.masked(logits, self._mask())
+
+    def _consume(self, token: int) -> bool:
+        """Feed ``token`` to the matcher as classic decode does (a stop token where the grammar may
+        end is not fed); whether it was fed."""
+        if token in self.stops and self.matcher.is_accepting():
+            return False
+        self.matcher.consume_token(token)
+        return True
+
+    def _mask(self) -> RowMask:
+        """The next row's mask in the matcher's state (into ``words``: copy it to keep it)."""
+        m = self.matcher
         if m.is_error():  # a token the grammar refused (cannot happen through this mask): end the sequence
-            return apply_bitmask(logits, np.zeros_like(self.words), self.stops, True)
+            self.words[:] = 0
+            return self.words, True
         m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        return apply_bitmask(logits, self.words, self.stops, m.is_accepting())
+        return self.words, m.is_accepting()
+
+    def masked(self, logits: mx.array, mask: RowMask) -> mx.array:
+        """``logits`` ``[1, V]`` masked by one row's ``mask``."""
+        words, allow_stops = mask
+        return apply_bitmask(logits, words, self.stops, allow_stops)
+
+    def speculate(self, block: list[int]) -> list[RowMask]:
+        """The masks of a verify's rows over ``block`` (the pending token, then the drafts): row j's is
+        what classic decode's processor computes after feeding ``block[: j + 1]``. A draft the
+        grammar refuses ends the list (classic decode never feeds it, so no later row is reached):
+        ``len(result) - 1`` drafts may be kept. The matcher is left past them, for ``settle``."""
+        self.pending = None
+        self._consume(block[0])
+        words, allow = self._mask()
+        masks: list[RowMask] = [(words.copy(), allow)]
+        self._taken = []
+        m = self.matcher
+        for d in block[1:]:
+            feed = not (d in self.stops and m.is_accepting())
+            if feed and (m.is_error() or m.validate_tokens([d]) < 1):
+                break
+            if feed:
+                m.consume_token(d)
+            self._taken.append(feed)
+            words, allow = self._mask()
+            masks.append((words.copy(), allow))
+        return masks
+
+    def settle(self, accepted: int, next_token: int) -> None:
+        """After the accept rule kept ``accepted`` drafts of the last ``speculate``: roll the matcher
+        back to them and make ``next_token`` the one the next mask consumes first."""
+        back = sum(self._taken[accepted:])
+        if back:
+            self.matcher.rollback(back)
+        self._taken = []
+        self.pending = next_token

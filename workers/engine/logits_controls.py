@@ -11,8 +11,10 @@ it emitted), so ``len(tokens) - prompt_len`` is how many tokens the sequence has
 one now sampled, whichever way the sequence entered the batch (fresh, from the prefix cache, or put
 back after a pause or a burst).
 
-Bursts do not run these processors in their verify, so a sequence with any is declined bursts
-(``DECLINE_REASON``, counted in the burst counters' ``declined``) and decodes classically.
+A burst's verify runs the same processors on each of its rows, over the history extended by the
+drafts before that row (``workers.engine.spec.controls``), so a sequence with any still bursts and
+emits classic decode's tokens. They are pure functions of (tokens, logits), which is what makes
+that exact.
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ from workers.api import SamplingParams
 
 #: ``(tokens, logits) -> logits``, as ``BatchGenerator`` calls each one (logits ``[1, V]``).
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-#: The reason a sequence with logits processors is declined bursts.
-DECLINE_REASON = "logits_processors"
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: Iterable[int], stop_token_ids: Iterable[int]) -> frozenset[int]:

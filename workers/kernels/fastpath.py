@@ -117,6 +117,13 @@ _plans: dict[int, dict[int, int]] = {}
 #: per layer shape at first use, or not used). On MLX CUDA, below 8 rows MLX's batched kernel costs
 #: about one matrix-vector product per row.
 KERNEL = -1
+#: A plan's value for "through the w4a16 tensor-core kernel" (``w4a16``): decode steps only (one
+#: token a sequence), 4-bit projections on MLX CUDA, where MLX's quantized matmul at 16-256 rows
+#: fills few SMs.
+MMA = -2
+#: Row counts above ``calibrate_rows`` timed for ``MMA``; a row count between them takes the plan of
+#: the next one up (the largest one's beyond it). Their plans are ``MMA`` or the row count (flattened).
+LARGE_ROWS = (32, 64, 128, 256)
 #: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
 one_row: set[int] = set()
 #: Counts ``install`` calls: what was derived from the plans (``projections.together``) is stale once it moves.
@@ -125,23 +132,45 @@ generation = 0
 RowKernel = Callable[[mx.array], "mx.array | None"]
 
 
+def lookup(plan: dict[int, int], rows: int) -> int:
+    """The rows of the kernel call for ``rows`` rows under ``plan``: its own entry, else the plan of the
+    next ``LARGE_ROWS`` count up (the largest one's beyond them): ``MMA`` or the rows flattened."""
+    to = plan.get(rows)
+    if to is not None:
+        return to
+    large = [r for r in LARGE_ROWS if r in plan]
+    if not large or rows == 1:  # a plan holds every other row count up to the calibrated ones
+        return rows
+    bucket = next((r for r in large if r >= rows), large[-1])
+    return MMA if plan[bucket] == MMA else rows
+
+
 def project(
     call: Callable[[mx.array], mx.array],
     x: mx.array,
     rows: int,
     key: int = 0,
     kernel: RowKernel | None = None,
+    mma: RowKernel | None = None,
 ) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
     ``kernel`` computes flattened rows through the project's multi-row kernel (``None`` where that
-    does not take them): used where the plan says ``KERNEL``. A single row (classic B = 1 decode) is left exactly as mlx-lm calls it
-    unless its plan is ``KERNEL``.
+    does not take them): used where the plan says ``KERNEL``. ``mma`` likewise through the w4a16
+    kernel where the plan says ``MMA`` and ``x`` is a decode step's (one token a sequence: a forward
+    calls each projection once, which the kernel's per-weight counters need). A single row (classic
+    B = 1 decode) is left exactly as mlx-lm calls it unless its plan is ``KERNEL``.
     """
     if x.ndim < 2 or not active().flatten:
         return call(x), rows
     plan = _plans.get(key)
-    to = rows if plan is None else plan.get(rows, rows)
+    to = rows if plan is None else lookup(plan, rows)
+    if to == MMA:
+        decode = x.ndim == 3 and x.shape[1] == 1
+        out = mma(x.reshape(rows, x.shape[-1])) if mma is not None and decode else None
+        if out is not None:
+            return out.reshape(*x.shape[:-1], out.shape[-1]), rows
+        to = rows
     if to == KERNEL:
         out = None if kernel is None else kernel(x.reshape(rows, x.shape[-1]))
         if out is not None:
@@ -218,7 +247,7 @@ def planned(key: int, rows: int) -> int | None:
     if rows == 1:
         return KERNEL if key in one_row else None
     plan = _plans.get(key)
-    return None if plan is None else plan.get(rows, rows)
+    return None if plan is None else lookup(plan, rows)
 
 
 def _forget(key: int) -> None:
@@ -231,9 +260,10 @@ def _forget(key: int) -> None:
 def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
     """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
     with the rows its kernel call runs on (``0``: as mlx-lm calls it; ``k``: the project's multi-row
-    kernel), e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:16"``."""
+    kernel; ``m``: the w4a16 tensor-core kernel), e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:m"``."""
+    names = {KERNEL: "k", MMA: "m"}
     return {
-        shape: " ".join(f"{rows}:{'k' if to == KERNEL else to}" for rows, to in sorted(plan.items()))
+        shape: " ".join(f"{rows}:{names.get(to, to)}" for rows, to in sorted(plan.items()))
         for shape, plan in by_shape.items()
     }
 

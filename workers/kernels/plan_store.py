@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.kernels import qmv_launch
+from workers.kernels import qmv_launch, w4a16_source
 from workers.kernels.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
 
 #: Bump when the timing method changes, so stored plans are timed again.
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 
 #: The longest a process waits for another to finish timing (timing takes seconds).
 LOCK_WAIT_S = 120.0
@@ -42,22 +42,32 @@ MAX_FILE_BYTES = 1 << 20
 Plans = dict[str, dict[int, int]]
 
 
-def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...]) -> str:
+def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...], large: tuple[int, ...] = ()) -> str:
     body = {
         "backend": backend_fingerprint(),
         "shapes": sorted(shapes),
         "rows": max_rows,
         "pads": list(pads),
         "kernel": qmv_launch.variant(),
+        "large": list(large),
+        "w4a16": w4a16_source.variant() if large else "",
     }
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
 
 
-def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...], kernel_rows: int = 0) -> Plans:
+def valid(
+    plans: Any,
+    shapes: list[str],
+    max_rows: int,
+    pads: tuple[int, ...],
+    kernel_rows: int = 0,
+    large: tuple[int, ...] = (),
+) -> Plans:
     """``plans`` as read from a file, checked: every shape, every row count 2..max_rows (and perhaps
-    one row), each planned to 0 (as called), to a call of at least its rows (itself or a pad size),
-    or to the project's kernel (``-1``, up to ``kernel_rows`` rows); one row only as called (1) or
-    to the kernel."""
+    one row and some of the ``large`` row counts), each planned to 0 (as called), to a call of at
+    least its rows (itself or a pad size), to the project's kernel (``-1``, up to ``kernel_rows``
+    rows) or, with ``large``, to the w4a16 kernel (``-2``); one row only as called (1) or to the
+    kernel; a large row count only flattened or to the w4a16 kernel."""
     if not isinstance(plans, dict) or set(plans) != set(shapes):
         raise ValueError("the file holds plans for other shapes")
     out: Plans = {}
@@ -65,13 +75,16 @@ def valid(plans: Any, shapes: list[str], max_rows: int, pads: tuple[int, ...], k
         if not isinstance(plan, dict):
             raise ValueError(f"{shape}: not a plan")
         parsed = {int(rows): int(to) for rows, to in plan.items()}
-        if set(parsed) - {1} != set(range(2, max_rows + 1)):
+        if set(parsed) - {1} - set(large) != set(range(2, max_rows + 1)):
             raise ValueError(f"{shape}: other row counts")
         for rows, to in parsed.items():
             kernel = to == -1 and rows <= kernel_rows
+            mma = to == -2 and bool(large) and rows > 1
             if rows == 1 and not (to == 1 or kernel):
                 raise ValueError(f"{shape}: one row planned to {to}")
-            if not (kernel or to == 0 or to == rows or (to in pads and to > rows)):
+            if rows > max_rows and not (mma or to == rows):
+                raise ValueError(f"{shape}: {rows} rows planned to {to}")
+            if not (kernel or mma or to == 0 or to == rows or (to in pads and to > rows)):
                 raise ValueError(f"{shape}: {rows} rows planned to {to}")
         out[shape] = parsed
     return out
@@ -105,12 +118,19 @@ def _locked(path: Path) -> Iterator[bool]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def keep_check(root: Path, shapes: list[str], max_rows: int, pads: tuple[int, ...], check: dict[int, Any]) -> None:
+def keep_check(
+    root: Path,
+    shapes: list[str],
+    max_rows: int,
+    pads: tuple[int, ...],
+    check: dict[int, Any],
+    large: tuple[int, ...] = (),
+) -> None:
     """Beside the plans, what their whole-forward check measured (``plan_timing.forward_checked``'s
     report: each row count's forward milliseconds by candidate and the one kept), for reading only:
     ``load_or_time`` never reads it. Plans are timed once per machine, so this is the one record
     of why they are what they are."""
-    path = root / f"{plan_key(shapes, max_rows, pads)}.check.json"
+    path = root / f"{plan_key(shapes, max_rows, pads, large)}.check.json"
     _write(path, json.dumps({str(rows): r for rows, r in sorted(check.items())}, indent=1), "their check")
 
 
@@ -132,12 +152,13 @@ def load_or_time(
     pads: tuple[int, ...],
     time_plans: Callable[[], Plans],
     kernel_rows: int = 0,
+    large: tuple[int, ...] = (),
 ) -> tuple[Plans, bool]:
     """The stored plans for these shapes, or ``time_plans()`` stored for the next process; returns
     the plans and whether they came from the store. ``root`` ``None``: always timed, never stored."""
     if root is None:
         return time_plans(), False
-    path = root / f"{plan_key(shapes, max_rows, pads)}.json"
+    path = root / f"{plan_key(shapes, max_rows, pads, large)}.json"
     with contextlib.ExitStack() as stack:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -153,7 +174,7 @@ def load_or_time(
                 size = path.stat().st_size
                 if size > MAX_FILE_BYTES:
                     raise ValueError(f"{size} bytes, more than plans take")
-                return valid(json.loads(path.read_text()), shapes, max_rows, pads, kernel_rows), True
+                return valid(json.loads(path.read_text()), shapes, max_rows, pads, kernel_rows, large), True
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
         plans = time_plans()

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers.kernels import fastpath, plan_store, qmv_rows
+from workers.kernels import fastpath, plan_store, qmv_rows, w4a16
 
 log = logging.getLogger("mlx_batchd")
 
@@ -109,24 +109,41 @@ def row_kernel(m: nn.Module) -> fastpath.RowKernel | None:
     return kernel if kernel(mx.zeros((1, d_in), dtype=m.scales.dtype)) is not None else None
 
 
+def mma_kernel(m: nn.Module) -> fastpath.RowKernel | None:
+    """The w4a16 tensor-core kernel on ``m`` where it takes it here (``w4a16.takes``), else ``None``."""
+    return (lambda x: w4a16.project(m, x)) if w4a16.takes(m) else None
+
+
 def time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
-    flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``, or
-    ``fastpath.KERNEL`` (up to its rows, where it takes ``m``). Flattened-unpadded is kept unless
-    another way is cheaper by ``MARGIN``. One row (classic decode) is timed as mlx-lm calls it
-    against the kernel only, where the kernel takes ``m``."""
+    flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``,
+    ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or ``fastpath.MMA`` (where the w4a16
+    kernel takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it).
+    Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
+    is timed as mlx-lm calls it against the row kernel only, where that takes ``m``."""
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
     bits = getattr(m, "bits", None)
     d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
     dtype = m.scales.dtype if bits else m.weight.dtype
     kernel = row_kernel(m)
+    mma = mma_kernel(m)
     plan: dict[int, int] = {}
-    for rows in range(1 if kernel else 2, n + 1):
-        ways = [0, rows, *(p for p in fastpath.PADS if p > rows)] if rows > 1 else [1]
+    large = fastpath.LARGE_ROWS if mma is not None else ()
+    for rows in [*range(1 if kernel else 2, n + 1), *(r for r in large if r > n)]:
+        if rows > n:
+            ways = [rows]
+        else:
+            ways = [0, rows, *(p for p in fastpath.PADS if p > rows)] if rows > 1 else [1]
         if kernel is not None and rows <= qmv_rows.MAX_ROWS:
             ways.append(fastpath.KERNEL)
+        if mma is not None and rows > 1:
+            ways.append(fastpath.MMA)
         calls = [
-            _kernel_way(kernel) if to == fastpath.KERNEL and kernel is not None else _way(original, m, to)
+            _kernel_way(kernel)
+            if to == fastpath.KERNEL and kernel is not None
+            else _kernel_way(mma)
+            if to == fastpath.MMA and mma is not None
+            else _way(original, m, to)
             for to in ways
         ]
         costs = dict(zip(ways, _ms(calls, mx.zeros((rows, d_in), dtype=dtype)), strict=True))
@@ -202,18 +219,26 @@ def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) 
     return [sorted(s)[len(s) // 2] for s in samples]
 
 
-def candidates(plans: Plans, kernel_shapes: set[str], rows: int) -> list[tuple[str, dict[str, int]]]:
+def candidates(
+    plans: Plans, kernel_shapes: set[str], rows: int, mma_shapes: set[str] | None = None, n: int = 0
+) -> list[tuple[str, dict[str, int]]]:
     """Ways to run every projection on ``rows`` rows, by name: the per-shape plans first, then each
-    uniform way (the kernel where it takes the shape, the plan elsewhere); duplicates dropped. One row
-    concerns only the shapes the kernel takes (elsewhere it is always as mlx-lm calls it)."""
+    uniform way (a kernel where it takes the shape, the plan elsewhere); duplicates dropped. One row
+    concerns only the shapes the row kernel takes (elsewhere it is always as mlx-lm calls it); rows
+    above ``n`` (``fastpath.LARGE_ROWS``) are flattened or through the w4a16 kernel (``mma_shapes``)."""
+    mma_shapes = mma_shapes or set()
     shapes = sorted(kernel_shapes) if rows == 1 else sorted(plans)
     planned = {shape: plans[shape].get(rows, rows) for shape in shapes}
     out = [("plans", planned)]
     if rows == 1:
         out.append(("as called", dict.fromkeys(shapes, 1)))
+    elif n and rows > n:
+        out.append(("flattened", dict.fromkeys(shapes, rows)))
     else:
         out += [("as called", dict.fromkeys(shapes, 0)), ("flattened", dict.fromkeys(shapes, rows))]
         out += [(f"padded to {p}", dict.fromkeys(shapes, p)) for p in fastpath.PADS if p > rows]
+    if mma_shapes and rows > 1:
+        out.append(("w4a16", {s: fastpath.MMA if s in mma_shapes else v for s, v in planned.items()}))
     if kernel_shapes and rows <= qmv_rows.MAX_ROWS:
         out.append(("kernel", {s: fastpath.KERNEL if s in kernel_shapes else v for s, v in planned.items()}))
     unique: list[tuple[str, dict[str, int]]] = []
@@ -224,13 +249,21 @@ def candidates(plans: Plans, kernel_shapes: set[str], rows: int) -> list[tuple[s
 
 
 def forward_checked(
-    model: nn.Module, plans: Plans, kernel_shapes: set[str], n: int, report: dict[int, dict[str, Any]] | None = None
+    model: nn.Module,
+    plans: Plans,
+    kernel_shapes: set[str],
+    n: int,
+    report: dict[int, dict[str, Any]] | None = None,
+    mma_shapes: set[str] | None = None,
 ) -> Plans:
     """``plans`` with each row count's ways replaced by the uniform way whose decode forward is
-    cheaper by ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile). ``report``
-    (when given) gets each row count's forward milliseconds by candidate and the one kept."""
-    for rows in range(1 if kernel_shapes else 2, n + 1):
-        options = candidates(plans, kernel_shapes, rows)
+    cheaper by ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for
+    2..``n`` rows (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
+    (``mma_shapes``), ``fastpath.LARGE_ROWS``. ``report`` (when given) gets each row count's forward
+    milliseconds by candidate and the one kept."""
+    large = [r for r in fastpath.LARGE_ROWS if r > n] if mma_shapes else []
+    for rows in [*range(1 if kernel_shapes else 2, n + 1), *large]:
+        options = candidates(plans, kernel_shapes, rows, mma_shapes, n)
         if len(options) < 2:
             continue
 
@@ -280,19 +313,22 @@ def calibrate(
         if not decodes(model):
             return plans
         kernel_shapes = {shape for shape in shapes if 1 in plans[shape]}  # one row is timed where the kernel takes it
+        mma_shapes = {shape for shape in shapes if w4a16.takes(first[shape])}
         checked = {shape: dict(plan) for shape, plan in plans.items()}
         try:
-            return forward_checked(model, checked, kernel_shapes, n, report)
+            return forward_checked(model, checked, kernel_shapes, n, report, mma_shapes)
         except Exception:  # a model whose decode forward this check cannot run keeps the per-shape plans
             log.warning("kernel plans: the whole-forward check failed; keeping the per-shape plans", exc_info=True)
             return plans
 
     tic = time.perf_counter()
-    by_shape, stored = plan_store.load_or_time(store, shapes, n, fastpath.PADS, timed, qmv_rows.MAX_ROWS)
+    mma = any(w4a16.takes(first[shape]) for shape in shapes)
+    large = fastpath.LARGE_ROWS if mma else ()
+    by_shape, stored = plan_store.load_or_time(store, shapes, n, fastpath.PADS, timed, qmv_rows.MAX_ROWS, large)
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(shapes), how)
     if not stored and store is not None and report:
-        plan_store.keep_check(store, shapes, n, fastpath.PADS, report)
+        plan_store.keep_check(store, shapes, n, fastpath.PADS, report, large)
     fastpath.install(model, by_shape)
     tic = time.perf_counter()
     rows = warm_kernel(model, by_shape)

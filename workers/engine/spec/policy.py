@@ -22,6 +22,7 @@ from typing import Any
 from workers.api import BurstSettings, FinishReason
 from workers.engine.sampling import SeededSampler
 from workers.engine.sequences import Sequence
+from workers.engine.spec.controls import Controls
 
 
 @dataclass
@@ -248,6 +249,8 @@ class BurstSeq:
     stops: frozenset[int]
     #: The pending token's top logprobs, when the job asked for them (``engine.top_logprobs``).
     pending_top: list[tuple[int, float]] | None = None
+    #: Its logits processors and grammar, applied to each verify row (``workers.engine.spec.controls``).
+    controls: Controls = field(default_factory=lambda: Controls([]))
 
 
 def emit_in_order(

@@ -145,6 +145,8 @@ class Rounds:
             and (block is None or len(block) > 1)
             and b.sampler is None
             and plain(b.cache)
+            # A proposal built on this round's outputs takes the raw argmax for its bonus token.
+            and not (b.controls.active and self.drafter.needs_hidden)
         )
         lookahead = can_build_ahead and self.adaptive.build_ahead()
         logits, hidden, nxt = self._verify(b, block, proposal, level, ahead, lookahead)
@@ -158,12 +160,16 @@ class Rounds:
             self.counters.audits += 1
             if not bytes_equal(single, logits[0]):
                 return self._revoke(b, len(block), level)
+        if b.controls.active:  # the rows classic decode would sample from (a draft the grammar refuses ends them)
+            logits = b.controls.apply(b.history, block, logits)
+        kept_rows = logits.shape[0]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if b.sampler is None:
-            outcome = accept_greedy(draft.tokens, logits)
-        else:
-            outcome = accept_sampled(draft.tokens, draft.q, logprobs, b.sampler)
+            outcome = accept_greedy(draft.tokens[: kept_rows - 1], logits)
+        else:  # a refused draft stays: its row gives it no mass, so it is rejected and drawn past from the residual
+            outcome = accept_sampled(draft.tokens[:kept_rows], draft.q, logprobs, b.sampler)
         a = outcome.accepted
+        b.controls.settle(a, outcome.next_token)
         self.counters.accepted += a
         if nxt is not None:  # kept only while the guess still holds: every draft and the bonus token
             if a == len(draft.tokens) and (nxt.block is None or outcome.next_token == nxt.block[0]):

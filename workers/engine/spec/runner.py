@@ -18,6 +18,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 
 from workers.api import BurstSettings, Event, Level
 from workers.engine.sequences import BurstHost, Parked, Sequence
+from workers.engine.spec.controls import Controls
 from workers.engine.spec.drafters import Drafter
 from workers.engine.spec.lookahead import Ahead
 from workers.engine.spec.policy import Adaptive, Auditor, BurstCounters, BurstSeq, Gate
@@ -179,8 +180,17 @@ class BurstRunner(Rounds):
             self._note_decline(s, s.no_burst)
             return False
         p = self.host.take_out(s)
+        controls = Controls(s.processors)
         self.current = BurstSeq(
-            s, p.cache, p.history, p.pending, p.pending_logprob, s.sampler, s.stops, pending_top=p.pending_top
+            s,
+            p.cache,
+            p.history,
+            p.pending,
+            p.pending_logprob,
+            controls.sampler(s.sampler),
+            s.stops,
+            pending_top=p.pending_top,
+            controls=controls,
         )
         assert self.drafter is not None
         try:

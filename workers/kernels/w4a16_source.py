@@ -1,9 +1,127 @@
-"""The CUDA text of the native w4a16 kernel: MLX's packed arrays as they are, no repack (``w4a16_marlin.py``
-builds and launches it; the helpers and the store come from ``w4a16_marlin_source.py``)."""
+"""The CUDA text of the w4a16 tensor-core GEMM (``w4a16`` builds and launches it).
+
+``HEADER`` holds the device helpers (the MMA, ``ldmatrix``, the bf16x2 dequantization that gives MLX's
+dequantize bit for bit, ``cp.async``); ``NATIVE_SOURCE`` the kernel body, reading MLX's packed 4-bit
+arrays as they are; ``EPILOGUE`` the C store and the deterministic split-K reduction.
+"""
 
 from __future__ import annotations
 
-from w4a16_marlin_source import EPILOGUE, HEADER
+import hashlib
+
+HEADER = r"""
+#undef FP_NAN
+#undef FP_INFINITE
+#undef FP_ZERO
+#undef FP_SUBNORMAL
+#undef FP_NORMAL
+
+namespace w4m {
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t bfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Two weights of one word: nibbles j (low half) and j + 4 (high half), shifted down by 4 * j before
+// the call. (q | 0x4300) as bf16 is v = 128 + q. fma(v, s, -128 s) is s * q rounded once (-128 s is
+// exact), then + bias rounded: bit for bit MLX's dequantize (scale * q + bias in bf16, two roundings).
+__device__ __forceinline__ uint32_t dq2(uint32_t w, uint32_t s2, uint32_t ns2, uint32_t b2) {
+  const uint32_t v = (w & 0x000f000fu) | 0x43004300u;
+  const uint32_t sq = bfma2(v, s2, ns2);
+  return bfma2(sq, 0x3f803f80u, b2);
+}
+
+// (-128 s, -128 s): exact.
+__device__ __forceinline__ uint32_t neg128(uint32_t s2) { return bfma2(s2, 0xc300c300u, 0x80008000u); }
+
+// 16 bytes global -> shared, bypassing L1; zero-filled when !ok (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+}  // namespace w4m
+"""
+
+#: The C fragments' store and the split-K reduction (names a kernel body defines: acc, m0, nb0, NBLK, N,
+#: M, g, t, z, S, out, ws, locks). ``benchmarks/w4a16_marlin.py``'s repacked layout ends with it too.
+EPILOGUE = r"""
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int r0 = m0 + i * 16 + g;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      if (nb0 + j >= NBLK) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = (nb0 + j) * 16 + h * 8 + 2 * t;
+        const float* c = acc[i][j][h];
+        if constexpr (SPLIT) {
+          float* o = ws + (size_t)z * M * N;
+          if (r0 < M) *reinterpret_cast<float2*>(o + (size_t)r0 * N + n) = make_float2(c[0], c[1]);
+          if (r0 + 8 < M) *reinterpret_cast<float2*>(o + (size_t)(r0 + 8) * N + n) = make_float2(c[2], c[3]);
+        } else {
+          if (r0 < M)
+            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r0 * N + n) = __floats2bfloat162_rn(c[0], c[1]);
+          if (r0 + 8 < M)
+            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)(r0 + 8) * N + n) = __floats2bfloat162_rn(c[2], c[3]);
+        }
+      }
+    }
+  }
+
+  // Several K slices, REDUCE: the last CTA of a tile to finish (a counter a tile in ``locks``, which it
+  // resets to zero) adds the slices' partials in slice order and writes bf16: deterministic.
+  if constexpr (SPLIT && REDUCE) {
+    __shared__ int w4m_last;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    int* lk = const_cast<int*>(reinterpret_cast<const int*>(locks));
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) w4m_last = atomicAdd(lk + tile, 1) == S - 1;
+    __syncthreads();
+    if (!w4m_last) return;
+    __threadfence();
+    constexpr int CTA_PAIRS = WARPS * NB * 8;   // column pairs of the CTA's outputs
+    const int n_lo = blockIdx.y * WARPS * NB * 16;
+    for (int i = threadIdx.x; i < ROWS * CTA_PAIRS; i += WARPS * 32) {
+      const int r = m0 + i / CTA_PAIRS;
+      const int n = n_lo + 2 * (i % CTA_PAIRS);
+      if (r < M && n < N) {
+        float2 v = make_float2(0.f, 0.f);
+        for (int zz = 0; zz < S; ++zz) {
+          const float2 p = __ldcg(reinterpret_cast<const float2*>(ws + ((size_t)zz * M + r) * N + n));
+          v.x += p.x;
+          v.y += p.y;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * N + n) = __floats2bfloat162_rn(v.x, v.y);
+      }
+    }
+    if (threadIdx.x == 0) lk[tile] = 0;
+  }
+"""
 
 NATIVE_HEADER = (
     HEADER
@@ -21,7 +139,8 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 )
 
 #: Template: T, MT, NB, WARPS, STAGES (k64 steps in flight, 2-4), GS, SPLIT, REDUCE. Inputs x, w (MLX's
-#: packed uint32 [N, K/8]), scales, biases (bf16 [N, K/gs]), locks; outputs out, ws; grid as SOURCE's.
+#: packed uint32 [N, K/8]), scales, biases (bf16 [N, K/gs]), locks; outputs out (bf16 [M, N]),
+#: ws (fp32 [S, M, N] partials when SPLIT). Grid: (row tiles * 32 * WARPS, CTAs along N, K slices) threads.
 #:
 #: Each k64 step, the CTA copies its activations (``16 * MT`` rows of 128 bytes) and its outputs' packed
 #: words (``16 * NB * WARPS`` rows of 32 bytes, MLX's row-major layout) to shared memory with 16-byte
@@ -30,8 +149,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 #: r's unit u at r * 2 + (u ^ ((r >> 2) & 1)). ``ldmatrix.x4`` over the weights hands lane (g, t) word t
 #: of row g of each 16-byte unit: the eight nibbles of K 8t..8t+7 of one k32 half. The MMAs take K in the
 #: order that suits this word: MMA u (0, 1) of a k32 half has B fragments (nibbles 2u, 2u + 4) and
-#: (2u + 1, 2u + 5), dequantized by ``w4m::dq2`` on ``w >> 8u`` and ``w >> (8u + 4)`` (MLX's bits, as in
-#: the repacked kernel); the lane's A fragments are the same K of its activation rows: one 16-byte shared load of
+#: (2u + 1, 2u + 5), dequantized by ``w4m::dq2`` on ``w >> 8u`` and ``w >> (8u + 4)`` (MLX's bits); the lane's A fragments are the same K of its activation rows: one 16-byte shared load of
 #: row g's K 8t..8t+7 and two ``prmt`` an MMA. Scales and biases (2-byte loads, read STAGES steps ahead
 #: into registers) are MLX's arrays too.
 NATIVE_SOURCE = (
@@ -189,3 +307,9 @@ NATIVE_SOURCE = (
 )
 
 NATIVE_INPUT_NAMES = ["x", "w", "scales", "biases", "locks"]
+OUTPUT_NAMES = ["out", "ws"]
+
+
+def variant() -> str:
+    """A short hash of the kernel's text: stored plans that chose it are timed again when it changes."""
+    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE).encode()).hexdigest()[:16]

@@ -1,0 +1,185 @@
+"""Batched decode through the w4a16 tensor-core kernel (``fastpath.MMA``, ``workers.kernels.w4a16``).
+
+The CUDA kernel cannot run on this CPU (its numerics are checked on the device, ``pytest -m gpu``, and
+its index math in tests/unit/test_w4a16_marlin.py): its launch is replaced by a stand-in (named as
+such, ``w4a16.launch_seam``) that records each launch and computes ``x @ dequantize(w).T``. What is
+tested here is the routing: which calls reach the kernel, the plans that send them, and their store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.helpers.fastpath import policy as policy
+from tests.reference import load_measured
+from workers.kernels import fastpath, plan_store, plan_timing, w4a16
+from workers.models.synthetic import llama_config, write_model
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
+
+MMA = fastpath.MMA
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
+    """Stand-in for the CUDA launch; yields the (rows, outputs) of each launch."""
+    monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
+    monkeypatch.setattr(w4a16, "_takes", {})
+    monkeypatch.setattr(w4a16, "_weights", {})
+    monkeypatch.setattr(fastpath, "_plans", {})
+    monkeypatch.setattr(fastpath, "one_row", set())
+    seen: list[tuple[int, int]] = []
+
+    def stand_in(x: mx.array, w: w4a16.Native) -> mx.array:
+        seen.append((x.shape[0], w.n))
+        return (x @ mx.dequantize(w.w, w.scales, w.biases, w.group_size).T).astype(mx.bfloat16)
+
+    monkeypatch.setattr(w4a16, "launch_seam", stand_in)
+    yield seen
+
+
+def _last_way_cheapest(calls: list[Any], *_: Any) -> list[float]:
+    """Timings in which the last way asked for (the w4a16 kernel, where offered) is the cheapest."""
+    return [1.0] * (len(calls) - 1) + [0.5]
+
+
+def _plans_kept(model: Any, rows: int, installs: list[Any]) -> list[float]:
+    """Forward timings in which the per-shape plans (the first candidate) are the cheapest."""
+    return [0.5] + [1.0] * (len(installs) - 1)
+
+
+def _q(d_in: int, d_out: int, bits: int = 4, dtype: mx.Dtype = mx.bfloat16) -> nn.QuantizedLinear:
+    q = nn.QuantizedLinear(d_in, d_out, bits=bits, group_size=64)
+    q.set_dtype(dtype)
+    return q
+
+
+def test_the_kernel_takes_only_4_bit_bf16_layers_of_shapes_it_runs(launches: list[Any]) -> None:
+    assert w4a16.takes(_q(256, 64))
+    assert not w4a16.takes(_q(256, 64, bits=8))
+    assert not w4a16.takes(_q(256, 64, dtype=mx.float16))  # scales not bf16
+    assert not w4a16.takes(_q(256, 72))  # 72 outputs: not a multiple of 16
+    assert not w4a16.takes(nn.Linear(256, 64))
+
+
+def test_the_kernel_is_off_without_cuda_and_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(w4a16, "launch_seam", None)
+    monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
+    assert not w4a16.available()  # this machine has no CUDA
+    assert not w4a16.takes(_q(256, 64))
+    monkeypatch.setattr(w4a16, "launch_seam", lambda x, w: x)
+    assert w4a16.takes(_q(256, 64))
+    for off in ("0", ""):  # switched off, and the default
+        monkeypatch.setenv("MLX_BATCHD_W4A16", off)
+        assert not w4a16.takes(_q(256, 64))
+
+
+def test_calibration_plans_the_kernel_where_cheapest_and_times_the_large_row_counts(
+    launches: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan_timing, "_ms", _last_way_cheapest)
+    monkeypatch.setattr(plan_timing, "forward_ms", _plans_kept)
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=10))
+    q = _q(256, 64)
+    model = nn.Sequential(nn.Linear(256, 256), q)
+    plans = plan_timing.calibrate(model)
+    q_plan = plans["QuantizedLinear(64, 32)/4"]
+    assert q_plan == {r: MMA for r in (*range(2, 11), *fastpath.LARGE_ROWS)}
+    assert set(plans["Linear(256, 256)/None"]) == set(range(2, 11))  # not quantized: no w4a16 rows
+    summary = fastpath.plans_summary(plans)["QuantizedLinear(64, 32)/4"]
+    assert summary.startswith("2:m 3:m ") and summary.endswith("256:m")
+
+
+def test_flattened_is_kept_where_the_kernel_is_not_cheaper(
+    launches: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan_timing, "_ms", lambda calls, *_: [1.0] * len(calls))
+    monkeypatch.setattr(plan_timing, "forward_ms", _plans_kept)
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    plans = plan_timing.calibrate(nn.Sequential(_q(256, 64)))
+    assert plans["QuantizedLinear(64, 32)/4"] == {r: r for r in (2, 3, 4, *fastpath.LARGE_ROWS)}
+
+
+def test_a_row_count_takes_the_plan_of_the_next_large_row_count_up() -> None:
+    plan = {2: 2, 16: 16, 32: 32, 64: MMA, 128: MMA, 256: 256}
+    assert fastpath.lookup(plan, 16) == 16
+    assert fastpath.lookup(plan, 20) == 20  # up to 32: flattened as 32 is
+    assert fastpath.lookup(plan, 33) == MMA and fastpath.lookup(plan, 128) == MMA
+    assert fastpath.lookup(plan, 129) == 129 and fastpath.lookup(plan, 1000) == 1000  # 256's, beyond too
+    assert fastpath.lookup({2: 2, 32: MMA}, 17) == MMA and fastpath.lookup({2: 2, 32: MMA}, 900) == MMA
+    assert fastpath.lookup({2: 2}, 300) == 300  # no large rows planned: flattened
+
+
+def _llama(tmp_path: Path) -> nn.Module:
+    return load_measured(write_model(tmp_path / "q4", llama_config(quant_bits=4), seed=3))
+
+
+def _route_all_to_the_kernel(model: nn.Module) -> dict[str, dict[int, int]]:
+    shapes = {shape for _, shape in fastpath._projections(model)}
+    plans = {s: {r: (MMA if "Quantized" in s else r) for r in range(2, 17)} for s in shapes}
+    fastpath.install(model, plans)
+    return plans
+
+
+def test_decode_steps_reach_the_kernel_and_prefill_and_one_row_do_not(launches: list[Any], tmp_path: Path) -> None:
+    fastpath.set_active(fastpath.CUDA)
+    model = _llama(tmp_path)
+    _route_all_to_the_kernel(model)
+    quantized = sum(1 for m, _ in fastpath._projections(model) if isinstance(m, nn.QuantizedLinear))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((4, 3), dtype=mx.int32), cache=cache))  # prefill: 12 rows, planned to the kernel
+    assert launches == []
+    mx.eval(model(mx.zeros((4, 1), dtype=mx.int32), cache=cache))  # a decode step of 4 sequences
+    assert len(launches) == quantized and all(rows == 4 for rows, _ in launches)
+    launches.clear()
+    one = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 1), dtype=mx.int32), cache=one))  # classic B = 1 decode
+    assert launches == []
+
+
+def test_the_kernel_output_replaces_mlx_s_call_row_for_row(launches: list[Any], tmp_path: Path) -> None:
+    """Each sequence's logits through the kernel route match MLX's call on the same rows (within what
+    the stand-in's dequantize-then-matmul rounds differently): no row dropped, mixed or reordered."""
+    fastpath.set_active(fastpath.CUDA)
+    model = _llama(tmp_path)
+    tokens = mx.array([[3], [7], [11], [19]], dtype=mx.int32)
+
+    def step() -> mx.array:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2], [5, 6], [9, 10], [13, 14]], dtype=mx.int32), cache=cache))
+        out = model(tokens, cache=cache)
+        mx.eval(out)
+        return out.astype(mx.float32)
+
+    mlx_way = step()
+    _route_all_to_the_kernel(model)
+    kernel_way = step()
+    assert launches
+    swapped = mx.concatenate([mlx_way[1:2], mlx_way[0:1], mlx_way[2:]])
+    near = float(mx.abs(kernel_way - mlx_way).mean().item())  # type: ignore[arg-type]
+    far = float(mx.abs(kernel_way - swapped).mean().item())  # type: ignore[arg-type]
+    assert near < 0.1 * far  # bf16 rounding, not another row's logits
+
+
+def test_stored_plans_keep_the_kernel_and_forged_values_are_refused(launches: list[Any], tmp_path: Path) -> None:
+    shapes = ["QuantizedLinear(64, 32)/4"]
+    large = fastpath.LARGE_ROWS
+    plans = {shapes[0]: {**{r: MMA for r in range(2, 5)}, **{r: MMA for r in large}}}
+    got, stored = plan_store.load_or_time(tmp_path, shapes, 4, (8, 16), lambda: plans, 0, large)
+    assert got == plans and not stored
+    again, stored = plan_store.load_or_time(tmp_path, shapes, 4, (8, 16), lambda: {}, 0, large)
+    assert again == plans and stored
+    with pytest.raises(ValueError, match="planned to -2"):  # timed without the kernel: no -2
+        plan_store.valid({shapes[0]: {**{r: MMA for r in range(2, 5)}}}, shapes, 4, (8, 16))
+    with pytest.raises(ValueError, match="256 rows planned to 16"):  # a large row count padded down
+        plan_store.valid({shapes[0]: {**{r: r for r in range(2, 5)}, 256: 16}}, shapes, 4, (8, 16), 0, large)
+    with pytest.raises(ValueError, match="one row planned to -2"):
+        plan_store.valid({shapes[0]: {1: MMA, **{r: r for r in range(2, 5)}}}, shapes, 4, (8, 16), 0, large)
+    assert plan_store.plan_key(shapes, 4, (8, 16), large) != plan_store.plan_key(shapes, 4, (8, 16))

@@ -1,0 +1,130 @@
+"""The w4a16 tensor-core kernel on the GPU: its error against a float32 reference on every projection
+shape of the 8B and of SmolLM2, split-K determinism, and the engine's greedy tokens through it.
+
+Each output's error is bounded by what a bf16 output of an fp32-accumulated dot product allows: half a
+bf16 ulp of the output (2^-9 |ref|) plus K fp32 roundings of the products' magnitudes
+(K 2^-24 sum |x w|). An indexing bug gives errors of the outputs' own size, far past it. The mean error
+must also stay near MLX's own (its ``quantized_matmul`` and a dense bf16 copy through cuBLAS): within 1.5x
+of the larger.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from tests.helpers.fastpath import greedy_tokens
+from tests.helpers.fastpath import policy as policy
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, w4a16
+from workers.models.synthetic import llama_config, write_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("policy")]
+
+#: (name, N, K, group size): every projection of Llama-3-8B (4-bit, group 64, with its 128,256-row
+#: head) and of SmolLM2-135M (its GGUF's group 32, and 64).
+SHAPES = [
+    ("8b q/o", 4096, 4096, 64),
+    ("8b k/v", 1024, 4096, 64),
+    ("8b gate/up", 14336, 4096, 64),
+    ("8b down", 4096, 14336, 64),
+    ("8b lm_head", 128256, 4096, 64),
+    *[
+        (f"smollm2 {name} g{gs}", n, k, gs)
+        for gs in (32, 64)
+        for name, n, k in (("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536))
+    ],
+]
+ROWS = (1, 16, 17, 32, 100, 128, 256)
+
+
+def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(mx.bfloat16) * 0.02
+    q, s, b = mx.quantize(w, group_size=gs, bits=4)
+    return q, s, b
+
+
+def _mean_abs(a: mx.array) -> float:
+    return float(mx.mean(mx.abs(a)).item())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,n,k,gs", SHAPES, ids=[s[0] for s in SHAPES])
+def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str, n: int, k: int, gs: int) -> None:
+    q, s, b = _weights(n, k, gs, seed=n * 7 + k + gs)
+    weight = w4a16.native(q, s, b, gs)
+    wbf = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.bfloat16)
+    for m in ROWS if n < 100000 else (16, 128):
+        x = (mx.random.normal((m, k), key=mx.random.key(m + n)) * 0.5).astype(mx.bfloat16)
+        ref = x.astype(mx.float32) @ wbf.astype(mx.float32).T
+        got = w4a16.native_matmul(x, weight).astype(mx.float32)
+        theirs = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=4).astype(mx.float32)
+        dense = (x @ wbf.T).astype(mx.float32)
+        magnitude = mx.abs(x.astype(mx.float32)) @ mx.abs(wbf.astype(mx.float32)).T
+        bound = 2.0**-9 * mx.abs(ref) + k * 2.0**-24 * magnitude
+        err = mx.abs(got - ref)
+        worst = float(mx.max(err / bound).item())  # type: ignore[arg-type]
+        mean, theirs_mean = _mean_abs(got - ref), max(_mean_abs(theirs - ref), _mean_abs(dense - ref))
+        qw = float(mx.max(mx.abs(theirs - ref) / bound).item())  # type: ignore[arg-type]
+        dw = float(mx.max(mx.abs(dense - ref) / bound).item())  # type: ignore[arg-type]
+        print(
+            f"{name} rows {m}: worst error / bound {worst:.3f} (MLX qmm {qw:.3f}, bf16 dense {dw:.3f}), "
+            f"mean error {mean:.3g} (qmm {_mean_abs(theirs - ref):.3g}, dense {_mean_abs(dense - ref):.3g})"
+        )
+        assert mx.all(mx.isfinite(got)).item(), (name, m)
+        assert worst <= 1.0, (name, m, worst)
+        assert mean <= 1.5 * theirs_mean, (name, m, mean, theirs_mean)
+
+
+def test_split_k_is_deterministic_and_its_counters_return_to_zero() -> None:
+    q, s, b = _weights(4096, 14336, 64, seed=5)
+    weight = w4a16.native(q, s, b, 64)
+    x = (mx.random.normal((16, 14336), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
+    assert w4a16.plan(16, 4096, 14336, sm_count=w4a16.sms()).splits > 1  # the in-kernel reduction runs
+    first = w4a16.native_matmul(x, weight)
+    outs = [first]
+    for _ in range(20):  # chained launches on one weight, as decode steps make them
+        outs.append(w4a16.native_matmul(x + 0 * outs[-1][:, :1].astype(mx.bfloat16).sum(), weight))
+    mx.eval(outs)
+    assert all(mx.array_equal(o, first).item() for o in outs)
+    assert not mx.any(weight.locks).item()
+
+
+def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 sequences x 32 greedy tokens (1,024) of a 4-bit Llama synth that echoes its prompt (clear
+    margins between the top tokens), decode planned through the kernel at every row count against
+    MLX's kernels. Batched GPU decode makes no byte-identity promise; a near-tie may flip and the
+    sequence then continues differently, so the tokens equal before each sequence's first difference
+    are counted."""
+    monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
+    fastpath.set_active(fastpath.CUDA)
+    config = llama_config(1024, 4, 2816, 8, 2, quant_bits=4, echo=True)
+    from mlx_lm import load
+
+    model = load(str(write_model(tmp_path / "m", config, seed=7)))[0]
+    assert any(w4a16.takes(m) for m, _ in fastpath._projections(model))
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(8)] for i in range(32)]
+    shapes = {shape for _, shape in fastpath._projections(model)}
+
+    def run(to: int | None) -> dict[int, list[int]]:
+        plans = {sh: {r: (to if to is not None else r) for r in range(2, 17)} for sh in shapes}
+        for sh in shapes:
+            plans[sh].update({r: (to if to is not None else r) for r in fastpath.LARGE_ROWS})
+        fastpath.install(model, plans)
+        return greedy_tokens(
+            Engine(model, eos_token_ids=(), vocab_size=config["vocab_size"], max_batch=32), prompts, 32
+        )
+
+    mlx_way = run(None)
+    kernel_way = run(fastpath.MMA)
+    agreed = 0
+    for i, want in mlx_way.items():
+        got = kernel_way[i]
+        same = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        agreed += same
+    total = sum(len(v) for v in mlx_way.values())
+    print(f"greedy agreement: {agreed} of {total} tokens before each sequence's first difference")
+    assert total == 1024 and agreed >= 0.99 * total
