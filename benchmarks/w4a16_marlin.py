@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
+from w4a16_marlin_emulate import cuda_dequantize as cuda_dequantize
 from w4a16_marlin_emulate import emulate as emulate
 from w4a16_marlin_emulate import emulate_native as emulate_native
 from w4a16_marlin_source import CH, HEADER, INPUT_NAMES, SOURCE

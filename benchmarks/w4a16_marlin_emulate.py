@@ -30,16 +30,25 @@ def _round_bf16(v: np.ndarray) -> np.ndarray:
 
 
 def _dq2(word: np.ndarray, s: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``w4m::dq2``: the (low, high) bf16 weights of one register as float32 (fma rounds once)."""
+    """``w4m::dq2``: the (low, high) bf16 weights of one register as float32: ``v - 128`` is q exactly,
+    then ``fma(q, s, b)`` rounds once (MLX CUDA's dequantize)."""
     v = (word & 0x000F000F) | 0x43004300
     s64, b64 = s.astype(np.float64), b.astype(np.float64)
-    ns = _round_bf16(-128.0 * s64).astype(np.float64)  # neg128: exact
     res = []
     for half in (v & 0xFFFF, v >> 16):
-        vv = _bf16_bits_to_f32(half).astype(np.float64)  # 128 + q
-        sq = _round_bf16(vv * s64 + ns).astype(np.float64)
-        res.append(_round_bf16(sq * 1.0 + b64))
+        q = _bf16_bits_to_f32(half).astype(np.float64) - 128.0  # exact
+        res.append(_round_bf16(q * s64 + b64))
     return res[0], res[1]
+
+
+def cuda_dequantize(q: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> np.ndarray:
+    """MLX CUDA's 4-bit dequantize as float32: ``scale * q + bias`` as one bf16 FMA (one rounding; nvcc
+    fuses the expression in MLX's kernel), where MLX's CPU backend rounds the product and the sum apart."""
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    nib = ((np.array(q)[:, :, None] >> shifts) & 15).reshape(q.shape[0], -1).astype(np.float64)
+    s = np.repeat(np.array(scales.astype(mx.float32)).astype(np.float64), group_size, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32)).astype(np.float64), group_size, axis=1)
+    return _round_bf16(nib * s + b)
 
 
 def emulate(x: mx.array, w: Packed, p: Plan) -> np.ndarray:

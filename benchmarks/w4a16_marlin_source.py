@@ -149,12 +149,10 @@ SOURCE = (
             const uint32_t b_lo2 = __byte_perm(sc.x, 0, 0x3232);   // (bias, bias) of output g
             const uint32_t s_hi2 = __byte_perm(sc.y, 0, 0x1010);   // output g + 8
             const uint32_t b_hi2 = __byte_perm(sc.y, 0, 0x3232);
-            const uint32_t n_lo2 = w4m::neg128(s_lo2);
-            const uint32_t n_hi2 = w4m::neg128(s_hi2);
-            const uint32_t b00 = w4m::dq2(w, s_lo2, n_lo2, b_lo2);        // n8 half 0, k 2t, 2t+1
-            const uint32_t b01 = w4m::dq2(w >> 4, s_lo2, n_lo2, b_lo2);   // n8 half 0, k 2t+8, 2t+9
-            const uint32_t b10 = w4m::dq2(w >> 8, s_hi2, n_hi2, b_hi2);   // n8 half 1
-            const uint32_t b11 = w4m::dq2(w >> 12, s_hi2, n_hi2, b_hi2);
+            const uint32_t b00 = w4m::dq2(w, s_lo2, b_lo2);        // n8 half 0, k 2t, 2t+1
+            const uint32_t b01 = w4m::dq2(w >> 4, s_lo2, b_lo2);   // n8 half 0, k 2t+8, 2t+9
+            const uint32_t b10 = w4m::dq2(w >> 8, s_hi2, b_hi2);   // n8 half 1
+            const uint32_t b11 = w4m::dq2(w >> 12, s_hi2, b_hi2);
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
               w4m::mma_bf16_16816(acc[i][j][0], a[i], b00, b01);

@@ -160,8 +160,8 @@ class AsyncClient(Connection):
         (``daemon_gone``) or the client is closed (``closed``) meanwhile.
 
         Logits controls, per sequence (a batch's other sequences are untouched): ``presence_penalty``
-        and ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in (0, 10] (mlx-lm's, over the
-        last 20 tokens), ``logit_bias`` (token id -> bias in [-100, 100]), ``min_tokens`` (no
+        and ``frequency_penalty`` in [-2, 2] (over every token generated so far, as OpenAI's),
+        ``repetition_penalty`` in (0, 10] (over the prompt and every generated token, as vLLM's), ``logit_bias`` (token id -> bias in [-100, 100]), ``min_tokens`` (no
         end-of-sequence or stop token before that many tokens) and ``ignore_eos``.
 
         Structured output: ``response_format`` as the wire takes it, e.g. ``{"type": "json_schema",

@@ -87,3 +87,46 @@ def perturb(out: mx.array) -> mx.array:
     at ``workers.kernels.seam.divergence_seam``)."""
     bits = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}[out.dtype]
     return (out.view(bits) ^ 1).view(out.dtype)
+
+
+def penalized_reference(
+    path: Path, prompt: list[int], max_tokens: int, *, mlx_lm_windows: bool = False, **controls: Any
+) -> list[int]:
+    """Greedy tokens from ``generate_step`` with mlx-lm's penalty processors and ``logit_bias``,
+    stopping at EOS. The penalties cover what OpenAI and vLLM define them over: presence and
+    frequency every token emitted so far, repetition the prompt and those (mlx-lm's context size,
+    its ``tokens[-context_size:]``, set each step to exactly that span of the history it is given,
+    the prompt then the output). ``mlx_lm_windows``: mlx-lm's own default instead (the last 20
+    tokens, the prompt included)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import (
+        make_frequency_penalty,
+        make_logits_processors,
+        make_presence_penalty,
+        make_repetition_penalty,
+    )
+
+    model, tokenizer = load_reference(str(path))
+    if mlx_lm_windows:
+        processors = make_logits_processors(**controls)
+    else:
+        processors = make_logits_processors(logit_bias=controls.get("logit_bias"))
+        repetition = controls.get("repetition_penalty")
+        if repetition is not None:
+            processors.append(lambda toks, logits: make_repetition_penalty(repetition, len(toks))(toks, logits))
+        for make, name in ((make_presence_penalty, "presence_penalty"), (make_frequency_penalty, "frequency_penalty")):
+            if controls.get(name):
+
+                def over_output(
+                    toks: mx.array, logits: mx.array, make: Any = make, penalty: float = controls[name]
+                ) -> mx.array:
+                    emitted = len(toks) - len(prompt)
+                    return make(penalty, emitted)(toks, logits) if emitted > 0 else logits
+
+                processors.append(over_output)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return out

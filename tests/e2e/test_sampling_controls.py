@@ -1,5 +1,7 @@
 """Logits controls through a real daemon and the client library: penalties and a bias equal mlx-lm's
-own processors in its ``generate_step``, token for token; ``min_tokens``, ``ignore_eos`` and
+own processors in its ``generate_step``, token for token, the penalties over OpenAI's and vLLM's
+spans (presence and frequency: every emitted token, not the prompt; repetition: the prompt and every
+emitted token; no 20-token window), through the prefix cache too; ``min_tokens``, ``ignore_eos`` and
 ``stop_token_ids`` end sequences where they say; ``n`` runs n seeded sequences; a batch mixing plain
 and controlled requests keeps the plain ones exact; a lone controlled request keeps its bursts (no
 decline counted) and its tokens equal mlx-lm's; bad values end with ``bad_field`` naming the field."""
@@ -18,7 +20,7 @@ from clients import Client, RequestError
 from clients.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
 from tests.conftest import Daemon, start_daemon, wait_for_verdict
 from tests.helpers.daemons import served
-from tests.reference import greedy_reference, load_reference
+from tests.reference import greedy_reference, load_reference, penalized_reference
 
 PROMPT = [7, 7, 7, 7, 8, 8, 8, 8]
 EOS = 0
@@ -33,18 +35,9 @@ def daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def reference(model_path: Path, prompt: list[int], max_tokens: int, **controls: Any) -> list[int]:
-    """Greedy tokens from mlx-lm's ``generate_step`` with its ``make_logits_processors``, up to EOS."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_logits_processors
-
-    model, _ = load_reference(str(model_path))
-    processors = make_logits_processors(**controls)
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors):
-        if int(token) == EOS:
-            break
-        out.append(int(token))
-    return out
+    """Greedy tokens from mlx-lm's ``generate_step`` with its own processors, the penalties over
+    OpenAI's and vLLM's spans (``tests.reference.penalized_reference``), up to EOS."""
+    return penalized_reference(model_path, prompt, max_tokens, **controls)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +57,53 @@ def test_penalties_equal_mlx_lm_processors_and_change_the_output(
     want = reference(tiny_model, PROMPT, 30, **controls)
     assert got.tokens == want
     assert got.tokens != greedy_reference(tiny_model, PROMPT, 30)[0]
+
+
+def test_a_frequency_penalty_still_applies_to_a_token_emitted_over_20_tokens_ago(
+    client: Client, tiny_model: Path
+) -> None:
+    """On the tiny model, PROMPT's output under this penalty emits 180 in its first steps and never
+    again; a 20-token window would let it back in."""
+    got = client.generate(tokens=PROMPT, max_tokens=60, frequency_penalty=0.7).tokens
+    assert got == reference(tiny_model, PROMPT, 60, frequency_penalty=0.7)
+    assert 180 in got[:6] and 180 not in got[20:]
+    windowed = penalized_reference(tiny_model, PROMPT, 60, mlx_lm_windows=True, frequency_penalty=0.7)
+    assert 180 in windowed[20:], "under a 20-token window 180 comes back: this case tells them apart"
+
+
+def test_presence_does_not_count_the_prompt(client: Client, tiny_model: Path) -> None:
+    """The prompt ends with 113, the greedy first token: presence leaves it alone (it counts only
+    emitted tokens), so 113 still comes first, then presence moves the output off it."""
+    prompt = [*PROMPT, 113]
+    assert greedy_reference(tiny_model, prompt, 2)[0] == [113, 113]
+    got = client.generate(tokens=prompt, max_tokens=40, presence_penalty=1.5).tokens
+    assert got == reference(tiny_model, prompt, 40, presence_penalty=1.5)
+    assert got[0] == 113 and 113 not in got[1:]
+    assert penalized_reference(tiny_model, prompt, 40, mlx_lm_windows=True, presence_penalty=1.5)[0] != 113
+
+
+def test_repetition_counts_the_whole_prompt(client: Client, tiny_model: Path) -> None:
+    """49 sits 6 tokens from the prompt's end: by the 15th output token it is over 20 tokens back,
+    where a 20-token window would forget it (and the model then emits it); repetition keeps it out."""
+    prompt = [113, *range(30, 55)]
+    got = client.generate(tokens=prompt, max_tokens=40, repetition_penalty=2.0).tokens
+    assert got == reference(tiny_model, prompt, 40, repetition_penalty=2.0)
+    assert 49 not in got
+    assert 49 in penalized_reference(tiny_model, prompt, 40, mlx_lm_windows=True, repetition_penalty=2.0)
+
+
+def test_penalties_through_the_prefix_cache_equal_mlx_lm(client: Client, tiny_model: Path) -> None:
+    """``n`` siblings take the leader's prompt KV from the prefix cache: what their penalties see is
+    still the whole prompt then their own output, as for a fresh prefill."""
+    prompt = [60 + i % 37 for i in range(48)]  # not another test's prompt: no entry of it is cached yet
+    controls = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.5}
+    before = client.stats()["engine"]["prefix_cache"]["hits"]
+    results = client.generate_n(tokens=prompt, n=3, max_tokens=40, **controls)
+    assert client.stats()["engine"]["prefix_cache"]["hits"] - before == 2
+    want = reference(tiny_model, prompt, 40, **controls)
+    assert want != greedy_reference(tiny_model, prompt, 40)[0]
+    assert want != penalized_reference(tiny_model, prompt, 40, mlx_lm_windows=True, **controls)
+    assert [r.tokens for r in results] == [want] * 3
 
 
 def test_a_strong_logit_bias_forces_a_token(client: Client) -> None:

@@ -77,6 +77,24 @@ def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str
         assert mean <= 1.5 * theirs_mean, (name, m, mean, theirs_mean)
 
 
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_kernel_weights_are_mlx_cuda_dequantize_bit_for_bit(gs: int) -> None:
+    """One-hot rows: the kernel returns the weights it built in registers, which must be the bits of
+    MLX CUDA's ``mx.dequantize`` (one bf16 FMA)."""
+    n, k = 256, 1024
+    q, s, b = _weights(n, k, gs, seed=gs)
+    weight = w4a16.native(q, s, b, gs)
+    want = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.bfloat16)
+    for k0 in range(0, k, 64):
+        eye = (
+            mx.zeros((64, k), dtype=mx.bfloat16)
+            .at[mx.arange(64), mx.arange(k0, k0 + 64)]
+            .add(mx.array(1.0, dtype=mx.bfloat16))
+        )
+        got = w4a16.native_matmul(eye, weight, w4a16.plan(64, n, k, splits=1))
+        assert mx.array_equal(got.T, want[:, k0 : k0 + 64]).item(), k0
+
+
 def test_split_k_is_deterministic_and_its_counters_return_to_zero() -> None:
     q, s, b = _weights(4096, 14336, 64, seed=5)
     weight = w4a16.native(q, s, b, 64)

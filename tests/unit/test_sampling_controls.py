@@ -107,7 +107,7 @@ def test_min_tokens_suppresses_the_stop_tokens_until_enough_are_out() -> None:
         assert out[0, 1].item() == 0.0
 
 
-def test_the_engine_gives_processors_and_declines_bursts_only_for_controlled_requests(tiny_model: Any) -> None:
+def test_the_engine_gives_processors_only_to_controlled_requests_and_none_declines_bursts(tiny_model: Any) -> None:
     from mlx_lm import load
 
     from workers.engine.engine import Engine
@@ -118,7 +118,7 @@ def test_the_engine_gives_processors_and_declines_bursts_only_for_controlled_req
     engine.submit(Job(seq=3, prompt=[5, 6, 7], max_tokens=4, sampling=SamplingParams(ignore_eos=True)))
     plain, controlled, no_eos = (engine._seqs[i] for i in (1, 2, 3))
     assert plain.processors == [] and plain.no_burst is None
-    assert len(controlled.processors) == 1 and controlled.no_burst == "logits_processors"
+    assert len(controlled.processors) == 1 and controlled.no_burst is None
     assert no_eos.processors == [] and no_eos.no_burst is None and no_eos.stops == frozenset()
     while engine.has_work:
         engine.step()

@@ -9,9 +9,9 @@ adding the slices in a fixed order (deterministic). The CUDA text is ``w4a16_sou
 
 Where it runs is a plan value (``fastpath.MMA``), chosen per projection shape and row count by
 ``plan_timing`` on the machine; MLX's kernels stay the fallback. It is offered to the plans only with
-``MLX_BATCHD_W4A16=1``: on the H100 its mean error against a float32 reference is 3.6x that of MLX's
-own kernels on the same bf16 weights (docs/benchmarks.md), which a kernel that only reorders the same
-arithmetic should not show. Batched decode makes no byte-identity
+``MLX_BATCHD_W4A16=1`` until ``tests/gpu`` passes on a device: measured on an H100 while it rounded
+``s q`` and ``+ b`` apart, its mean error was 3.6x MLX's; it now rounds once, as MLX CUDA's dequantize
+does (docs/benchmarks.md). Batched decode makes no byte-identity
 promise; the exact levels never reach this kernel.
 
 Each weight has one int32 counter an output column for the split-K reduction (zero between

@@ -39,16 +39,13 @@ __device__ __forceinline__ uint32_t bfma2(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 // Two weights of one word: nibbles j (low half) and j + 4 (high half), shifted down by 4 * j before
-// the call. (q | 0x4300) as bf16 is v = 128 + q. fma(v, s, -128 s) is s * q rounded once (-128 s is
-// exact), then + bias rounded: bit for bit MLX's dequantize (scale * q + bias in bf16, two roundings).
-__device__ __forceinline__ uint32_t dq2(uint32_t w, uint32_t s2, uint32_t ns2, uint32_t b2) {
+// the call. (q | 0x4300) as bf16 is v = 128 + q, and v - 128 is q exactly; fma(q, s, b) then rounds
+// once: bit for bit MLX CUDA's dequantize, whose `scale * q + bias` compiles to one bf16 FMA (MLX's CPU
+// backend rounds the product and the sum apart, one bf16 ulp away at some weights).
+__device__ __forceinline__ uint32_t dq2(uint32_t w, uint32_t s2, uint32_t b2) {
   const uint32_t v = (w & 0x000f000fu) | 0x43004300u;
-  const uint32_t sq = bfma2(v, s2, ns2);
-  return bfma2(sq, 0x3f803f80u, b2);
+  return bfma2(bfma2(v, 0x3f803f80u, 0xc300c300u), s2, b2);
 }
-
-// (-128 s, -128 s): exact.
-__device__ __forceinline__ uint32_t neg128(uint32_t s2) { return bfma2(s2, 0xc300c300u, 0x80008000u); }
 
 // 16 bytes global -> shared, bypassing L1; zero-filled when !ok (src is then not read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
@@ -149,7 +146,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 #: r's unit u at r * 2 + (u ^ ((r >> 2) & 1)). ``ldmatrix.x4`` over the weights hands lane (g, t) word t
 #: of row g of each 16-byte unit: the eight nibbles of K 8t..8t+7 of one k32 half. The MMAs take K in the
 #: order that suits this word: MMA u (0, 1) of a k32 half has B fragments (nibbles 2u, 2u + 4) and
-#: (2u + 1, 2u + 5), dequantized by ``w4m::dq2`` on ``w >> 8u`` and ``w >> (8u + 4)`` (MLX's bits); the lane's A fragments are the same K of its activation rows: one 16-byte shared load of
+#: (2u + 1, 2u + 5), dequantized by ``w4m::dq2`` on ``w >> 8u`` and ``w >> (8u + 4)`` (MLX CUDA's bits); the lane's A fragments are the same K of its activation rows: one 16-byte shared load of
 #: row g's K 8t..8t+7 and two ``prmt`` an MMA. Scales and biases (2-byte loads, read STAGES steps ahead
 #: into registers) are MLX's arrays too.
 NATIVE_SOURCE = (
@@ -284,12 +281,11 @@ NATIVE_SOURCE = (
             for (int h = 0; h < 2; ++h) {
               const uint32_t s2 = __byte_perm(q[h], 0, 0x1010);
               const uint32_t b2 = __byte_perm(q[2 + h], 0, 0x1010);
-              const uint32_t n2 = w4m::neg128(s2);
               const uint32_t wv = bw[j][h * 2 + c32];
 #pragma unroll
               for (int u = 0; u < 2; ++u) {
-                const uint32_t b0 = w4m::dq2(wv >> (8 * u), s2, n2, b2);       // nibbles 2u, 2u+4
-                const uint32_t b1 = w4m::dq2(wv >> (8 * u + 4), s2, n2, b2);   // nibbles 2u+1, 2u+5
+                const uint32_t b0 = w4m::dq2(wv >> (8 * u), s2, b2);       // nibbles 2u, 2u+4
+                const uint32_t b1 = w4m::dq2(wv >> (8 * u + 4), s2, b2);   // nibbles 2u+1, 2u+5
 #pragma unroll
                 for (int i = 0; i < MT; ++i) w4m::mma_bf16_16816(acc[i][j][h], a[i][u], b0, b1);
               }
