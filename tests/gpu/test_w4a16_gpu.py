@@ -3,7 +3,9 @@ shape of the 8B and of SmolLM2, split-K determinism, and the engine's greedy tok
 
 Each output's error is bounded by what a bf16 output of an fp32-accumulated dot product allows: half a
 bf16 ulp of the output (2^-9 |ref|) plus K fp32 roundings of the products' magnitudes
-(K 2^-24 sum |x w|). An indexing bug gives errors of the outputs' own size, far past it. The mean error
+(K 2^-24 sum |x w|), or 1.25x the worst ratio MLX's own kernels reach where they pass it (on the H100 its
+quantized matmul and cuBLAS reached 1.7 on SmolLM2's K = 576 shapes). An indexing bug gives errors of the
+outputs' own size, far past it. The mean error
 must also stay near MLX's own (its ``quantized_matmul`` and a dense bf16 copy through cuBLAS): within 1.5x
 of the larger.
 """
@@ -73,7 +75,7 @@ def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str
             f"mean error {mean:.3g} (qmm {_mean_abs(theirs - ref):.3g}, dense {_mean_abs(dense - ref):.3g})"
         )
         assert mx.all(mx.isfinite(got)).item(), (name, m)
-        assert worst <= 1.0, (name, m, worst)
+        assert worst <= max(1.0, 1.25 * max(qw, dw)), (name, m, worst, qw, dw)  # MLX's own pass 1.7 at K = 576
         assert mean <= 1.5 * theirs_mean, (name, m, mean, theirs_mean)
 
 
