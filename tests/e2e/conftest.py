@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import openai
@@ -36,3 +37,11 @@ def claude(url: str) -> Iterator[anthropic.Anthropic]:
 def agent_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The scripted model of ``tests.helpers.agent_model``: it thinks, then calls a tool."""
     return script.write_agent_model(tmp_path_factory.mktemp("models") / "agent")
+
+
+@pytest.fixture(scope="session")
+def agent_tokenizer(agent_model: Path) -> Any:
+    """``agent_model``'s tokenizer, as the daemon loads it (for prompts rendered on the test's side)."""
+    from workers.models.loading import load_tokenizer
+
+    return load_tokenizer(str(agent_model))

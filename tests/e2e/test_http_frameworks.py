@@ -35,13 +35,6 @@ def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     yield from served(d)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(agent_model: Path) -> Any:
-    from workers.models.loading import load_tokenizer
-
-    return load_tokenizer(str(agent_model))
-
-
 class Weather(BaseModel):
     """The weather in a city."""
 
@@ -69,15 +62,15 @@ def test_langchain_bind_tools_gets_the_call(url: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output(url: str, tokenizer: Any, method: str) -> None:
+def test_langchain_with_structured_output(url: str, agent_tokenizer: Any, method: str) -> None:
     """``json_schema`` decodes under the schema (``response_format``); ``function_calling`` forces a
     call of the schema's tool (a named ``tool_choice``), which the family's parser reads back."""
-    llm = chat_model(url, logit_bias=no_call(tokenizer) if method == "json_schema" else None)
+    llm = chat_model(url, logit_bias=no_call(agent_tokenizer) if method == "json_schema" else None)
     got = llm.with_structured_output(Weather, method=method, strict=True).invoke("What is the weather in Paris?")
     assert isinstance(got, Weather), got
 
 
-def test_langchain_agent_loop_of_two_tool_calls(url: str, tokenizer: Any) -> None:
+def test_langchain_agent_loop_of_two_tool_calls(url: str, agent_tokenizer: Any) -> None:
     """A hand-rolled agent loop: each turn's calls run as langchain tools and their results go back
     as tool messages; the third turn (text-biased, as a model that has its answer) answers in text.
     The second and third prompts hold every earlier call and result, rendered by the template."""
@@ -93,7 +86,7 @@ def test_langchain_agent_loop_of_two_tool_calls(url: str, tokenizer: Any) -> Non
         return f"sunny, 2{len(ran)} C"
 
     calling = chat_model(url).bind_tools([get_weather])
-    answering = chat_model(url, logit_bias=no_call(tokenizer)).bind_tools([get_weather])
+    answering = chat_model(url, logit_bias=no_call(agent_tokenizer)).bind_tools([get_weather])
     messages: list[Any] = [HumanMessage(ASK[0]["content"])]
     rendered: list[dict[str, Any]] = list(ASK)
     for _ in range(4):
@@ -101,7 +94,7 @@ def test_langchain_agent_loop_of_two_tool_calls(url: str, tokenizer: Any) -> Non
         messages.append(ai)
         if not ai.tool_calls:
             break
-        prompt = tokenizer.apply_chat_template(rendered, tools=[_schema(get_weather)], add_generation_prompt=True)
+        prompt = agent_tokenizer.apply_chat_template(rendered, tools=[_schema(get_weather)], add_generation_prompt=True)
         assert ai.usage_metadata["input_tokens"] == len(prompt)
         calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
                  for c in ai.tool_calls]  # fmt: skip
@@ -113,8 +106,8 @@ def test_langchain_agent_loop_of_two_tool_calls(url: str, tokenizer: Any) -> Non
             rendered.append({"role": "tool", "tool_call_id": call["id"], "content": result.content})
     assert ran == [{"city": "Paris", "unit": "celsius"}] * 2
     assert messages[-1].content == script.ANSWER and not messages[-1].tool_calls
-    ids = tokenizer.apply_chat_template(rendered, tools=[_schema(get_weather)], add_generation_prompt=True)
-    assert "sunny, 21 C" in tokenizer.decode(ids) and "sunny, 22 C" in tokenizer.decode(ids)
+    ids = agent_tokenizer.apply_chat_template(rendered, tools=[_schema(get_weather)], add_generation_prompt=True)
+    assert "sunny, 21 C" in agent_tokenizer.decode(ids) and "sunny, 22 C" in agent_tokenizer.decode(ids)
     assert messages[-1].usage_metadata["input_tokens"] == len(ids)
 
 
@@ -136,16 +129,16 @@ def completion(url: str, **kwargs: Any) -> Any:
     )
 
 
-def test_litellm_chat_completion(url: str, tokenizer: Any) -> None:
-    r = completion(url, logit_bias=no_call(tokenizer))
+def test_litellm_chat_completion(url: str, agent_tokenizer: Any) -> None:
+    r = completion(url, logit_bias=no_call(agent_tokenizer))
     message = r.choices[0].message
     assert (message.content, r.choices[0].finish_reason) == (script.ANSWER, "stop")
     assert message.reasoning_content == script.REASON
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
 
 
-def test_litellm_streaming(url: str, tokenizer: Any) -> None:
-    chunks = list(completion(url, logit_bias=no_call(tokenizer), stream=True))
+def test_litellm_streaming(url: str, agent_tokenizer: Any) -> None:
+    chunks = list(completion(url, logit_bias=no_call(agent_tokenizer), stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == script.ANSWER
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 

@@ -45,16 +45,9 @@ def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     yield from served(serve(agent_model, tmp_path_factory.mktemp("http-tools")))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(agent_model: Path) -> Any:
-    from workers.models.loading import load_tokenizer
-
-    return load_tokenizer(str(agent_model))
-
-
-def no_call(tokenizer: Any) -> dict[str, int]:
+def no_call(agent_tokenizer: Any) -> dict[str, int]:
     """The bias that makes the script answer in text: ``<tool_call>`` never sampled."""
-    return {str(tokenizer.convert_tokens_to_ids(script.CALL)): -100}
+    return {str(agent_tokenizer.convert_tokens_to_ids(script.CALL)): -100}
 
 
 def test_a_call_comes_back_as_tool_calls_with_the_reasoning_apart(oai: openai.OpenAI) -> None:
@@ -101,7 +94,7 @@ def test_tool_choice_none_leaves_the_answer_text(oai: openai.OpenAI) -> None:
     assert choice.message.content == script.CALL + script.CALL_A + script.CALL_B + script.CALL_C + script.CALL_END
 
 
-def test_the_agent_loops_second_turn_renders_the_call_and_its_result(oai: openai.OpenAI, tokenizer: Any) -> None:
+def test_the_agent_loops_second_turn_renders_the_call_and_its_result(oai: openai.OpenAI, agent_tokenizer: Any) -> None:
     first = oai.chat.completions.create(model="agent", messages=ASK, tools=TOOLS, temperature=0).choices[0].message
     (call,) = first.tool_calls or []
     turn: Any = [
@@ -110,7 +103,7 @@ def test_the_agent_loops_second_turn_renders_the_call_and_its_result(oai: openai
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
     ]
     r = oai.chat.completions.create(
-        model="agent", messages=turn, tools=TOOLS, temperature=0, logit_bias=no_call(tokenizer)
+        model="agent", messages=turn, tools=TOOLS, temperature=0, logit_bias=no_call(agent_tokenizer)
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == script.ANSWER and not r.choices[0].message.tool_calls
@@ -120,8 +113,8 @@ def test_the_agent_loops_second_turn_renders_the_call_and_its_result(oai: openai
             "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
     ]  # fmt: skip
-    ids = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True)
-    assert "sunny, 21 C" in tokenizer.decode(ids) and '"city": "Paris"' in tokenizer.decode(ids)
+    ids = agent_tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True)
+    assert "sunny, 21 C" in agent_tokenizer.decode(ids) and '"city": "Paris"' in agent_tokenizer.decode(ids)
     assert r.usage is not None and r.usage.prompt_tokens == len(ids)
 
 
@@ -164,10 +157,10 @@ def follows_schema(name: str, arguments: str) -> bool:
     return set(args) == set(schema["required"]) and all(args[k] in props[k]["enum"] for k in args)
 
 
-def forced_calls(oai: openai.OpenAI, tokenizer: Any, stream: bool, **kwargs: Any) -> tuple[str | None, list[Any]]:
+def forced_calls(oai: openai.OpenAI, agent_tokenizer: Any, stream: bool, **kwargs: Any) -> tuple[str | None, list[Any]]:
     """The finish reason and ``(name, arguments)`` of each call of a text-biased answer, whole or
     streamed (deltas accumulated by index)."""
-    args: Any = {"model": "agent", "messages": ASK, "temperature": 0, "logit_bias": no_call(tokenizer), **kwargs}
+    args: Any = {"model": "agent", "messages": ASK, "temperature": 0, "logit_bias": no_call(agent_tokenizer), **kwargs}
     if not stream:
         choice = oai.chat.completions.create(**args).choices[0]
         assert choice.message.content is None
@@ -188,22 +181,24 @@ def forced_calls(oai: openai.OpenAI, tokenizer: Any, stream: bool, **kwargs: Any
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_named_tool_choice_forces_that_call(oai: openai.OpenAI, tokenizer: Any, stream: bool) -> None:
-    bias = no_call(tokenizer)
+def test_a_named_tool_choice_forces_that_call(oai: openai.OpenAI, agent_tokenizer: Any, stream: bool) -> None:
+    bias = no_call(agent_tokenizer)
     text = oai.chat.completions.create(
         model="agent", messages=ASK, tools=[WEATHER, TIME], temperature=0, logit_bias=bias
     ).choices[0]
     assert text.finish_reason == "stop" and text.message.content == script.ANSWER  # unforced: text
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    finish, calls = forced_calls(oai, tokenizer, stream, tools=[WEATHER, TIME], tool_choice=choice)
+    finish, calls = forced_calls(oai, agent_tokenizer, stream, tools=[WEATHER, TIME], tool_choice=choice)
     assert finish == "tool_calls"
     assert [name for name, _ in calls] == ["get_weather"]
     assert follows_schema(*calls[0]), calls
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_tool_choice_required_forces_a_call_to_a_given_tool(oai: openai.OpenAI, tokenizer: Any, stream: bool) -> None:
-    finish, calls = forced_calls(oai, tokenizer, stream, tools=[TIME], tool_choice="required")
+def test_tool_choice_required_forces_a_call_to_a_given_tool(
+    oai: openai.OpenAI, agent_tokenizer: Any, stream: bool
+) -> None:
+    finish, calls = forced_calls(oai, agent_tokenizer, stream, tools=[TIME], tool_choice="required")
     assert finish == "tool_calls"
     assert calls and all(name == "get_time" and follows_schema(name, a) for name, a in calls), calls
 

@@ -35,13 +35,6 @@ def daemon(agent_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     yield from served(d)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(agent_model: Path) -> Any:
-    from workers.models.loading import load_tokenizer
-
-    return load_tokenizer(str(agent_model))
-
-
 CALL_TEXT = script.CALL + script.CALL_A + script.CALL_B + script.CALL_C + script.CALL_END
 
 
@@ -78,9 +71,9 @@ def test_a_call_comes_back_parsed_beside_the_text(client: Client, oai: openai.Op
     assert door_calls(door) == [(call.name, call.arguments)]  # the same parse
 
 
-def test_a_prompt_rendered_by_the_client_gets_its_calls_read(client: Client, tokenizer: Any) -> None:
+def test_a_prompt_rendered_by_the_client_gets_its_calls_read(client: Client, agent_tokenizer: Any) -> None:
     """``tokens`` (or ``prompt``) with ``tools``: the prompt is taken as it is, the calls still parsed."""
-    ids = tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True)
+    ids = agent_tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True)
     by_ids = client.generate(tokens=ids, tools=TOOLS, max_tokens=32)
     by_messages = client.generate(messages=ASK, tools=TOOLS, max_tokens=32)
     assert by_ids.tokens == by_messages.tokens and by_ids.usage["prompt_tokens"] == len(ids)
@@ -110,7 +103,7 @@ def test_the_stream_carries_the_call_on_the_event_that_closes_it(daemon: Daemon)
     assert call.name == script.CALL_NAME and json.loads(call.arguments) == script.CALL_ARGUMENTS
 
 
-def test_the_agent_loops_second_turn_renders_the_tools_and_the_result(client: Client, tokenizer: Any) -> None:
+def test_the_agent_loops_second_turn_renders_the_tools_and_the_result(client: Client, agent_tokenizer: Any) -> None:
     first = client.generate(messages=ASK, tools=TOOLS, max_tokens=32)
     (call,) = first.tool_calls
     turn = [
@@ -118,11 +111,11 @@ def test_the_agent_loops_second_turn_renders_the_tools_and_the_result(client: Cl
         {"role": "assistant", "content": first.text},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
     ]
-    r = client.generate(messages=turn, tools=TOOLS, max_tokens=32, logit_bias=no_call(tokenizer))
+    r = client.generate(messages=turn, tools=TOOLS, max_tokens=32, logit_bias=no_call(agent_tokenizer))
     thought = script.THINK + script.REASON + script.THINK_END
     assert (r.text, r.tool_calls, r.finish_reason) == (thought + script.ANSWER, [], "stop")
-    ids = tokenizer.apply_chat_template(turn, tools=TOOLS, add_generation_prompt=True)
-    assert "sunny, 21 C" in tokenizer.decode(ids) and "get_weather" in tokenizer.decode(ids)
+    ids = agent_tokenizer.apply_chat_template(turn, tools=TOOLS, add_generation_prompt=True)
+    assert "sunny, 21 C" in agent_tokenizer.decode(ids) and "get_weather" in agent_tokenizer.decode(ids)
     assert r.usage["prompt_tokens"] == len(ids)  # the tools were rendered into the prompt
 
 
@@ -135,9 +128,9 @@ def test_the_agent_loops_second_turn_renders_the_tools_and_the_result(client: Cl
     ids=["named", "required"],
 )
 def test_a_forced_tool_choice_makes_the_answer_a_call(
-    client: Client, oai: openai.OpenAI, tokenizer: Any, choice: Any, tools: Any, names: list[str] | None
+    client: Client, oai: openai.OpenAI, agent_tokenizer: Any, choice: Any, tools: Any, names: list[str] | None
 ) -> None:
-    bias = no_call(tokenizer)
+    bias = no_call(agent_tokenizer)
     free = client.generate(messages=ASK, tools=tools, max_tokens=48, logit_bias=bias)
     assert free.tool_calls == [] and free.text.endswith(script.ANSWER)  # unforced, the bias makes it text
     r = client.generate(messages=ASK, tools=tools, tool_choice=choice, logit_bias=bias)

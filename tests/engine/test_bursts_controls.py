@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from workers.api import BurstSettings, Finished, Job, SamplingParams, Tokens
+from tests.helpers import engine_runs
+from workers.api import BurstSettings, Job, SamplingParams
 from workers.api.grammar import grammar_text
 from workers.engine.engine import Engine
 from workers.engine.spec.drafters import Drafter, PromptLookup, load_drafter, load_mtp_drafter
@@ -53,25 +54,9 @@ def engine_for(demo: Any, drafter: Drafter | None, settings: BurstSettings = SET
 def run(engine: Engine, jobs: list[Job], arrivals: dict[int, list[Job]] | None = None) -> dict[int, Run]:
     """Submit ``jobs``, then step (``arrivals[i]`` are submitted before step ``i``): per sequence its
     tokens, logprobs, top logprobs and finish reason."""
-    got: dict[int, tuple[list[int], list[float], list[Any]]] = {}
-    ends: dict[int, str] = {}
-    for j in jobs:
-        engine.submit(j)
-    arrivals = dict(arrivals or {})
-    step = 0
-    while engine.has_work or arrivals:
-        for j in arrivals.pop(step, []):
-            engine.submit(j)
-        for event in engine.step():
-            if isinstance(event, Tokens):
-                toks, lps, tops = got.setdefault(event.seq, ([], [], []))
-                toks += event.tokens
-                lps += event.logprobs or []
-                tops += event.top_logprobs or []
-            elif isinstance(event, Finished):
-                ends[event.seq] = event.reason
-        step += 1
-    return {seq: (*got.get(seq, ([], [], [])), ends[seq]) for seq in ends}
+    return {
+        seq: (o.tokens, o.lps or [], o.tops or [], o.end) for seq, o in engine_runs.run(engine, jobs, arrivals).items()
+    }
 
 
 def job(
