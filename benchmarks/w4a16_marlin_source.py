@@ -10,6 +10,7 @@ from __future__ import annotations
 from workers.kernels.w4a16_source import EPILOGUE as EPILOGUE
 from workers.kernels.w4a16_source import HEADER as _HEADER
 from workers.kernels.w4a16_source import OUTPUT_NAMES as OUTPUT_NAMES
+from workers.kernels.w4a16_source import TILE_INDEX
 
 #: k64 steps a chunk of activations in shared memory, and steps of weight loads in flight (equal: the
 #: register ring's slot is the step's index in its chunk; ``CHK`` in ``SOURCE``).
@@ -56,16 +57,9 @@ SOURCE = (
   const int N = NBLK * 16;
   const int KB = K / 64;                 // k64 steps
   const int G = K / GS;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int m0 = blockIdx.x * ROWS;
-  const int nb0 = (blockIdx.y * WARPS + warp) * NB;
-  const int S = gridDim.z;
-  const int z = blockIdx.z;
-  const int s_lo = (int)(((long long)z * KB) / S);
-  const int s_hi = (int)(((long long)(z + 1) * KB) / S);
+"""
+    + TILE_INDEX
+    + r"""
 
   const uint4* wq4 = reinterpret_cast<const uint4*>(wq);
   const uint2* sb2 = reinterpret_cast<const uint2*>(sb);

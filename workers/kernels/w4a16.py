@@ -257,8 +257,8 @@ def launch(
 
 def native_matmul(x: mx.array, w: Native, p: Plan | None = None) -> mx.array:
     """``x @ dequantize(w).T`` straight from MLX's packed arrays (``native``); bf16 [M, N]."""
-    if not 2 <= (p.stages if p else 2) <= 4:
-        raise ValueError(f"w4a16: 2-4 stages, got {p.stages if p else None}")
+    if p is not None and not 2 <= p.stages <= 4:
+        raise ValueError(f"w4a16: 2-4 stages, got {p.stages}")
     return launch(NATIVE, x, w.n, w.k, w.group_size, [w.w, w.scales, w.biases], w.locks, p)
 
 

@@ -62,6 +62,22 @@ __device__ __forceinline__ void cp_async_wait() {
 }  // namespace w4m
 """
 
+#: The thread's place in the launch (after a body's M, K, N, NBLK, KB, G, ROWS): its warp and lane, the
+#: lane's (g, t) in the MMA fragments, the CTA's first row and the warp's first 16-output block, and its
+#: K slice [s_lo, s_hi) of KB k64 steps, one of S (gridDim.z). ``EPILOGUE`` reads these names too.
+TILE_INDEX = r"""
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int m0 = blockIdx.x * ROWS;
+  const int nb0 = (blockIdx.y * WARPS + warp) * NB;
+  const int S = gridDim.z;
+  const int z = blockIdx.z;
+  const int s_lo = (int)(((long long)z * KB) / S);
+  const int s_hi = (int)(((long long)(z + 1) * KB) / S);
+"""
+
 #: The C fragments' store and the split-K reduction (names a kernel body defines: acc, m0, nb0, NBLK, N,
 #: M, g, t, z, S, out, ws, locks). ``benchmarks/w4a16_marlin.py``'s repacked layout ends with it too.
 EPILOGUE = r"""
@@ -166,17 +182,9 @@ NATIVE_SOURCE = (
   const int KW = K / 8;                  // packed words a row
   const int KB = K / 64;
   const int G = K / GS;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int m0 = blockIdx.x * ROWS;
-  const int n_cta = blockIdx.y * NC;
-  const int nb0 = (blockIdx.y * WARPS + warp) * NB;
-  const int S = gridDim.z;
-  const int z = blockIdx.z;
-  const int s_lo = (int)(((long long)z * KB) / S);
-  const int s_hi = (int)(((long long)(z + 1) * KB) / S);
+"""
+    + TILE_INDEX
+    + r"""  const int n_cta = blockIdx.y * NC;
 
   const uint32_t xs_base = (uint32_t)__cvta_generic_to_shared(w4m_smem);
   const uint32_t wsm_base = xs_base + ST * XSTAGE;
