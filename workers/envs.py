@@ -37,9 +37,8 @@ COMPILED_LAYERS = EnvVar("MLX_BATCHD_COMPILED_LAYERS", "", ("", "0", "1"))
 #: The row-exact kernel (``workers.kernels.rowkernel``): empty picks CUDA where MLX runs on it; ``reference``
 #: is its plain-MLX twin (CPU tests), ``off`` leaves the ``rowwise`` rung off the ladder.
 ROWKERNEL = EnvVar("MLX_BATCHD_ROWKERNEL", "", ("", "off", "reference", "cuda"))
-#: The w4a16 tensor-core kernel for batched decode's 4-bit projections (``workers.kernels.w4a16``): ``1``
-#: offers it to the plans on MLX CUDA. Off by default until its error is measured at MLX's own on a GPU
-#: (docs/benchmarks.md, "w4a16 in the engine").
+#: The w4a16 tensor-core kernel for batched decode's 4-bit projections (``workers.kernels.w4a16``): offered
+#: to the plans on MLX CUDA unless ``0`` (calibration still picks it only where it is faster).
 W4A16 = EnvVar("MLX_BATCHD_W4A16", "", ("", "0", "1"))
 #: A folder: the engine loop runs under cProfile and writes its profile there (device runs).
 PROFILE_DIR = EnvVar("MLX_BATCHD_PROFILE_DIR", "")

@@ -69,16 +69,17 @@ def test_the_kernel_takes_only_4_bit_bf16_layers_of_shapes_it_runs(launches: lis
     assert not w4a16.takes(nn.Linear(256, 64))
 
 
-def test_the_kernel_is_off_without_cuda_and_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernel_is_off_without_cuda_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(w4a16, "launch_seam", None)
     monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
     assert not w4a16.available()  # this machine has no CUDA
     assert not w4a16.takes(_q(256, 64))
     monkeypatch.setattr(w4a16, "launch_seam", lambda x, w: x)
-    assert w4a16.takes(_q(256, 64))
-    for off in ("0", ""):  # switched off, and the default
-        monkeypatch.setenv("MLX_BATCHD_W4A16", off)
-        assert not w4a16.takes(_q(256, 64))
+    for on in ("1", ""):  # switched on, and the default
+        monkeypatch.setenv("MLX_BATCHD_W4A16", on)
+        assert w4a16.takes(_q(256, 64))
+    monkeypatch.setenv("MLX_BATCHD_W4A16", "0")
+    assert not w4a16.takes(_q(256, 64))
 
 
 def test_calibration_plans_the_kernel_where_cheapest_and_times_the_large_row_counts(

@@ -273,9 +273,9 @@ launch_seam: Callable[[mx.array, Native], mx.array] | None = None
 
 def takes(m: nn.Module) -> bool:
     """Whether the kernel takes ``m`` here: a 4-bit affine ``QuantizedLinear`` of a shape it runs,
-    bf16 scales and biases, on a backend where it runs (or with ``launch_seam`` set), when switched on
-    (``MLX_BATCHD_W4A16=1``: off by default until its error matches MLX's own)."""
-    if envs.switch(envs.W4A16) is not True:
+    bf16 scales and biases, on a backend where it runs (or with ``launch_seam`` set), unless switched
+    off (``MLX_BATCHD_W4A16=0``)."""
+    if envs.switch(envs.W4A16) is False:
         return False
     if not isinstance(m, nn.QuantizedLinear) or m.bits != 4 or getattr(m, "mode", "affine") != "affine":
         return False
