@@ -8,10 +8,9 @@ it waits on each; this kernel dequantizes in registers (MLX's dequantize bit for
 adding the slices in a fixed order (deterministic). The CUDA text is ``w4a16_source``.
 
 Where it runs is a plan value (``fastpath.MMA``), chosen per projection shape and row count by
-``plan_timing`` on the machine; MLX's kernels stay the fallback. It is offered to the plans only with
-``MLX_BATCHD_W4A16=1`` until ``tests/gpu`` passes on a device: measured on an H100 while it rounded
-``s q`` and ``+ b`` apart, its mean error was 3.6x MLX's; it now rounds once, as MLX CUDA's dequantize
-does (docs/benchmarks.md). Batched decode makes no byte-identity
+``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
+kernel out of the plans. Its dequantization is one FMA a pair, as MLX CUDA's ``scale * q + bias``
+compiles, so its error matches MLX's own (``tests/gpu``). Batched decode makes no byte-identity
 promise; the exact levels never reach this kernel.
 
 Each weight has one int32 counter an output column for the split-K reduction (zero between
