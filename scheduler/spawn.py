@@ -41,6 +41,10 @@ class DaemonProcess:
         kwargs: dict[str, Any] = {"env": {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, "text": True}
         if log is not None:
             kwargs.update(stdout=log, stderr=subprocess.STDOUT)
+        #: ``time.monotonic()`` at the spawn, and seconds from it to health answering ``ready``
+        #: (``None`` until ``wait_ready`` saw it): what the bench reports as a daemon's start-up.
+        self.spawned_at = time.monotonic()
+        self.ready_seconds: float | None = None
         self.proc = subprocess.Popen(self.cmd, **kwargs)
 
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
@@ -51,7 +55,10 @@ class DaemonProcess:
                 if self.proc.poll() is not None:
                     raise DaemonExited(f"the daemon exited with {self.proc.returncode} before it was ready")
                 try:
-                    return client.wait_ready(timeout=1.0)
+                    health = client.wait_ready(timeout=1.0)
+                    if self.ready_seconds is None:
+                        self.ready_seconds = time.monotonic() - self.spawned_at
+                    return health
                 except TimeoutError:
                     if time.monotonic() > deadline:
                         self.proc.kill()

@@ -123,6 +123,18 @@ def wait_for_verdict(client: Client, timeout: float = 120) -> dict[str, Any]:
     raise TimeoutError("no verdict")
 
 
+def wait_started(client: Client, timeout: float = 120) -> dict[str, Any]:
+    """The engine's part of ``stats`` once its start-up work (kernel plans, the prefix cache's check:
+    run between steps after ``ready`` where not stored yet) has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        engine = client.stats()["engine"]
+        if all(r["status"] in ("done", "failed") for r in engine["start_up"].values()):
+            return dict(engine)
+        time.sleep(0.05)
+    raise TimeoutError("start-up work still running")
+
+
 @pytest.fixture()
 def clean_kernel_state() -> Iterator[None]:
     """The kernel module as the test found it: no seam, wide, the measured widths of the modules that

@@ -227,9 +227,16 @@ def memory_gib() -> dict[str, float]:
 
 
 def _idle(engine: dict[str, Any]) -> bool:
-    """Whether a daemon's engine is doing nothing: started, no probe queued or running, no sequence."""
+    """Whether a daemon's engine is doing nothing: started, no probe queued or running, no start-up
+    work (``start_up``, where its stats have it) pending or running, no sequence."""
     verdicts = engine.get("verdicts", {})
-    return bool(engine) and not engine.get("active_sequences") and all("level" in v for v in verdicts.values())
+    start_up = (engine.get("start_up") or {}).values()
+    return (
+        bool(engine)
+        and not engine.get("active_sequences")
+        and all("level" in v for v in verdicts.values())
+        and all(w.get("status") in ("done", "failed") for w in start_up)
+    )
 
 
 def wait_idle(clients: dict[str, Any], poll_s: float = 0.05) -> None:

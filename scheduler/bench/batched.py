@@ -12,6 +12,7 @@ from typing import Any
 from scheduler.bench.output import save_png, write_whole
 from scheduler.bench.reference import reference_line, reference_tok_s
 from scheduler.bench.spreads import ratio_spread, spread, with_spread
+from scheduler.bench.startup import startup_markdown
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Setup:
     #: With ``min_seconds``, a batch size runs further repeats (all its arms, rotated as before) until
     #: every arm's timed runs add up to this many seconds, up to ``MAX_REPEATS_FACTOR`` x ``repeats``.
     min_seconds: float = 0.0
+    #: ``--env-arm`` names, among ``arms``: daemons like ``daemon`` started with extra variables,
+    #: each reported with its ratio to ``daemon``.
+    env_arms: tuple[str, ...] = ()
 
     def batched_arms(self, batch: int) -> list[str]:
         """The arms measured at ``batch`` among ``arms``."""
@@ -96,7 +100,8 @@ def batched_rows(samples: dict[tuple[str, int], list[float]], setup: Setup) -> l
         for arm in arms:
             row[f"{arm}_tok_s"] = statistics.median(samples[(arm, b)])
             row[f"{arm}_spread"] = spread(samples[(arm, b)])
-        for key, arm, base in RATIOS:
+        ratios = [*RATIOS, *((f"{arm}_vs_daemon", arm, "daemon") for arm in setup.env_arms)]
+        for key, arm, base in ratios:
             if arm in arms and base in arms:
                 row[key] = row[f"{arm}_tok_s"] / row[f"{base}_tok_s"]
                 row[f"{key}_spread"] = ratio_spread(samples[(arm, b)], samples[(base, b)])
@@ -119,14 +124,18 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for arm, key in (("http", "http_vs_zeromq"), ("http_stream", "http_stream_vs_zeromq"))
         if f"{arm}_tok_s" in rows[0]
     ]
+    envs = list(meta.get("env_arms") or {})
     roof = rows[0].get("reference_tok_s") is not None
     cols = ["B", "raw BatchGenerator tok/s", "engine alone tok/s", "daemon tok/s", "daemon / raw", "daemon / engine"]
     if pinned:
         cols += ["daemon, process pin tok/s", "process pin / scoped"]
     for arm, _ in http:
         cols += [f"{HTTP_LABELS[arm]} tok/s", f"{HTTP_LABELS[arm]} / ZeroMQ"]
+    for arm in envs:
+        cols += [f"{arm} tok/s", f"{arm} / daemon"]
+    limited = ("raw", "engine", "daemon", *envs)  # each arm's fraction of the physical limit
     if roof:
-        cols += ["physical limit tok/s", "KV read per step (MB)", "raw / engine / daemon of the limit"]
+        cols += ["physical limit tok/s", "KV read per step (MB)", f"{' / '.join(limited)} of the limit"]
 
     def line(r: dict[str, Any]) -> str:
         cells = [str(r["batch"])]
@@ -138,14 +147,13 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for arm, key in http:
             cells.append(with_spread(r[f"{arm}_tok_s"], r[f"{arm}_spread"], ".1f"))
             cells.append(with_spread(r[key], r[f"{key}_spread"], ".3f"))
+        for arm in envs:
+            cells.append(with_spread(r.get(f"{arm}_tok_s"), r.get(f"{arm}_spread"), ".1f"))
+            cells.append(with_spread(r.get(f"{arm}_vs_daemon"), r.get(f"{arm}_vs_daemon_spread"), ".3f"))
         if roof:
             limit = r["reference_tok_s"]
             cells += [f"{limit:.0f}", f"{r['kv_bytes_per_step'] / 1e6:.3f}"]
-            cells.append(
-                " / ".join(
-                    f"{r[f'{a}_tok_s'] / limit:.3f}" if f"{a}_tok_s" in r else "-" for a in ("raw", "engine", "daemon")
-                )
-            )
+            cells.append(" / ".join(f"{r[f'{a}_tok_s'] / limit:.3f}" if f"{a}_tok_s" in r else "-" for a in limited))
         return "| " + " | ".join(cells) + " |"
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *(line(r) for r in rows)]
@@ -173,6 +181,12 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "token ids as `prompt`, one pooled connection per request in flight; whole answers, and SSE streams "
             "with usage. HTTP / ZeroMQ is that arm over the daemon arm (the client over ipc)."
         )
+    for arm, env in (meta.get("env_arms") or {}).items():
+        notes.append(
+            f"{arm}: a daemon like the daemon arm's, started with "
+            + " ".join(f"`{k}={v}`" for k, v in env.items())
+            + f" (`--env-arm`); {arm} / daemon is that arm over the daemon arm."
+        )
     if meta.get("raw_max_batch") is not None:
         notes.append(f"raw BatchGenerator measured up to B = {meta['raw_max_batch']} only (`--raw-max-batch`).")
     if meta.get("in_process_cpus"):
@@ -183,7 +197,8 @@ def batched_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
     if not meta.get("complete", True):
         notes.append(f"incomplete run: batch sizes {meta.get('batches_done')} of {meta.get('batches')}.")
-    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+    startup = startup_markdown(meta)
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes) + (f"\n{startup}" if startup else "")
 
 
 def write_report(
@@ -208,6 +223,10 @@ def write_report(
         ("daemon_process_pin", "^-", "daemon, process-wide pin"),
         ("http", "d-", "daemon via HTTP, whole answers"),
         ("http_stream", "v-", "daemon via HTTP, SSE streams"),
+        *(
+            (arm, "P-", f"{arm} (daemon with {', '.join(f'{k}={v}' for k, v in env.items())})")
+            for arm, env in (meta.get("env_arms") or {}).items()
+        ),
     ]
     for arm, style, label in arms:
         have = [r for r in rows if f"{arm}_tok_s" in r]

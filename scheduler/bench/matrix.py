@@ -4,8 +4,12 @@ Batched decode throughput vs B through the daemon (scoped pins), through a daemo
 pin (``--process-pin``), through the same daemon's OpenAI-compatible HTTP door (``--via http``: whole
 answers and SSE streams), through the engine alone and through raw ``BatchGenerator``; B = 1 classic vs
 bursts per drafter (``--drafters``, one daemon each); mixed Poisson arrivals with TTFT / inter-token
-percentiles; the start-up probe's time per daemon. JSON, Markdown tables and PNG plots land in
-``--out``, rewritten after every batch size, so a run stopped by an outer timeout keeps what it finished.
+percentiles; the start-up probe's time per daemon. ``--env-arm NAME:VAR=VALUE`` adds a daemon arm like
+``daemon`` started with extra ``MLX_BATCHD_*`` variables (a kernel path off, say), reported beside it.
+Every daemon's start (spawn to ready, to idle) is reported, and with ``--restart-times`` the daemon
+arm's second start, alone after the others stopped (spawn to ready, to a short request's first
+token). JSON, Markdown tables and PNG plots land in ``--out``, rewritten after every batch size, so
+a run stopped by an outer timeout keeps what it finished.
 ``--prefix-scenario`` runs the prefix cache scenario instead (``run_prefix``: TTFT of a shared prefix
 cold vs warm, a multi-turn chat's prefill, throughput with no hit, each through a daemon with the cache
 and one without).
@@ -69,12 +73,14 @@ from scheduler.bench.arms import (
 )
 from scheduler.bench.batched import Setup
 from scheduler.bench.daemon_meta import read_daemons
+from scheduler.bench.env_arms import EnvArm
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.rewrite import rewrite_prompts
 from scheduler.bench.spreads import rotated
+from scheduler.bench.startup import ready_line, restart, seconds_text, startup_meta, wait_idle_timed
 from scheduler.bench.tables import write_b1_table, write_tables
 from scheduler.cli.demo import DEMO_PROMPTS
 from workers import envs
@@ -166,6 +172,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.process_pin:
         daemons["daemon_process_pin"] = [*cap, "--probe-k", "4", "--pin-level", args.process_pin]
         daemon_env["daemon_process_pin"] = {envs.BENCH_PROCESS_PIN.name: "1"}
+    # --env-arm: daemons like the daemon arm's (its ZeroMQ door only), each with its own variables.
+    env_arms: list[EnvArm] = list(getattr(args, "env_arm", None) or [])
+    for a in env_arms:
+        daemons[a.name] = list(cap)
+        daemon_env[a.name] = dict(a.env)
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
@@ -182,9 +193,11 @@ def _main(args: argparse.Namespace) -> int:
             "engine",
             "daemon",
             *(("daemon_process_pin",) if args.process_pin else ()),
+            *(a.name for a in env_arms),
             *(HTTP_ARMS if via_http else ()),
         ),
         b1_arms=tuple(b1_arms),
+        env_arms=tuple(a.name for a in env_arms),
         repeats=args.repeats,
         min_seconds=args.min_seconds,
         weight_bytes=weight_bytes,
@@ -208,6 +221,7 @@ def _main(args: argparse.Namespace) -> int:
         "context": setup.context,
         "drafters": drafters,
         "process_pin": args.process_pin,
+        "env_arms": {a.name: a.env for a in env_arms},
         "daemon_args": daemon_args,
         "mlx_cache_limit_bytes": cache_limit,
         "cudnn_attention": cudnn_attention,
@@ -226,17 +240,20 @@ def _main(args: argparse.Namespace) -> int:
     verdicts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         progress(f"bench: starting {len(daemons)} daemon(s): {', '.join(daemons)}")
-        procs = {
-            name: stack.enter_context(
-                DaemonProcess(args.model, f"ipc://{tmp / f'{i}.sock'}", *extra, env=daemon_env.get(name))
-            )
-            for i, (name, extra) in enumerate(daemons.items())
-        }
-        clients = {name: stack.enter_context(Client(proc.address, timeout=3600)) for name, proc in procs.items()}
+        procs: dict[str, DaemonProcess] = {}
+        clients: dict[str, Client] = {}
+        idle: dict[str, float] = {}
+        for i, (name, extra) in enumerate(daemons.items()):
+            # One at a time, each idle (start-up probe and work done) before the next is spawned: every
+            # start-up figure is that daemon's alone, and nothing is timed while a daemon still starts.
+            address = f"ipc://{tmp / f'{i}.sock'}"
+            procs[name] = stack.enter_context(DaemonProcess(args.model, address, *extra, env=daemon_env.get(name)))
+            ready_line(name, procs[name])
+            clients[name] = stack.enter_context(Client(procs[name].address, timeout=3600))
+            idle[name] = wait_idle_timed(name, procs[name], clients[name])
+        meta["startup"] = startup_meta(procs, idle)
         http = stack.enter_context(open_http(http_url)) if http_url else None
         model_id = served_model(http) if http else ""
-        progress("bench: waiting for the daemons' start-up probes")
-        wait_idle(clients)  # every start-up probe has finished before anything is timed
         probe_seconds, in_process_cpus = read_daemons(clients, engine, meta, verdicts)
 
         def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
@@ -371,11 +388,38 @@ def _main(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"warning: the '{name}' daemon exited with {code} after SIGTERM", file=sys.stderr)
     meta["daemon_exit_codes"] = exit_codes
+    if getattr(args, "restart_times", False):
+        # The daemon arm's second start on this machine, alone: what a restarted server pays.
+        progress("bench: starting the 'daemon' daemon again (--restart-times)")
+        mx.clear_cache()
+        again = restart(
+            args.model,
+            f"ipc://{tmp / 'restart.sock'}",
+            daemons["daemon"],
+            daemon_env.get("daemon"),
+            prompts_for(1, seed=97)[0],
+            min(8, args.tokens),
+        )
+        meta["restart"] = {"daemon": "daemon", **again}
+        progress(
+            f"bench: second start of 'daemon': ready {seconds_text(again['ready_s'])}, first token "
+            f"{seconds_text(again['first_token_s'])} after its spawn"
+        )
     print(write_tables(samples, setup, meta, out, counts, verdicts, runs, gates))
     if poisson is not None:
         print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
         print(write_poisson(poisson, meta, out))
     if probe_seconds:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
+    starts = ", ".join(
+        f"{k}: ready {seconds_text(v['ready_s'])}, idle {seconds_text(v['idle_s'])}" for k, v in meta["startup"].items()
+    )
+    if "restart" in meta:
+        r = meta["restart"]
+        starts += (
+            f"; second start of daemon: ready {seconds_text(r['ready_s'])}, "
+            f"first token {seconds_text(r['first_token_s'])}"
+        )
+    print(f"start-up (from spawn): {starts}")
     print(f"results in {out.resolve()}", flush=True)
     return 0

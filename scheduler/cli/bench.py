@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING, Any
 
 from scheduler.cli.errors import CommandError, local_command
 from scheduler.cli.options import Parser, int_list, non_negative_float, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from scheduler.bench.env_arms import EnvArm
 
 #: Where ``bench`` and ``bench-bursts`` write, relative to the current directory (never the package).
 BENCH_OUT = "mlx-batchd-bench"
@@ -48,6 +52,26 @@ def shell_words(text: str) -> list[str]:
         return shlex.split(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"cannot split {text!r} into options: {exc}") from None
+
+
+def env_arm(text: str) -> EnvArm:
+    """``--env-arm``'s value, checked against the ``MLX_BATCHD_*`` registry as it is parsed."""
+    from scheduler.bench.env_arms import EnvArmError, parse_env_arm
+
+    try:
+        return parse_env_arm(text)
+    except EnvArmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class EnvArms(argparse.Action):
+    """Collects ``--env-arm`` values; a name given twice is refused like any bad value."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, *_: Any) -> None:
+        arms = list(getattr(namespace, self.dest, None) or [])
+        if any(a.name == values.name for a in arms):
+            raise argparse.ArgumentError(self, f"arm name {values.name!r} given twice")
+        setattr(namespace, self.dest, [*arms, values])
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -115,6 +139,23 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         default=None,
         choices=["narrow", "per-query"],
         help="also measure a daemon whose pin at this level covers the whole process (the cost scoping avoids)",
+    )
+    p.add_argument(
+        "--env-arm",
+        type=env_arm,
+        action=EnvArms,
+        default=[],
+        metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+        help="also measure, at every B, a daemon like the daemon arm's started with these MLX_BATCHD_* "
+        "variables, as arm NAME (lowercase letters, digits, hyphens), beside the daemon arm in the tables "
+        "and the plot with its ratio to it (repeatable; e.g. mlx-kernels:MLX_BATCHD_W4A16=0); recorded in the report",
+    )
+    p.add_argument(
+        "--restart-times",
+        action="store_true",
+        help="after the timed runs and every daemon stopped, start the daemon arm's daemon again with the same "
+        "options (its caches now warm on this machine) and report that second start's seconds from spawn to ready "
+        "and to the first token of one short request (every daemon's first start is reported anyway)",
     )
     p.add_argument(
         "--via",

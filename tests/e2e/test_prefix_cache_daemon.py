@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
-from tests.conftest import start_daemon
+from tests.conftest import start_daemon, wait_started
 from tests.e2e.test_tenants import creds, curve_daemon, keys  # noqa: F401  (the module's key fixture)
 from tests.reference import greedy_reference
 
@@ -40,6 +40,7 @@ def test_a_shared_prefix_is_served_from_the_cache_exactly(tiny_model: Path, tmp_
     d = start_daemon(tiny_model, tmp_path, "--prefix-cache-mb", "64", "--metrics", f"127.0.0.1:{port}")
     try:
         with Client(d.address, timeout=120) as c:
+            wait_started(c)  # the cache serves once its check passed (between steps, unless stored)
             assert _cache(c)["serving"] is True  # the CPU passes the warm-vs-cold check
             _exact(tiny_model, c, [*PREFIX, 11, 12])
             before = _cache(c)
@@ -70,6 +71,7 @@ def test_tenants_reuse_only_their_own_prefixes_unless_both_share(
     clients = {name: Client(d.address, timeout=120, **creds(keys, name)) for name in tenants}
     try:
         admin = clients["alice"]
+        wait_started(admin)
         _exact(tiny_model, clients["alice"], [*PREFIX, 11])
         before = _cache(admin)
         _exact(tiny_model, clients["bob"], [*PREFIX, 12])  # alice's prefix is not bob's

@@ -11,14 +11,15 @@ import pytest
 
 from clients import Client
 from scheduler.cli.serve import DEFAULT_PREFIX_CACHE_MB, PREFIX_CACHE_SHARE
-from tests.conftest import start_daemon, wait_for_verdict
+from tests.conftest import start_daemon, wait_for_verdict, wait_started
 
 CHECK_LINE = "prefix cache check: draw 1/"
 
 
 def _cache(address: str) -> dict[str, Any]:
+    """The prefix cache's stats once the daemon's start-up work (its check, where not stored) ended."""
     with Client(address, timeout=120) as c:
-        return dict(c.stats()["engine"]["prefix_cache"])
+        return dict(wait_started(c)["prefix_cache"])
 
 
 @pytest.fixture()
@@ -44,7 +45,8 @@ def test_the_default_cache_serves_and_its_check_is_stored_for_the_next_start(
     assert len(list((own_cache / "prefix-checks").glob("*.json"))) == 1
     for what in ("model:", "quantization:", "context:", "drafter:", "prefix cache:"):
         assert f"serving with {what}" in log, log
-    assert "serving with prefix cache:   up to 512 MiB, serving" in log, log
+    assert "serving with prefix cache:   up to 512 MiB, off until its check (between steps) passes" in log, log
+    assert "prefix cache: serving (warm == cold" in log and "start-up work prefix check done in" in log, log
 
     # A KV budget: the default is a share of it, and the stored check serves without running again.
     second = start_daemon(tiny_model, tmp_path / "second", "--kv-budget-mb", "8")
@@ -54,7 +56,7 @@ def test_the_default_cache_serves_and_its_check_is_stored_for_the_next_start(
         assert cache["verdict"]["from_cache"] is True
     finally:
         assert second.stop() == 0, second.log()
-    assert CHECK_LINE not in second.log() and "(stored check)" in second.log(), second.log()
+    assert CHECK_LINE not in second.log() and "up to 2 MiB, serving (stored check)" in second.log(), second.log()
 
 
 def test_zero_turns_it_off_and_the_start_up_probe_shows_its_progress(

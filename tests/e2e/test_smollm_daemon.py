@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from clients import Client, TokenEvent
-from tests.conftest import Daemon, start_daemon, wait_for_verdict
+from tests.conftest import Daemon, start_daemon, wait_for_verdict, wait_started
 from tests.reference import greedy_reference, load_reference
 
 PLAIN = ("--context-length", "128", "--prefill-step", "32", "--max-batch", "4", "--prefix-cache-mb", "16")
@@ -107,7 +107,7 @@ def test_stream_sends_each_tokens_text_as_soon_as_it_is_final(smollm2_dir: Path,
 
 def test_prefix_cache_warm_equals_cold(smollm2_dir: Path, client: Client) -> None:
     prompt = encode(smollm2_dir, "Here is a list of fruits: apple, banana, cherry, grape, lemon, mango, orange, pear.")
-    state = client.stats()["engine"]["prefix_cache"]
+    state = wait_started(client)["prefix_cache"]  # its check runs between steps unless stored
     assert state["serving"] is True, state["verdict"]
     cold = client.generate(tokens=prompt, max_tokens=8)
     before = client.stats()["engine"]["prefix_cache"]

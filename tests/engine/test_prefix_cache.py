@@ -278,6 +278,10 @@ def test_counters_reach_the_snapshot_and_the_metrics(tiny_model: Path) -> None:
     while not any(isinstance(s, Ready) for s in signals):
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.05)
+    # Not stored yet, the cache's check runs between steps after Ready; the cache serves once it passed.
+    while any(r["status"] not in ("done", "failed") for r in thread.engine_snapshot()["start_up"].values()):  # type: ignore[index]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     prompt = tokens(100, 70)
     for seq in (1, 2):
         thread.submit(Job(seq=seq, prompt=prompt + [seq + 4], max_tokens=3, cache_salt=A))

@@ -230,6 +230,18 @@ class DistributedSnapshot(TypedDict):
     mode: Literal["tensor", "pipeline", "none"]
 
 
+class StartUpRow(TypedDict):
+    """Start-up work the engine runs between its steps after ``Ready`` (``workers.engine.background``:
+    kernel plans, the prefix cache's check, the probe's start): ``pending`` behind other work,
+    ``running`` (``at``: what its last unit did), ``done`` or ``failed`` (``at``: why); ``units`` run,
+    ``seconds`` from its first unit to its end."""
+
+    status: Literal["pending", "running", "done", "failed"]
+    at: str
+    units: int
+    seconds: float
+
+
 @final
 class EngineSnapshot(CountersSnapshot):
     """The engine's counters and gauges, once the model is loaded."""
@@ -252,6 +264,8 @@ class EngineSnapshot(CountersSnapshot):
     kernel_plans: dict[str, str]
     #: How many of the model's decoder layers run as compiled halves in decode steps (``compiled_layers``).
     compiled_layers: int
+    #: Start-up work by name (``kernel plans``, ``prefix check``, ``probe``), pending or ended.
+    start_up: dict[str, StartUpRow]
 
 
 @final

@@ -9,13 +9,15 @@ handed to the prefix cache). What it holds besides lives in its own modules: the
 (``workers.engine.spec.runner``), the verdict holder (``workers.exact``; a verdict carries what a
 process-wide pin would cost) and the pin ledger; ``holdings`` gives the engine's surface onto them.
 The batched step itself (a ``BatchGenerator`` step, its responses to events) is ``batch_step``.
+Kernel plans not stored yet are timed in the constructor, or (``calibration="background"``, the
+daemon) between steps by ``background`` while the engine serves without them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
@@ -33,6 +35,7 @@ from workers.api import (
     TopLogprobs,
 )
 from workers.api.grammar import lltokenizer
+from workers.engine.background import Background
 from workers.engine.batch_step import BatchStep
 from workers.engine.grammar_mask import GrammarState
 from workers.engine.holdings import Holdings
@@ -46,10 +49,14 @@ from workers.engine.shared_prefill import SharedPrefill
 from workers.engine.spec.policy import Gate, emit_in_order
 from workers.engine.spec.runner import BurstRunner
 from workers.exact import CountedModel, PinLedger, Verdicts
-from workers.kernels import compiled_layers, fastpath, mlxlm, plan_timing
+from workers.kernels import compiled_layers, fastpath, mlxlm, plan_units
 from workers.models import cache_dir
 
 log = logging.getLogger("mlx_batchd.engine")
+
+#: When an engine without stored kernel plans times them: before its constructor returns, or between
+#: its steps (a daemon: it serves meanwhile, with none installed).
+Calibration = Literal["now", "background"]
 
 
 class Engine(Parking, Holdings, BatchStep):
@@ -66,6 +73,7 @@ class Engine(Parking, Holdings, BatchStep):
         prefill_step: int = 2048,
         prefill_tokens: int = PREFILL_TOKENS,
         lockstep: bool = False,
+        calibration: Calibration = "now",
     ) -> None:
         #: ``process`` only in the bench's arm that pins the whole process (``envs.BENCH_PROCESS_PIN``).
         self.pin_scope: PinScope = "process" if envs.switch(envs.BENCH_PROCESS_PIN) else "scoped"
@@ -98,20 +106,36 @@ class Engine(Parking, Holdings, BatchStep):
         #: Set by the engine thread (``prefix_cache.checked``); ``None``: every prompt is prefilled whole.
         self.prefix_cache: PrefixCache | None = None
         self._gen = self._new_generator()
-        # Where the backend's policy asks for it (MLX CUDA): a few seconds the first time on a machine,
-        # then read from the store. Not in lockstep: the plans come from timings, which differ per
-        # machine, and a projection every rank computes whole (the unsplit lm_head) must run the
-        # same kernel everywhere or the ranks' tokens part.
+        #: Start-up work run between steps once the engine serves (``workers.engine.background``).
+        self.background = Background()
         #: The row-count plans that calibration chose, by projection shape (``fastpath.plans_summary``):
         #: timed once per machine and kept (``workers.kernels.plan_store``), so every process serving the
-        #: model runs the same kernels; stats carry them.
-        self.kernel_plans = (
-            {} if lockstep else fastpath.plans_summary(plan_timing.calibrate(model, cache_dir() / "kernel-plans"))
-        )
+        #: model runs the same kernels; stats carry them. Where the backend's policy asks for them (MLX
+        #: CUDA), and not in lockstep: the plans come from timings, which differ per machine, and a
+        #: projection every rank computes whole (the unsplit lm_head) must run the same kernel everywhere.
+        self.kernel_plans: dict[str, str] = {}
+        if not lockstep:
+            self._plan(model, calibration)
         #: Decoder layers registered to run as compiled halves in decode steps, which they do where the
         #: policy says so (``compiled_layers.running``); none in lockstep, whose layers hold the ranks'
         #: collectives.
         self.compiled_layers = 0 if lockstep else compiled_layers.install(model)
+
+    def _plan(self, model: Any, calibration: Calibration) -> None:
+        """Install the kernel plans: the stored ones, else timed now (``now``) or between steps
+        (``background``: until they are, every projection runs as mlx-lm calls it)."""
+        store = cache_dir() / "kernel-plans"
+        if calibration == "now":
+            self.kernel_plans = fastpath.plans_summary(plan_units.calibrate(model, store))
+            return
+        plans = plan_units.install_stored(model, store)
+        if plans is None:
+            self.background.add("kernel plans", plan_units.calibration_steps(model, store), self._calibrated)
+        else:
+            self.kernel_plans = fastpath.plans_summary(plans)
+
+    def _calibrated(self, plans: dict[str, dict[int, int]]) -> None:
+        self.kernel_plans = fastpath.plans_summary(plans)
 
     def reset_counters(self) -> None:
         """Start the monotonic counters from zero (after warm-up, so stats count served work only)."""

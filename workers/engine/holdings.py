@@ -1,5 +1,6 @@
 """The engine's surface onto what it holds besides its sequences: the pin ledger and its counted
-model (pins), the verdict holder (the probe and verdicts) and the burst runner (bursts). Each accessor
+model (pins), the start-up work run between steps (``workers.engine.background``, then the probe),
+the verdict holder (the probe and verdicts) and the burst runner (bursts). Each accessor
 delegates in a line; ``Engine`` inherits them, so the engine loop, the stats and the tests read one
 object.
 """
@@ -13,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import BurstSettings, Level, PinScope
+from workers.engine.background import Background
 from workers.engine.spec import Adaptive, BurstCounters, BurstRunner, BurstSeq, Drafter
 from workers.exact import CountedModel, PinLedger, Verdict, Verdicts, pin_cost_summary, pinned
 
@@ -25,6 +27,7 @@ class Holdings:
     counted: CountedModel
     runner: BurstRunner
     _verdicts: Verdicts
+    background: Background
     decode_seconds_by_batch: dict[int, float]
 
     # ------------------------------------------------------------------ pins
@@ -45,6 +48,24 @@ class Holdings:
         if v is None:
             return {}
         return pin_cost_summary(v.pin_cost, v.level, self.decode_seconds_by_batch, self.pin_scope == "process")
+
+    # ------------------------------------------------------------------ start-up work and the probe
+
+    @property
+    def starting(self) -> bool:
+        """Start-up work left to run between steps: a background piece (``background``) or the probe."""
+        return self.background.pending or self._verdicts.probing
+
+    def start_up_step(self) -> None:
+        """One unit of start-up work: the first background piece's, else the probe's next draw (the
+        probe's pairing names the kernel plans, so it starts once the pieces before it ended)."""
+        if self.background.pending:
+            self.background.step()
+        else:
+            self._verdicts.probe_step()
+
+    def start_up_summary(self) -> dict[str, Any]:
+        return self.background.summary()
 
     # ------------------------------------------------------------------ the probe and verdicts
 

@@ -6,7 +6,9 @@ blocks only when it has nothing to decode, so network I/O never stalls a decode 
 decode step never stalls the network.
 
 Lifecycle, as in vLLM's engine core: ``Ready`` once the model is loaded and warmed up, then
-events, then ``Stopped`` after a shutdown, or ``Dead`` if the loop itself failed.
+events, then ``Stopped`` after a shutdown, or ``Dead`` if the loop itself failed. Start-up work not
+done by ``Ready`` (kernel plans and the prefix cache's check not stored yet, the probe) runs a unit
+at a time while the engine is idle (``Engine.start_up_step``).
 
 One model over several ranks (docs/distributed.md) runs one of these per rank: each iteration is
 decided by rank 0 (``_decide``: the commands, seeds for unseeded sampled jobs, every choice that
@@ -239,7 +241,7 @@ class EngineThread(Ranks):
         """Rank 0's loop (the only one without other ranks): decide, publish, apply."""
         for iteration in itertools.count():
             faults.check_loop(iteration)
-            idle = not engine.has_work and not engine.probing and not self._admission.held
+            idle = not engine.has_work and not engine.starting and not self._admission.held
             if idle and self._cache_dirty:
                 self._release_cache()
             self._busy_since = None
@@ -302,11 +304,12 @@ class EngineThread(Ranks):
             self._emit_seconds += time.perf_counter() - tic
             if self.world.distributed:
                 self._note(events)
-        # The probe runs a draw at a time, only while the engine is idle, so serving never
-        # waits for it (a request arriving mid-draw waits for that one draw at most).
-        if engine.probing and not engine.has_work and not self._admission.held:
+        # Start-up work (kernel plans, the prefix cache's check, then the probe) runs a unit at a
+        # time, only while the engine is idle, so serving never waits for it (a request arriving
+        # mid-unit waits for that one unit at most).
+        if engine.starting and not engine.has_work and not self._admission.held:
             self._cache_dirty = True
-            engine.probe_step()
+            engine.start_up_step()
         return False
 
     def _release_cache(self) -> None:

@@ -5,14 +5,16 @@ tokens) in mlx-lm's ``LRUPromptCache``; a new prompt takes a copy of the longest
 only its suffix is prefilled. Entries are keyed by (salt, tokens): a job only ever sees entries made
 under its own salt, so one tenant's timing cannot reveal another's prompt (``salt_for``).
 
-Reuse is only as exact as the backend: ``checked`` builds the cache gated by the exactness check
-(``prefix_check``), and the cache serves only on an exact verdict (or when the operator allows inexact
-output).
+Reuse is only as exact as the backend: the cache serves only on an exact verdict of the exactness
+check (``prefix_check``), or when the operator allows inexact output. ``checked`` builds the cache
+with the check run at once; a daemon whose check is not stored yet serves with the cache off (no
+verdict) while the check runs between its steps (``Check.steps``), and sets the verdict at its end.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +27,14 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from workers.engine.prefix_check import CheckStore, ReuseVerdict, check_fingerprint, check_pairing, warm_vs_cold
+from workers.engine.prefix_check import (
+    CheckStore,
+    ReuseVerdict,
+    check_fingerprint,
+    check_pairing,
+    warm_vs_cold,
+    warm_vs_cold_steps,
+)
 
 log = logging.getLogger("mlx_batchd.engine")
 
@@ -164,6 +173,85 @@ class PrefixCache:
         }
 
 
+@dataclass(frozen=True)
+class Check:
+    """The cache's exactness check on ``model``: read from ``store`` where it holds a result for the
+    ``serving`` pairing (and what picks the draws), else measured (``warm_vs_cold``) and stored there
+    (a failed check is not: it is a declined verdict). ``run`` checks at once; ``steps`` a draw at a
+    time, for an engine that serves with the cache off meanwhile (``workers.engine.background``)."""
+
+    model: Any
+    prefill_step: int
+    vocab_size: int
+    window: int | None
+    context: int
+    store: CheckStore | None = None
+    serving: dict[str, Any] | None = None
+
+    def _key(self) -> tuple[str, dict[str, Any]]:
+        """The store's fingerprint and pairing (``""`` without a store or a serving pairing)."""
+        if self.store is None or self.serving is None:
+            return "", {}
+        pairing = check_pairing(
+            self.serving,
+            prefill_step=self.prefill_step,
+            vocab_size=self.vocab_size,
+            window=self.window,
+            context=self.context,
+        )
+        return check_fingerprint(pairing), pairing
+
+    def stored(self) -> ReuseVerdict | None:
+        """The stored result for this pairing, if any."""
+        fingerprint, _ = self._key()
+        return None if not fingerprint or self.store is None else self.store.get(fingerprint)
+
+    def run(self) -> ReuseVerdict:
+        found = self.stored()
+        if found is not None:
+            return found
+        log.info("prefix cache: checking that reuse is exact on this model (once; the result is kept)")
+        try:
+            return self._kept(
+                warm_vs_cold(
+                    self.model,
+                    prefill_step=self.prefill_step,
+                    vocab_size=self.vocab_size,
+                    window=self.window,
+                    context=self.context,
+                )
+            )
+        except Exception as exc:
+            return self._failed(exc)
+
+    def steps(self) -> Generator[str, None, ReuseVerdict]:
+        found = self.stored()
+        if found is not None:
+            return found
+        log.info("prefix cache: checking that reuse is exact on this model, between steps (the result is kept)")
+        try:
+            check = warm_vs_cold_steps(self.model, self.prefill_step, self.vocab_size, self.window, self.context)
+            return self._kept((yield from check))
+        except Exception as exc:
+            return self._failed(exc)
+
+    def _kept(self, verdict: ReuseVerdict) -> ReuseVerdict:
+        fingerprint, pairing = self._key()
+        if fingerprint and self.store is not None:
+            self.store.put(fingerprint, pairing, verdict)
+        return verdict
+
+    def _failed(self, exc: Exception) -> ReuseVerdict:
+        log.exception("the prefix cache's warm-vs-cold check failed")
+        return ReuseVerdict(False, f"the check failed: {exc!r}")
+
+
+def log_verdict(verdict: ReuseVerdict, allow_inexact: bool) -> None:
+    """One line: whether the cache serves, and why."""
+    how = "serving" if verdict.exact or allow_inexact else "declined"
+    log.info("prefix cache: %s (%s%s)", how, "stored check: " if verdict.from_cache else "", verdict.reason)
+
+
 def checked(
     model: Any,
     max_bytes: int,
@@ -176,34 +264,11 @@ def checked(
     store: CheckStore | None = None,
     serving: dict[str, Any] | None = None,
 ) -> PrefixCache:
-    """A prefix cache gated by ``warm_vs_cold`` on ``model`` (a failing check is a declined verdict).
-    With a ``store`` and the ``serving`` pairing, a result stored for exactly that pairing is used
-    instead of checking again, and a new one is stored (a failed check is not)."""
+    """A prefix cache gated by the check on ``model``, run now (``Check.run``; a failing check is a
+    declined verdict). With a ``store`` and the ``serving`` pairing, a result stored for exactly that
+    pairing is used instead of checking again, and a new one is stored (a failed check is not)."""
     if max_bytes <= 0:
         return PrefixCache(0)
-    fingerprint, pairing = "", {}
-    if store is not None and serving is not None:
-        pairing = check_pairing(
-            serving, prefill_step=prefill_step, vocab_size=vocab_size, window=window, context=context
-        )
-        fingerprint = check_fingerprint(pairing)
-        found = store.get(fingerprint)
-        if found is not None:
-            log.info(
-                "prefix cache: %s (stored check: %s)",
-                "serving" if found.exact or allow_inexact else "declined",
-                found.reason,
-            )
-            return PrefixCache(max_bytes, found, allow_inexact)
-    log.info("prefix cache: checking that reuse is exact on this model (once; the result is kept)")
-    try:
-        verdict = warm_vs_cold(model, prefill_step=prefill_step, vocab_size=vocab_size, window=window, context=context)
-    except Exception as exc:
-        log.exception("the prefix cache's warm-vs-cold check failed")
-        verdict = ReuseVerdict(False, f"the check failed: {exc!r}")
-    else:
-        if fingerprint:
-            assert store is not None
-            store.put(fingerprint, pairing, verdict)
-    log.info("prefix cache: %s (%s)", "serving" if verdict.exact or allow_inexact else "declined", verdict.reason)
+    verdict = Check(model, prefill_step, vocab_size, window, context, store, serving).run()
+    log_verdict(verdict, allow_inexact)
     return PrefixCache(max_bytes, verdict, allow_inexact)

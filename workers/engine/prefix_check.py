@@ -1,6 +1,7 @@
 """The prefix cache's exactness check: is a suffix prefilled on a cached prefix the same bytes as one
-whole prefill on this model (``warm_vs_cold``, run once at load), and its result stored per pairing
-(``CheckStore``) so a restart does not measure it again.
+whole prefill on this model (``warm_vs_cold``, run once per pairing, a draw at a time between the
+engine's steps: ``warm_vs_cold_steps``), and its result stored per pairing (``CheckStore``) so a
+restart does not measure it again.
 
 Reuse is only as exact as the backend: a suffix prefilled on a cached prefix runs other row counts
 and chunk boundaries than one whole prefill. The cache (``prefix_cache``) serves only on an exact
@@ -16,7 +17,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from workers.exact.probe import drive
 from workers.kernels import as_int, merge_caches
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -158,6 +160,14 @@ def warm_vs_cold(
 ) -> ReuseVerdict:
     """Prefill each draw's prompt whole (cold) and as cached prefix + suffix (warm), then decode a few
     greedy steps; the verdict is exact when every logits row is byte-identical."""
+    return drive(warm_vs_cold_steps(model, prefill_step, vocab_size, window, context, seed))
+
+
+def warm_vs_cold_steps(
+    model: Any, prefill_step: int, vocab_size: int, window: int | None = None, context: int = 1 << 30, seed: int = 0
+) -> Generator[str, None, ReuseVerdict]:
+    """``warm_vs_cold`` as units, one draw each (yielding its outcome), ending in the verdict: for an
+    engine that serves between them."""
     tic = time.perf_counter()
     rng = random.Random(seed)
     draws = make_draws(prefill_step, window, context)
@@ -166,6 +176,7 @@ def warm_vs_cold(
         run_draw(model, d, prefill_step, vocab_size, rng)
         outcome = d.skipped or ("exact" if not d.differing_bytes else f"{d.differing_bytes} bytes differ")
         log.info("prefix cache check: draw %d/%d %s (%.1f s so far)", i, len(draws), outcome, time.perf_counter() - tic)
+        yield f"draw {i}/{len(draws)} {outcome}"
     return decide(draws, window, time.perf_counter() - tic)
 
 

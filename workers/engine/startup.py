@@ -1,4 +1,6 @@
-"""The engine's settings and its start-up before ``Ready``: warm-up, prefix cache, drafter, probe.
+"""The engine's settings and its start-up: before ``Ready`` the engine, its warm-up, the prefix cache
+and the drafter; after it, between steps (``workers.engine.background``), the kernel plans and the
+prefix cache's check where their results are not stored yet, then the probe.
 
 Across ranks every rank runs the same start-up: ``check_same_settings`` stops them all when their
 options differ, and rank 0's verdict store answers for every rank (``RankZeroStore``).
@@ -9,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Generator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -20,6 +23,9 @@ from workers.dist import Broadcaster, DistributedError, World, check_same
 from workers.engine.engine import Engine
 from workers.exact import ProbeSetup, Verdict, VerdictStore, block_lengths, probe_setup, sliding_window
 from workers.models import LoadedModel
+
+if TYPE_CHECKING:
+    from workers.engine.prefix_check import ReuseVerdict
 
 #: MLX's buffer cache may hold this share of MLX's memory limit unless told otherwise.
 CACHE_SHARE = 0.25
@@ -130,21 +136,27 @@ def start_probe(
 ) -> str:
     """Queue the start-up probe for a pairing (memoised on disk by fingerprint); return its name.
     Its verdict lands after the verify is built at every block length the drafter can ask for
-    (``fixed_k``: it always proposes ``k``, ``Drafter.fixed_k``).
+    (``fixed_k``: it always proposes ``k``, ``Drafter.fixed_k``). It starts once the start-up work
+    queued before it ended (``Background.then``): its pairing names the kernel plans installed.
 
     Across ranks the verdict is per world: the pairing includes the world size, backend and split,
     rank 0's store answers for every rank (``RankZeroStore``), and only rank 0 fingerprints the
     model (two ranks on one machine would otherwise write the same memo file at once)."""
     name = f"{loaded.info.name}+{drafter} k={k}"
-    if world is None or not world.distributed:
-        setup = probe_setup(loaded, drafter)
-    else:
-        setup = probe_setup(loaded, drafter) if world.leader else _follower_probe_setup(loaded)
-        mode = "none" if loaded.shard is None else loaded.shard.mode
-        split = {"world_size": world.size, "backend": world.backend, "mode": mode}
-        setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=RankZeroStore(setup.store, world))
-    steps = setup.steps(engine.counted, k, s.probe_policy, warm=block_lengths(k, fixed_k), max_batch=engine.max_batch)
-    engine.start_probe(name, steps)
+
+    def start() -> None:
+        if world is None or not world.distributed:
+            setup = probe_setup(loaded, drafter)
+        else:
+            setup = probe_setup(loaded, drafter) if world.leader else _follower_probe_setup(loaded)
+            mode = "none" if loaded.shard is None else loaded.shard.mode
+            split = {"world_size": world.size, "backend": world.backend, "mode": mode}
+            store = RankZeroStore(setup.store, world)
+            setup = replace(setup, pairing={**setup.pairing, "distributed": split}, store=store)
+        warm = block_lengths(k, fixed_k)
+        engine.start_probe(name, setup.steps(engine.counted, k, s.probe_policy, warm=warm, max_batch=engine.max_batch))
+
+    engine.background.then("probe", start)
     return name
 
 
@@ -204,11 +216,12 @@ def chosen_lines(loaded: LoadedModel, s: EngineSettings, engine: Engine) -> list
     cache = engine.prefix_cache
     if cache is None or cache.max_bytes <= 0:
         prefix = "off (--prefix-cache-mb 0)"
+    elif cache.verdict is None:
+        prefix = f"up to {cache.max_bytes / 2**20:g} MiB, off until its check (between steps) passes"
     else:
         state = "serving" if cache.serving else "declined"
-        why = "" if cache.verdict is None else f": {cache.verdict.reason}"
-        stored = " (stored check)" if cache.verdict is not None and cache.verdict.from_cache else ""
-        prefix = f"up to {cache.max_bytes / 2**20:g} MiB, {state}{stored}{why}"
+        stored = " (stored check)" if cache.verdict.from_cache else ""
+        prefix = f"up to {cache.max_bytes / 2**20:g} MiB, {state}{stored}: {cache.verdict.reason}"
     return [
         f"model:          {info.name} ({info.model_type}, {info.path})",
         f"quantization:   {quantization_line(loaded.config, loaded.model)}",
@@ -219,36 +232,54 @@ def chosen_lines(loaded: LoadedModel, s: EngineSettings, engine: Engine) -> list
 
 
 def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
-    """Check warm-vs-cold reuse on the loaded model (once, before ``Ready``) and install the cache.
-    Not across ranks: which prompts hit is decided per rank by its own cache's bytes and evictions."""
+    """Install the prefix cache, gated by its warm-vs-cold check: a stored result at once, else the
+    cache starts off (no verdict) and the check runs between steps, after the kernel plans (its
+    pairing names them), and sets the verdict at its end. Not across ranks: which prompts hit is
+    decided per rank by its own cache's bytes and evictions."""
     if loaded.shard is not None:
         raise DistributedError("--prefix-cache-mb cannot serve across ranks yet; leave it at 0 under mlx.launch")
-    from workers.engine.prefix_cache import CheckStore, checked
+    from workers.engine.prefix_cache import Check, CheckStore, PrefixCache, log_verdict
     from workers.exact import unpinned
     from workers.models import cache_dir
 
-    # Keyed like the probe's verdicts (weights, config, caches, backend, kernels), so a result
-    # measured once serves every later start of the same set-up.
-    serving = probe_setup(loaded, "none", store=False).pairing
-    with unpinned("probe"):
-        engine.prefix_cache = checked(
+    cache = engine.prefix_cache = PrefixCache(s.prefix_cache_bytes, None, s.probe_policy.allow_inexact)
+
+    def check() -> Check:
+        # Keyed like the probe's verdicts (weights, config, caches, backend, kernels), so a result
+        # measured once serves every later start of the same set-up.
+        return Check(
             engine.counted,
-            s.prefix_cache_bytes,
-            prefill_step=s.prefill_step,
-            vocab_size=loaded.info.vocab_size,
-            window=sliding_window(loaded.config),
-            context=loaded.info.context_length,
-            allow_inexact=s.probe_policy.allow_inexact,
-            store=CheckStore(cache_dir() / "prefix-checks"),
-            serving=serving,
+            s.prefill_step,
+            loaded.info.vocab_size,
+            sliding_window(loaded.config),
+            loaded.info.context_length,
+            CheckStore(cache_dir() / "prefix-checks"),
+            probe_setup(loaded, "none", store=False).pairing,
         )
+
+    def settle(verdict: ReuseVerdict) -> None:
+        log_verdict(verdict, cache.allow_inexact)
+        cache.verdict = verdict
+
+    found = None if engine.background.pending else check().stored()
+    if found is not None:
+        settle(found)
+        return
+
+    def steps() -> Generator[str, None, ReuseVerdict]:
+        return (yield from check().steps())  # made when it starts: after the kernel plans
+
+    engine.background.add("prefix check", steps(), settle, lambda: unpinned("probe"))
 
 
 def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine:
     """The engine for ``loaded`` as the settings ask, warmed up, with its prefix cache, drafter and
-    probe configured and its counters reset: what an engine thread serves once it says ``Ready``."""
+    probe configured and its counters reset: what an engine thread serves once it says ``Ready``.
+    What is not stored yet (kernel plans, the prefix cache's check) is queued to run between steps,
+    and the probe after it."""
     engine = Engine(
         loaded.model,
+        calibration="background",
         eos_token_ids=loaded.info.eos_token_ids,
         vocab_size=loaded.info.vocab_size,
         max_batch=s.max_batch,
@@ -269,4 +300,6 @@ def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine
     if world.leader:
         for line in chosen_lines(loaded, s, engine):
             log.info("serving with %s", line)
+        if engine.background.pending:
+            log.info("start-up work, run between steps once ready: %s", ", ".join(engine.start_up_summary()))
     return engine

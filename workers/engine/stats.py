@@ -21,6 +21,7 @@ from workers.api.stats import (
     PinTax,
     PrefixCacheSnapshot,
     ProbingRow,
+    StartUpRow,
     VerdictRow,
 )
 from workers.engine.engine import Engine
@@ -54,5 +55,6 @@ def engine_snapshot(
         "loop": loop,
         "distributed": distributed,
         "kernel_plans": engine.kernel_plans,
+        "start_up": cast(dict[str, StartUpRow], engine.start_up_summary()),
         "compiled_layers": compiled_layers.running(engine.model),
     }

@@ -9,6 +9,9 @@ chain: the next call waits for this one), and then, for each row count, the plan
 the model's own decode steps against running every projection one way (as called, flattened,
 padded, through the project's kernel): decode steps chained as the engine runs them are what a
 step pays for (``forward_ms``).
+
+Calibrating a model out of these (all at once, or in units between a daemon's steps) is
+``plan_units``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers.kernels import fastpath, plan_store, qmv_rows, w4a16
+from workers.kernels import fastpath, qmv_rows, w4a16
 
 log = logging.getLogger("mlx_batchd")
 
@@ -257,10 +260,26 @@ def forward_checked(
     mma_shapes: set[str] | None = None,
 ) -> Plans:
     """``plans`` with each row count's ways replaced by the uniform way whose decode forward is
-    cheaper by ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for
-    2..``n`` rows (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
+    cheaper by ``MARGIN`` (``forward_check_steps`` run to its end)."""
+    result: Plans = drive(forward_check_steps(model, plans, kernel_shapes, n, report, mma_shapes))
+    return result
+
+
+def forward_check_steps(
+    model: nn.Module,
+    plans: Plans,
+    kernel_shapes: set[str],
+    n: int,
+    report: dict[int, dict[str, Any]] | None = None,
+    mma_shapes: set[str] | None = None,
+) -> Generator[str, None, Plans]:
+    """The forward check as units, one row count each (yielding what it checked), ending in ``plans``
+    with each row count's ways replaced by the uniform way whose decode forward is cheaper by
+    ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for 2..``n`` rows
+    (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
     (``mma_shapes``), ``fastpath.LARGE_ROWS``. ``report`` (when given) gets each row count's forward
-    milliseconds by candidate and the one kept."""
+    milliseconds by candidate and the one kept. A unit leaves its row count's kept way installed;
+    the next unit installs what it times itself, so the caller may install other plans in between."""
     large = [r for r in fastpath.LARGE_ROWS if r > n] if mma_shapes else []
     for rows in [*range(1 if kernel_shapes else 2, n + 1), *large]:
         options = candidates(plans, kernel_shapes, rows, mma_shapes, n)
@@ -286,70 +305,28 @@ def forward_checked(
                 "ms": dict(zip((name for name, _ in options), costs, strict=True)),
                 "kept": options[kept][0],
             }
+        yield f"forward check, {rows} rows"
     return plans
+
+
+# --------------------------------------------------------------------------- calibrating a model
 
 
 def calibrate(
     model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
 ) -> dict[str, dict[int, int]]:
-    """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
-    where the project's kernel takes the shape), check each row count's plans on the model's decode
-    forward (``forward_checked``), and install them (``fastpath.install``); returns them by shape. A no-op unless the
-    active policy calibrates. With ``store`` (``workers.kernels.plan_store``) the plans are timed once per
-    machine and kept there, so every process serving the model runs the same kernels; timing costs
-    seconds on a GPU. ``report`` (when timed here) gets the forward check's milliseconds, which the
-    store also keeps beside the plans (``plan_store.keep_check``)."""
-    n = fastpath.active().calibrate_rows
-    if not n:
-        return {}
-    qmv_rows.register_siblings(model)  # siblings all planned to the kernel share its calls
-    projections = fastpath._projections(model)
-    first = {shape: m for m, shape in reversed(projections)}
-    shapes = sorted(first)
-    report = {} if report is None else report
+    """Plan every distinct projection shape of ``model``, check the plans on its decode forward and
+    install them, all before returning (``plan_units.calibrate``, which builds on this module's
+    timings; ``plan_units.calibration_steps`` is the same work in units)."""
+    from workers.kernels import plan_units
 
-    def timed() -> dict[str, dict[int, int]]:
-        plans = {shape: time_plan(first[shape], n) for shape in shapes}
-        if not decodes(model):
-            return plans
-        kernel_shapes = {shape for shape in shapes if 1 in plans[shape]}  # one row is timed where the kernel takes it
-        mma_shapes = {shape for shape in shapes if w4a16.takes(first[shape])}
-        checked = {shape: dict(plan) for shape, plan in plans.items()}
+    return plan_units.calibrate(model, store, report)
+
+
+def drive(steps: Generator[str, None, Any]) -> Any:
+    """Run a step generator to its end and return its value."""
+    while True:
         try:
-            return forward_checked(model, checked, kernel_shapes, n, report, mma_shapes)
-        except Exception:  # a model whose decode forward this check cannot run keeps the per-shape plans
-            log.warning("kernel plans: the whole-forward check failed; keeping the per-shape plans", exc_info=True)
-            return plans
-
-    tic = time.perf_counter()
-    mma = any(w4a16.takes(first[shape]) for shape in shapes)
-    large = fastpath.LARGE_ROWS if mma else ()
-    by_shape, stored = plan_store.load_or_time(store, shapes, n, fastpath.PADS, timed, qmv_rows.MAX_ROWS, large)
-    how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
-    log.info("kernel plans for %d projection shapes %s", len(shapes), how)
-    if not stored and store is not None and report:
-        plan_store.keep_check(store, shapes, n, fastpath.PADS, report, large)
-    fastpath.install(model, by_shape)
-    tic = time.perf_counter()
-    rows = warm_kernel(model, by_shape)
-    if rows:
-        log.info("kernel plans: the project's kernel run at %s rows in %.1f s", rows, time.perf_counter() - tic)
-    return by_shape
-
-
-def warm_kernel(model: nn.Module, plans: Plans) -> list[int]:
-    """One decode forward at every row count that ``plans`` send to the project's kernel; returns
-    those row counts.
-
-    Why: the kernel checks each layer shape (or sibling group) against MLX's one-row call and is
-    compiled at its first call, seconds on a GPU. Plans read from the store skip the timing that
-    would otherwise have made those calls, and a daemon then paid them inside the first request
-    whose batch reached such a row count (as sequences end, a batch shrinks through them)."""
-    rows = sorted({r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL})
-    if not rows or not decodes(model):
-        return []
-    for r in rows:
-        cache = make_prompt_cache(model)
-        mx.eval(model(mx.zeros((r, 2), dtype=mx.int32), cache=cache))
-        mx.eval(model(mx.zeros((r, 1), dtype=mx.int32), cache=cache))
-    return rows
+            next(steps)
+        except StopIteration as done:
+            return done.value
