@@ -80,7 +80,7 @@ from scheduler.bench.prefix import run_prefix
 from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.rewrite import rewrite_prompts
 from scheduler.bench.spreads import rotated
-from scheduler.bench.startup import ready_line, restart, seconds_text, startup_meta, wait_idle_timed
+from scheduler.bench.startup import ready_line, restart, second_start_text, startup_line, startup_meta, wait_idle_timed
 from scheduler.bench.tables import write_b1_table, write_tables
 from scheduler.cli.demo import DEMO_PROMPTS
 from workers import envs
@@ -401,25 +401,13 @@ def _main(args: argparse.Namespace) -> int:
             min(8, args.tokens),
         )
         meta["restart"] = {"daemon": "daemon", **again}
-        progress(
-            f"bench: second start of 'daemon': ready {seconds_text(again['ready_s'])}, first token "
-            f"{seconds_text(again['first_token_s'])} after its spawn"
-        )
+        progress(f"bench: {second_start_text(again)} after its spawn")
     print(write_tables(samples, setup, meta, out, counts, verdicts, runs, gates))
     if poisson is not None:
         print(f"Poisson arrivals on the '{poisson['daemon']}' daemon:")
         print(write_poisson(poisson, meta, out))
     if probe_seconds:
         print("probe time: " + ", ".join(f"{k}: {v:.2f}s" for k, v in probe_seconds.items()))
-    starts = ", ".join(
-        f"{k}: ready {seconds_text(v['ready_s'])}, idle {seconds_text(v['idle_s'])}" for k, v in meta["startup"].items()
-    )
-    if "restart" in meta:
-        r = meta["restart"]
-        starts += (
-            f"; second start of daemon: ready {seconds_text(r['ready_s'])}, "
-            f"first token {seconds_text(r['first_token_s'])}"
-        )
-    print(f"start-up (from spawn): {starts}")
+    print(startup_line(meta))
     print(f"results in {out.resolve()}", flush=True)
     return 0

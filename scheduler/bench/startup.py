@@ -98,3 +98,21 @@ def startup_markdown(meta: dict[str, Any]) -> str:
             "its first token is one short request's, sent as soon as it answered ready."
         )
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def second_start_text(again: dict[str, Any]) -> str:
+    """The daemon arm's second start, in words."""
+    return (
+        f"second start of 'daemon': ready {seconds_text(again['ready_s'])}, "
+        f"first token {seconds_text(again['first_token_s'])}"
+    )
+
+
+def startup_line(meta: dict[str, Any]) -> str:
+    """Every daemon's start (spawn to ready, to idle) and the second start where measured, one line."""
+    starts = ", ".join(
+        f"{k}: ready {seconds_text(v['ready_s'])}, idle {seconds_text(v['idle_s'])}" for k, v in meta["startup"].items()
+    )
+    if "restart" in meta:
+        starts += "; " + second_start_text(meta["restart"])
+    return f"start-up (from spawn): {starts}"
