@@ -19,6 +19,7 @@ from tests.helpers.engine_thread import EngineThreadRun
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers.api import EngineSettings, Finished, Job, Signal
+from workers.engine import loop
 from workers.engine.engine import Engine
 from workers.engine.startup import configure_prefix_cache, start_probe
 from workers.kernels import fastpath, plan_timing, plan_units
@@ -189,3 +190,25 @@ def test_a_request_is_served_between_units_before_the_calibration_ends(
     at_finish = recorded.at_finish[1]
     assert at_finish["status"] in ("pending", "running") and at_finish["units"] < end["units"]
     assert plans and len(calls) > 1
+
+
+def test_a_busy_engine_still_finishes_its_calibration_within_its_share(
+    cache: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine busy from before its first unit to after its last: the calibration ends while the
+    request still runs (the pieces before the probe take a share of a busy engine's time)."""
+    submitted = threading.Event()
+    real = plan_timing.time_plan
+
+    def held(m: Any, n: int) -> dict[int, int]:
+        assert submitted.wait(30)
+        return real(m, n)
+
+    monkeypatch.setattr(plan_timing, "time_plan", held)
+    monkeypatch.setattr(loop, "START_UP_SHARE", 1.0)  # a unit every few steps: a short request suffices
+    recorded = Recorded(tiny_model, admit_idle_window_s=0.0)
+    with recorded as t:
+        t.engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=600))
+        submitted.set()
+        assert len(t.until_finished(1)) == 600
+    assert recorded.at_finish[1]["status"] == "done", recorded.at_finish[1]

@@ -73,6 +73,10 @@ from workers.models import LoadedModel, ModelError
 
 log = logging.getLogger("mlx_batchd.engine")
 
+#: The most of a busy engine's time the start-up pieces before the probe may take (their units run
+#: between steps, so a unit delays the batch's next token by its length).
+START_UP_SHARE = 0.1
+
 
 def release_thread_streams() -> None:
     """Wait for this thread's MLX work and destroy its streams (call last on a thread that used MLX)."""
@@ -117,6 +121,11 @@ class EngineThread(Ranks):
         self._digest = b""
         #: When the iteration in progress began (``None`` while rank 0 waits for commands).
         self._busy_since: float | None = None
+        #: Start-up pieces (kernel plans, the prefix check) run while the engine is busy too, at most
+        #: ``START_UP_SHARE`` of its time: when the engine first had work with pieces pending, and
+        #: the seconds of the units run since then while it had work.
+        self._start_up_since: float | None = None
+        self._start_up_spent = 0.0
         #: Iterations of the loop, and the seconds its ``emit`` calls took (``loop_snapshot``).
         self._iterations = 0
         self._emit_seconds = 0.0
@@ -267,6 +276,8 @@ class EngineThread(Ranks):
                 break
         gate = engine.runner.gate(time.perf_counter())
         decisions: dict[str, Any] = {"gate": [gate.refusal, gate.stop]}
+        if self._start_up_due(engine):
+            decisions["start_up"] = True
         if stop:
             decisions["stop"] = stop
         distributed = self.world.distributed
@@ -305,12 +316,28 @@ class EngineThread(Ranks):
             if self.world.distributed:
                 self._note(events)
         # Start-up work (kernel plans, the prefix cache's check, then the probe) runs a unit at a
-        # time, only while the engine is idle, so serving never waits for it (a request arriving
-        # mid-unit waits for that one unit at most).
+        # time while the engine is idle (a request arriving mid-unit waits for that one unit at
+        # most), and the pieces before the probe also while it is busy, within their share.
         if engine.starting and not engine.has_work and not self._admission.held:
             self._cache_dirty = True
             engine.start_up_step()
+        elif plan.decisions.get("start_up") and engine.background.pending:
+            tic = time.monotonic()
+            engine.background.step()
+            self._start_up_spent += time.monotonic() - tic
         return False
+
+    def _start_up_due(self, engine: Engine) -> bool:
+        """Whether a busy iteration also runs a start-up piece's unit: so that a daemon busy from its
+        start still gets its kernel plans and prefix cache, at most ``START_UP_SHARE`` of the engine's
+        time from when it first had work with pieces pending. The probe stays idle-only: its bursts
+        serve a lone sequence."""
+        if not (engine.background.pending and engine.has_work):
+            return False
+        now = time.monotonic()
+        if self._start_up_since is None:
+            self._start_up_since = now
+        return self._start_up_spent < START_UP_SHARE * (now - self._start_up_since)
 
     def _release_cache(self) -> None:
         """Give MLX's cached buffers back while nothing runs. They are the engine's own peak, kept
