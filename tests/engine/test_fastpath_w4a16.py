@@ -19,7 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.helpers.fastpath import policy as policy
 from tests.reference import load_measured
-from workers.kernels import fastpath, plan_store, plan_timing, w4a16
+from workers.engine.engine import Engine
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units, w4a16
+from workers.models import cache_dir
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
@@ -184,3 +186,35 @@ def test_stored_plans_keep_the_kernel_and_forged_values_are_refused(launches: li
     with pytest.raises(ValueError, match="one row planned to -2"):
         plan_store.valid({shapes[0]: {1: MMA, **{r: r for r in range(2, 5)}}}, shapes, 4, (8, 16), 0, large)
     assert plan_store.plan_key(shapes, 4, (8, 16), large) != plan_store.plan_key(shapes, 4, (8, 16))
+
+
+def test_stored_plans_are_warmed_between_steps_before_they_are_installed(
+    launches: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose plans are in the store serves with none installed while their kernels are
+    warmed a row count a unit (each compiles at its first call), then installs them."""
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fastpath, "LARGE_ROWS", (16, 32))  # fewer warm forwards: this CPU's are slow
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    model = _llama(tmp_path)
+    shapes = plan_units.shapes_of(model)
+    assert shapes is not None and shapes.large == fastpath.LARGE_ROWS
+    # In the store as a calibration would leave them: the kernel at 3-4 rows and every large count.
+    kernel = {2: 2, 3: MMA, 4: MMA, **dict.fromkeys(fastpath.LARGE_ROWS, MMA)}
+    flat = {r: r for r in (2, 3, 4, *fastpath.LARGE_ROWS)}
+    stored = {name: dict(kernel if "Quantized" in name else flat) for name in shapes.names}
+    shapes.load_or_time(cache_dir() / "kernel-plans", lambda: stored)
+    rows = plan_units.warm_rows(stored)
+    assert rows == [3, 4, *fastpath.LARGE_ROWS]
+
+    engine = Engine(model, eos_token_ids=(), vocab_size=256, calibration="background")
+    assert engine.starting and fastpath.installed(model) == {} and launches == []
+    warmed: list[int] = []
+    while engine.background.pending:
+        engine.background.step()
+        if engine.background.pending:  # between units: none installed
+            assert fastpath.installed(model) == {}
+        warmed += sorted({r for r, _ in launches})
+        launches.clear()
+    assert warmed == rows
+    assert fastpath.installed(model) == fastpath.plans_summary(stored) and engine.kernel_plans

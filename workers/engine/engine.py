@@ -49,7 +49,7 @@ from workers.engine.shared_prefill import SharedPrefill
 from workers.engine.spec.policy import Gate, emit_in_order
 from workers.engine.spec.runner import BurstRunner
 from workers.exact import CountedModel, PinLedger, Verdicts
-from workers.kernels import compiled_layers, fastpath, mlxlm, plan_units
+from workers.kernels import compiled_layers, fastpath, mlxlm, plan_timing, plan_units
 from workers.models import cache_dir
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -128,10 +128,14 @@ class Engine(Parking, Holdings, BatchStep):
         if calibration == "now":
             self.kernel_plans = fastpath.plans_summary(plan_units.calibrate(model, store))
             return
-        plans = plan_units.install_stored(model, store)
+        plans = plan_units.stored_plans(model, store)
         if plans is None:
             self.background.add("kernel plans", plan_units.calibration_steps(model, store), self._calibrated)
-        else:
+        elif plan_units.warm_rows(plans) and plan_timing.decodes(model):
+            # Their kernels compile (and the row kernel checks its shapes) between steps too.
+            self.background.add("kernel plans", plan_units.warming_steps(model, plans), self._calibrated)
+        elif plans:
+            fastpath.install(model, plans)
             self.kernel_plans = fastpath.plans_summary(plans)
 
     def _calibrated(self, plans: dict[str, dict[int, int]]) -> None:

@@ -4,7 +4,8 @@ A unit is one shape's timing, one row count's forward check or one row count's k
 ``calibrate`` runs them all before it returns (tests, benchmarks, ``mlx-batchd probe``); a daemon
 whose store holds no plans for the model serves at once with none installed (every projection as
 mlx-lm calls it: correct, slower on CUDA) and runs ``calibration_steps`` a unit at a time between
-its steps (``workers.engine.background``); ``install_stored`` installs stored plans at once.
+its steps (``workers.engine.background``); stored plans (``stored_plans``) are warmed the same way
+(``warming_steps``) before they are installed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +25,8 @@ from workers.kernels import fastpath, plan_store, plan_timing, qmv_rows, w4a16
 from workers.kernels.plan_timing import Plans
 
 log = logging.getLogger("mlx_batchd")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def calibrate(
     log.info("kernel plans for %d projection shapes %s", len(sh.first), how)
     if not stored and store is not None and report:
         plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large)
-    plan_timing.drive(_installed_steps(model, by_shape))
+    plan_timing.drive(warming_steps(model, by_shape))
     return by_shape
 
 
@@ -111,10 +114,9 @@ def _not_stored() -> Plans:
     raise _NotStored
 
 
-def install_stored(model: nn.Module, store: Path | None) -> Plans | None:
-    """The stored plans for ``model`` installed (their kernels warmed) and returned, ``{}`` where the
-    policy does not calibrate, or ``None`` where the store holds none: then ``calibration_steps``
-    times them (nothing is installed meanwhile: every projection runs as mlx-lm calls it)."""
+def stored_plans(model: nn.Module, store: Path | None) -> Plans | None:
+    """The plans the store holds for ``model`` (not installed), ``{}`` where the policy does not
+    calibrate, ``None`` where the store holds none (``calibration_steps`` then times them)."""
     sh = shapes_of(model)
     if sh is None:
         return {}
@@ -123,7 +125,14 @@ def install_stored(model: nn.Module, store: Path | None) -> Plans | None:
     except _NotStored:
         return None
     log.info("kernel plans for %d projection shapes read from the store", len(sh.first))
-    plan_timing.drive(_installed_steps(model, by_shape))
+    return by_shape
+
+
+def install_stored(model: nn.Module, store: Path | None) -> Plans | None:
+    """``stored_plans`` installed, their kernels warmed, before returning."""
+    by_shape = stored_plans(model, store)
+    if by_shape:
+        plan_timing.drive(warming_steps(model, by_shape))
     return by_shape
 
 
@@ -143,16 +152,16 @@ def calibration_steps(model: nn.Module, store: Path | None) -> Generator[str, No
         log.info("kernel plans: another process stored its plans meanwhile; those are installed")
     elif store is not None and report:
         plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large)
-    return (yield from _installed_steps(model, by_shape))
+    return (yield from warming_steps(model, by_shape))
 
 
-def _uninstalling(model: nn.Module, steps: Generator[str, None, Plans]) -> Generator[str, None, Plans]:
+def _uninstalling(model: nn.Module, steps: Generator[str, None, T]) -> Generator[str, None, T]:
     """``steps``, with ``model``'s plans removed after each unit (and after a failed one)."""
     while True:
         try:
             label = next(steps)
         except StopIteration as done:
-            result: Plans = done.value
+            result: T = done.value
             break
         finally:
             uninstall(model)
@@ -167,31 +176,39 @@ def uninstall(model: nn.Module) -> None:
         fastpath._forget(id(m))
 
 
-def _installed_steps(model: nn.Module, by_shape: Plans) -> Generator[str, None, Plans]:
-    """Install ``by_shape`` on ``model`` and warm the project's kernel at its row counts
-    (``warm_kernel_steps``); returns ``by_shape``."""
-    fastpath.install(model, by_shape)
+def warm_rows(plans: Plans) -> list[int]:
+    """The row counts ``plans`` send to a project kernel (``KERNEL`` or ``MMA``): each compiles at
+    its first call (and the row kernel checks each layer shape against MLX's one-row call)."""
+    return sorted({r for plan in plans.values() for r, to in plan.items() if to in (fastpath.KERNEL, fastpath.MMA)})
+
+
+def warming_steps(model: nn.Module, by_shape: Plans) -> Generator[str, None, Plans]:
+    """``by_shape``'s kernels warmed a row count a unit (``warm_kernel_steps``), the plans installed
+    for each unit only (between units every projection runs as mlx-lm calls it, so no request pays a
+    compile), then installed for good; returns ``by_shape``."""
     tic = time.perf_counter()
-    rows = yield from warm_kernel_steps(model, by_shape)
+    rows = yield from _uninstalling(model, warm_kernel_steps(model, by_shape))
     if rows:
-        log.info("kernel plans: the project's kernel run at %s rows in %.1f s", rows, time.perf_counter() - tic)
+        log.info("kernel plans: the project's kernels run at %s rows in %.1f s", rows, time.perf_counter() - tic)
+    fastpath.install(model, by_shape)
     return by_shape
 
 
 def warm_kernel_steps(model: nn.Module, plans: Plans) -> Generator[str, None, list[int]]:
-    """One decode forward at every row count that ``plans`` send to the project's kernel, a unit
-    each; returns those row counts.
+    """One decode forward, with ``plans`` installed, at every row count they send to a project kernel
+    (``warm_rows``), a unit each; returns those row counts.
 
-    Why: the kernel checks each layer shape (or sibling group) against MLX's one-row call and is
-    compiled at its first call, seconds on a GPU. Plans read from the store skip the timing that
-    would otherwise have made those calls, and a daemon then paid them inside the first request
-    whose batch reached such a row count (as sequences end, a batch shrinks through them)."""
-    rows = sorted({r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL})
+    Why: the row kernel checks each layer shape (or sibling group) against MLX's one-row call, and
+    each kernel compiles at its first call, seconds on a GPU. Plans read from the store skip the
+    timing that would otherwise have made those calls, and a daemon then paid them inside the first
+    request whose batch reached such a row count."""
+    rows = warm_rows(plans)
     if not rows or not plan_timing.decodes(model):
         return []
     for r in rows:
+        fastpath.install(model, plans)
         cache = make_prompt_cache(model)
         mx.eval(model(mx.zeros((r, 2), dtype=mx.int32), cache=cache))
         mx.eval(model(mx.zeros((r, 1), dtype=mx.int32), cache=cache))
-        yield f"kernel warmed at {r} rows"
+        yield f"kernels warmed at {r} rows"
     return rows
