@@ -14,8 +14,8 @@ import mlx.core as mx
 def load_reference(path: str) -> tuple[Any, Any]:
     from mlx_lm import load
 
-    model, tokenizer = load(path)
-    return model, tokenizer
+    loaded = load(path)
+    return loaded[0], loaded[1]
 
 
 def reference_steps(path: Path, prompt: list[int], max_tokens: int) -> Iterator[tuple[int, mx.array]]:
@@ -34,7 +34,7 @@ def reference_steps(path: Path, prompt: list[int], max_tokens: int) -> Iterator[
 def greedy_reference(path: Path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Token ids and their logprobs from ``mlx_lm.generate.generate_step``, stopping at EOS."""
     steps = list(reference_steps(path, prompt, max_tokens))
-    return [t for t, _ in steps], [row[t].item() for t, row in steps]
+    return [t for t, _ in steps], [float(row[t].item()) for t, row in steps]  # type: ignore[arg-type]
 
 
 def load_measured(path: Path) -> Any:
