@@ -36,7 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from workers.api import Job
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, install, plan_timing
+from workers.kernels import fastpath, install, plan_units
 from workers.models.loading import load
 
 CONTEXT = 64
@@ -135,7 +135,7 @@ def main() -> None:
     model = loaded.model
     fastpath.set_active(fastpath.CUDA if fastpath.detect() is fastpath.CUDA else fastpath.GENERIC)
     check: dict[int, dict[str, Any]] = {}
-    plans = fastpath.plans_summary(plan_timing.calibrate(model, report=check))
+    plans = fastpath.plans_summary(plan_units.calibrate(model, report=check))
     report: dict[str, Any] = {"plans": plans, "forward_check": check, "by_batch": {}}
     policies: dict[str, Callable[[], None]] = {
         "off": lambda: fastpath.set_active(fastpath.OFF),

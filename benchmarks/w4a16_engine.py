@@ -25,7 +25,7 @@ from workers import envs
 from workers.api import EngineSettings, Job, Tokens
 from workers.engine.engine import Engine
 from workers.engine.startup import buffer_cache_limit
-from workers.kernels import fastpath, plan_timing
+from workers.kernels import fastpath, plan_units
 from workers.kernels.backend import configure_attention
 from workers.models import cache_dir
 from workers.models.loading import load
@@ -36,7 +36,7 @@ ARMS = {"mlx": "0", "w4a16": "1"}
 def engine_for(model: Any, vocab: int, batch: int, switch: str) -> Engine:
     """An engine on ``model`` with the plans calibrated under ``MLX_BATCHD_W4A16=switch``."""
     os.environ[envs.W4A16.name] = switch
-    plan_timing.calibrate(model, cache_dir() / "kernel-plans")
+    plan_units.calibrate(model, cache_dir() / "kernel-plans")
     return Engine(model, eos_token_ids=(), vocab_size=vocab, max_batch=max(batch, 32))
 
 

@@ -44,14 +44,14 @@ def run(args: argparse.Namespace) -> int:
     from workers.exact.probe import drive
     from workers.exact.report import iter_table, ladder_line, narrowed_widths, pin_cost_line
     from workers.exact.setup import probe_setup
-    from workers.kernels import compiled_layers, plan_timing
+    from workers.kernels import compiled_layers, plan_units
     from workers.models.demo import cache_dir
     from workers.models.loading import load
 
     loaded = load(args.model)
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
     # so they are part of the verdict's fingerprint and of what the probe measures.
-    plan_timing.calibrate(loaded.model, cache_dir() / "kernel-plans")
+    plan_units.calibrate(loaded.model, cache_dir() / "kernel-plans")
     # Classic decode as serving runs it (compiled where the policy compiles it): the same chain,
     # the same fingerprint, so the verdict stored here is the one a daemon reads.
     compiled_layers.install(loaded.model)

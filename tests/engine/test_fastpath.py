@@ -15,7 +15,7 @@ from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers import kernels
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, plan_timing
+from workers.kernels import fastpath, plan_timing, plan_units
 
 
 def test_project_flattens_batched_rows_and_leaves_one_row_alone(policy: None) -> None:
@@ -63,7 +63,7 @@ def test_a_plan_pads_rows_or_leaves_the_call_and_returns_only_the_real_rows(
 def test_calibrate_plans_every_projection_from_the_allowed_ways(policy: None) -> None:
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
     model = nn.Sequential(nn.Linear(16, 32), nn.QuantizedLinear(32, 64, bits=4, group_size=32))
-    plans = plan_timing.calibrate(model)
+    plans = plan_units.calibrate(model)
     assert len(plans) == 2
     for plan in plans.values():
         assert set(plan) == {2, 3, 4}

@@ -19,7 +19,7 @@ from tests.helpers.fastpath import policy as policy
 from tests.helpers.mirrored import one_row_launch
 from tests.reference import load_measured
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, plan_store, plan_timing, projections, qmv_rows
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units, projections, qmv_rows
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
@@ -72,7 +72,7 @@ def test_calibration_plans_the_kernel_where_it_is_cheapest_and_only_on_layers_it
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
     model = nn.Sequential(nn.Linear(256, 256), q)
-    plans = plan_timing.calibrate(model)
+    plans = plan_units.calibrate(model)
     kernel_plan = plans["QuantizedLinear(64, 32)/4"]
     # One row and up to the kernel's rows: the kernel; beyond them the cheapest of MLX's ways.
     assert {r: t for r, t in kernel_plan.items() if r <= qmv_rows.MAX_ROWS} == dict.fromkeys(range(1, 9), -1)
@@ -95,7 +95,7 @@ def test_a_kernel_that_differs_from_mlx_is_never_planned(
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
     q = nn.QuantizedLinear(256, 64, bits=4, group_size=64)
     q.set_dtype(mx.bfloat16)
-    plans = plan_timing.calibrate(nn.Sequential(q))
+    plans = plan_units.calibrate(nn.Sequential(q))
     assert plans == {"QuantizedLinear(64, 32)/4": {2: 16, 3: 16, 4: 16}} and not fastpath.one_row
 
 
@@ -110,7 +110,7 @@ def test_batched_and_one_row_decode_through_the_kernel_keep_every_token(
     fastpath.set_active(fastpath.OFF)
     reference = _greedy(model, prompts)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
-    plan_timing.calibrate(model)
+    plan_units.calibrate(model)
     stand_in.clear()
     assert _greedy(model, prompts) == reference
     assert 1 in stand_in and any(1 < rows <= 8 for rows in stand_in)
@@ -140,7 +140,7 @@ def test_a_verdicts_pairing_names_the_kernel_plans_its_wide_forwards_ran_by(
     before = probe_setup(loaded, "none", store=False).pairing
     assert before["kernel_plans"] == {}
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    plan_timing.calibrate(loaded.model)
+    plan_units.calibrate(loaded.model)
     after = probe_setup(loaded, "none", store=False).pairing
     assert after["kernel_plans"] == fastpath.installed(loaded.model)
     assert after["kernel_plans"] and all(line.startswith("1:k 2:k") for line in after["kernel_plans"].values())
@@ -173,7 +173,7 @@ def test_plans_read_from_the_store_run_the_kernel_at_every_planned_row_count_at_
     reaches a row count planned to the kernel. Loading runs the kernel at every such row count."""
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
     store = tmp_path / "plans"
-    plans = plan_timing.calibrate(_model(tmp_path), store)
+    plans = plan_units.calibrate(_model(tmp_path), store)
     planned = {r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL}
     assert planned == set(range(1, 9))
     # the whole-forward check that chose them is kept beside them, each row count's candidates and choice
@@ -184,7 +184,7 @@ def test_plans_read_from_the_store_run_the_kernel_at_every_planned_row_count_at_
     qmv_rows._ready.clear()
     stand_in.clear()
     again = load_measured(write_model(tmp_path / "again", llama_config(quant_bits=4), seed=3))
-    assert plan_timing.calibrate(again, store) == plans
+    assert plan_units.calibrate(again, store) == plans
     assert qmv_rows._matches_mlx and all(qmv_rows._matches_mlx.values())
     assert planned <= set(stand_in)
 
@@ -200,7 +200,7 @@ def test_siblings_all_planned_to_the_kernel_share_one_call_in_batched_decode(
     fastpath.set_active(fastpath.OFF)
     reference = _greedy(model, prompts)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=8))
-    plans = plan_timing.calibrate(model)
+    plans = plan_units.calibrate(model)
     widths: list[tuple[int, int]] = []  # (rows, matrices) of each launch
     monkeypatch.setattr(qmv_rows, "_launch", one_row_launch(lambda x, mats: widths.append((x.shape[0], len(mats)))))
     assert _greedy(model, prompts) == reference

@@ -92,7 +92,7 @@ def test_calibration_plans_the_kernel_where_cheapest_and_times_the_large_row_cou
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=10))
     q = _q(256, 64)
     model = nn.Sequential(nn.Linear(256, 256), q)
-    plans = plan_timing.calibrate(model)
+    plans = plan_units.calibrate(model)
     q_plan = plans["QuantizedLinear(64, 32)/4"]
     assert q_plan == {r: MMA for r in (*range(2, 11), *fastpath.LARGE_ROWS)}
     assert set(plans["Linear(256, 256)/None"]) == set(range(2, 11))  # not quantized: no w4a16 rows
@@ -106,7 +106,7 @@ def test_flattened_is_kept_where_the_kernel_is_not_cheaper(
     monkeypatch.setattr(plan_timing, "_ms", lambda calls, *_: [1.0] * len(calls))
     monkeypatch.setattr(plan_timing, "forward_ms", _plans_kept)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    plans = plan_timing.calibrate(nn.Sequential(_q(256, 64)))
+    plans = plan_units.calibrate(nn.Sequential(_q(256, 64)))
     assert plans["QuantizedLinear(64, 32)/4"] == {r: r for r in (2, 3, 4, *fastpath.LARGE_ROWS)}
 
 

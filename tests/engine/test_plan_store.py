@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers.kernels import fastpath, plan_store, plan_timing, qmv_launch
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units, qmv_launch
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -26,7 +26,7 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     tmp_path: Path, policy: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
-    first = plan_timing.calibrate(_model(), tmp_path)
+    first = plan_units.calibrate(_model(), tmp_path)
     assert sorted(first) == SHAPES and len(list(tmp_path.glob("*.json"))) == 1
 
     def no_timing(m: nn.Module, n: int) -> dict[int, int]:
@@ -34,15 +34,15 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
 
     monkeypatch.setattr(plan_timing, "time_plan", no_timing)
     again = _model()
-    assert plan_timing.calibrate(again, tmp_path) == first
+    assert plan_units.calibrate(again, tmp_path) == first
     assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=5))
     with pytest.raises(AssertionError, match="timed again"):  # another row range is another key
-        plan_timing.calibrate(_model(), tmp_path)
+        plan_units.calibrate(_model(), tmp_path)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
     monkeypatch.setattr(qmv_launch, "PER_WARP", {4: 1})
     with pytest.raises(AssertionError, match="timed again"):  # the kernel launched otherwise: another key
-        plan_timing.calibrate(_model(), tmp_path)
+        plan_units.calibrate(_model(), tmp_path)
 
 
 @pytest.mark.parametrize(

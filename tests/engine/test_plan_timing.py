@@ -15,7 +15,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
-from workers.kernels import fastpath, plan_store, plan_timing
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units
 from workers.models.loading import load
 
 pytestmark = pytest.mark.usefixtures("policy")
@@ -92,7 +92,7 @@ def test_calibration_times_real_decode_forwards_under_each_candidate(tmp_path: P
     model = _tiny(tmp_path)
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=3))
     report: dict[int, dict[str, Any]] = {}
-    plans = plan_timing.calibrate(model, report=report)
+    plans = plan_units.calibrate(model, report=report)
     assert sorted(report) == [2, 3]
     for row in report.values():
         assert row["kept"] in row["ms"] and all(ms > 0 for ms in row["ms"].values())
@@ -155,7 +155,7 @@ def test_a_forward_check_that_fails_keeps_the_per_shape_plans(
         raise RuntimeError("stand-in: this forward cannot run here")
 
     monkeypatch.setattr(plan_timing, "forward_ms", fails)
-    plans = plan_timing.calibrate(model)
+    plans = plan_units.calibrate(model)
     assert all(plan == {2: 2, 3: 3} for plan in plans.values())
     assert fastpath.installed(model) == fastpath.plans_summary(plans)
     assert "whole-forward check failed" in caplog.text

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from workers.exact.probe import drive
+from workers.exact import drive
 from workers.kernels import as_int, merge_caches
 
 log = logging.getLogger("mlx_batchd.engine")

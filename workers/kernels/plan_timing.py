@@ -20,7 +20,6 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Generator
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -307,20 +306,6 @@ def forward_check_steps(
             }
         yield f"forward check, {rows} rows"
     return plans
-
-
-# --------------------------------------------------------------------------- calibrating a model
-
-
-def calibrate(
-    model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
-) -> dict[str, dict[int, int]]:
-    """Plan every distinct projection shape of ``model``, check the plans on its decode forward and
-    install them, all before returning (``plan_units.calibrate``, which builds on this module's
-    timings; ``plan_units.calibration_steps`` is the same work in units)."""
-    from workers.kernels import plan_units
-
-    return plan_units.calibrate(model, store, report)
 
 
 def drive(steps: Generator[str, None, Any]) -> Any:
