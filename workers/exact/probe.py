@@ -41,7 +41,7 @@ from workers.exact.pin_cost import pin_cost_steps, pinning_rungs
 from workers.exact.results import Verdict
 from workers.exact.verdict_store import VerdictStore, pairing_fingerprint
 from workers.exact.verify_warmup import warm_steps
-from workers.kernels import LAYOUT_STEP, PAD_ROWS, apply_widths, levels, widths_by_path
+from workers.kernels import LAYOUT_STEP, PAD_ROWS, apply_widths, drive, levels, widths_by_path
 
 #: The default policy: exact or declined, nothing pinned.
 _DEFAULT_POLICY = ProbePolicy()
@@ -147,14 +147,3 @@ def probe(
     force: bool = False,
 ) -> Verdict:
     return drive(probe_steps(model, make_cache, pairing, draws, k, store, policy, force), progress)
-
-
-def drive(steps: Generator[str, None, Any], progress: Callable[[str], None] | None = None) -> Any:
-    """Run a step generator to its end and return its value."""
-    while True:
-        try:
-            label = next(steps)
-        except StopIteration as done:
-            return done.value
-        if progress is not None:
-            progress(label)

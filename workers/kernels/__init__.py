@@ -74,6 +74,7 @@ from workers.kernels.patches import (
     install,
     stock,
 )
+from workers.kernels.plan_timing import drive
 from workers.kernels.projections import (
     PAD_ROWS,
     CapturedCall,
@@ -125,6 +126,7 @@ __all__ = [
     "continuation_bpe_class",
     "current_level",
     "detokenizer_prototype",
+    "drive",
     "every_width_one",
     "fastpath",
     "in_scoped_pin",

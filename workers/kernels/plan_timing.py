@@ -308,10 +308,13 @@ def forward_check_steps(
     return plans
 
 
-def drive(steps: Generator[str, None, Any]) -> Any:
-    """Run a step generator to its end and return its value."""
+def drive(steps: Generator[str, None, Any], progress: Callable[[str], None] | None = None) -> Any:
+    """Run a step generator (the calibration's, the probe's, a check's) to its end and return its
+    value; ``progress`` gets each step's label."""
     while True:
         try:
-            next(steps)
+            label = next(steps)
         except StopIteration as done:
             return done.value
+        if progress is not None:
+            progress(label)
