@@ -204,7 +204,7 @@ def test_stored_plans_are_warmed_between_steps_before_they_are_installed(
     flat = {r: r for r in (2, 3, 4, *fastpath.LARGE_ROWS)}
     stored = {name: dict(kernel if "Quantized" in name else flat) for name in shapes.names}
     shapes.load_or_time(cache_dir() / "kernel-plans", lambda: stored)
-    rows = plan_units.warm_rows(stored)
+    rows = plan_units.warm_rows(model, stored)
     assert rows == [3, 4, *fastpath.LARGE_ROWS]
 
     engine = Engine(model, eos_token_ids=(), vocab_size=256, calibration="background")

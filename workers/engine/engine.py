@@ -49,7 +49,7 @@ from workers.engine.shared_prefill import SharedPrefill
 from workers.engine.spec.policy import Gate, emit_in_order
 from workers.engine.spec.runner import BurstRunner
 from workers.exact import CountedModel, PinLedger, Verdicts
-from workers.kernels import compiled_layers, fastpath, mlxlm, plan_timing, plan_units
+from workers.kernels import compiled_layers, fastpath, mlxlm, plan_units
 from workers.models import cache_dir
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -131,7 +131,7 @@ class Engine(Parking, Holdings, BatchStep):
         plans = plan_units.stored_plans(model, store)
         if plans is None:
             self.background.add("kernel plans", plan_units.calibration_steps(model, store), self._calibrated)
-        elif plan_units.warm_rows(plans) and plan_timing.decodes(model):
+        elif plan_units.warm_rows(model, plans):
             # Their kernels compile (and the row kernel checks its shapes) between steps too.
             self.background.add("kernel plans", plan_units.warming_steps(model, plans), self._calibrated)
         elif plans:

@@ -176,9 +176,12 @@ def uninstall(model: nn.Module) -> None:
         fastpath._forget(id(m))
 
 
-def warm_rows(plans: Plans) -> list[int]:
-    """The row counts ``plans`` send to a project kernel (``KERNEL`` or ``MMA``): each compiles at
-    its first call (and the row kernel checks each layer shape against MLX's one-row call)."""
+def warm_rows(model: nn.Module, plans: Plans) -> list[int]:
+    """The row counts ``plans`` send to a project kernel (``KERNEL`` or ``MMA``) on a ``model`` whose
+    decode forward can warm them: each kernel compiles at its first call (and the row kernel checks
+    each layer shape against MLX's one-row call)."""
+    if not plan_timing.decodes(model):
+        return []
     return sorted({r for plan in plans.values() for r, to in plan.items() if to in (fastpath.KERNEL, fastpath.MMA)})
 
 
@@ -199,12 +202,10 @@ def warm_kernel_steps(model: nn.Module, plans: Plans) -> Generator[str, None, li
     (``warm_rows``), a unit each; returns those row counts.
 
     Why: the row kernel checks each layer shape (or sibling group) against MLX's one-row call, and
-    each kernel compiles at its first call, seconds on a GPU. Plans read from the store skip the
+    each kernel compiles at its first call. Plans read from the store skip the
     timing that would otherwise have made those calls, and a daemon then paid them inside the first
     request whose batch reached such a row count."""
-    rows = warm_rows(plans)
-    if not rows or not plan_timing.decodes(model):
-        return []
+    rows = warm_rows(model, plans)
     for r in rows:
         fastpath.install(model, plans)
         cache = make_prompt_cache(model)
