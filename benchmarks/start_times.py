@@ -7,26 +7,13 @@ done). Point ``MLX_BATCHD_CACHE`` at an empty folder for a first start as on a f
 
 import sys
 import tempfile
-import time
 
-from clients.sync import Client
-from scheduler.bench.arms import _idle
-from scheduler.spawn import DaemonProcess
+from scheduler.bench.startup import restart
 
-model = sys.argv[1]
-extra = sys.argv[2:]
+model, extra = sys.argv[1], sys.argv[2:]
 for start in ("first", "second"):
-    sock = f"ipc://{tempfile.mkdtemp()}/d.sock"
-    with DaemonProcess(model, sock, *extra) as proc:
-        proc.wait_ready(timeout=900)
-        ready = proc.ready_seconds
-        with Client(proc.address, timeout=600) as c:
-            c.generate("Hello", max_tokens=1)
-            first = time.monotonic() - proc.spawned_at
-            while not _idle(c.stats()["engine"]):
-                time.sleep(0.2)
-            idle = time.monotonic() - proc.spawned_at
-            su = c.stats()["engine"].get("start_up")
+    # One token on a short prompt of small ids (in every vocabulary), sent as soon as health says ready.
+    t = restart(model, f"ipc://{tempfile.mkdtemp()}/d.sock", extra, None, [1, 2, 3, 4], 1)
     print(
-        f"{start} start: ready {ready:.1f} s, first token {first:.1f} s, idle {idle:.1f} s; start_up {su}", flush=True
+        f"{start} start: ready {t['ready_s']:.1f} s, first token {t['first_token_s']:.1f} s, idle {t['idle_s']:.1f} s"
     )
