@@ -20,27 +20,32 @@ from mlx_lm.models.cache import make_prompt_cache
 from tests.helpers.fastpath import policy as policy
 from tests.reference import load_measured
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, plan_store, plan_timing, plan_units, w4a16
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units, w4a16, w4a16_source
 from workers.models import cache_dir
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
 
 MMA = fastpath.MMA
+#: The plan of each launch the stand-in saw (``launches``).
+tiles_launched: list[w4a16.Plan] = []
 
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
-    """Stand-in for the CUDA launch; yields the (rows, outputs) of each launch."""
+    """Stand-in for the CUDA launch; yields the (rows, outputs) of each launch (and records each
+    launch's plan in ``tiles_launched``)."""
     monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
     monkeypatch.setattr(w4a16, "_takes", {})
     monkeypatch.setattr(w4a16, "_weights", {})
     monkeypatch.setattr(fastpath, "_plans", {})
     monkeypatch.setattr(fastpath, "one_row", set())
     seen: list[tuple[int, int]] = []
+    tiles_launched.clear()
 
-    def stand_in(x: mx.array, w: w4a16.Native) -> mx.array:
+    def stand_in(x: mx.array, w: w4a16.Native, p: w4a16.Plan) -> mx.array:
         seen.append((x.shape[0], w.n))
+        tiles_launched.append(p)
         return (x @ mx.dequantize(w.w, w.scales, w.biases, w.group_size).T).astype(mx.bfloat16)
 
     monkeypatch.setattr(w4a16, "launch_seam", stand_in)
@@ -76,7 +81,7 @@ def test_the_kernel_is_off_without_cuda_and_when_switched_off(monkeypatch: pytes
     monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
     assert not w4a16.available()  # this machine has no CUDA
     assert not w4a16.takes(_q(256, 64))
-    monkeypatch.setattr(w4a16, "launch_seam", lambda x, w: x)
+    monkeypatch.setattr(w4a16, "launch_seam", lambda x, w, p: x)
     for on in ("1", ""):  # switched on, and the default
         monkeypatch.setenv("MLX_BATCHD_W4A16", on)
         assert w4a16.takes(_q(256, 64))
@@ -94,10 +99,30 @@ def test_calibration_plans_the_kernel_where_cheapest_and_times_the_large_row_cou
     model = nn.Sequential(nn.Linear(256, 256), q)
     plans = plan_units.calibrate(model)
     q_plan = plans["QuantizedLinear(64, 32)/4"]
-    assert q_plan == {r: MMA for r in (*range(2, 11), *fastpath.LARGE_ROWS)}
+    # Below TILE_ROWS the kernel is one way (its own tile); from there every tile is timed, the last cheapest.
+    last = MMA - (len(w4a16_source.TILES) - 1)
+    small = [r for r in (*range(2, 11), *fastpath.LARGE_ROWS) if r < w4a16_source.TILE_ROWS]
+    assert q_plan == {r: MMA if r in small else last for r in (*range(2, 11), *fastpath.LARGE_ROWS)}
     assert set(plans["Linear(256, 256)/None"]) == set(range(2, 11))  # not quantized: no w4a16 rows
     summary = fastpath.plans_summary(plans)["QuantizedLinear(64, 32)/4"]
-    assert summary.startswith("2:m 3:m ") and summary.endswith("256:m")
+    assert summary.startswith("2:m 3:m ") and summary.endswith(f"256:m{len(w4a16_source.TILES) - 1}")
+
+
+def test_a_plan_s_tile_reaches_the_launch(launches: list[Any], tmp_path: Path) -> None:
+    """Each plan value at or below ``MMA`` launches the kernel with its tile of ``TILES`` forced."""
+    fastpath.set_active(fastpath.CUDA)
+    model = _llama(tmp_path)
+    shapes = {shape for _, shape in fastpath._projections(model)}
+    for tile, want in enumerate(w4a16_source.TILES):
+        plans = {s: {r: (MMA - tile if "Quantized" in s else r) for r in range(2, 5)} for s in shapes}
+        fastpath.install(model, plans)
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((4, 2), dtype=mx.int32), cache=cache))
+        tiles_launched.clear()
+        mx.eval(model(mx.zeros((4, 1), dtype=mx.int32), cache=cache))
+        assert tiles_launched, tile
+        for p in tiles_launched:
+            assert p.mt == (want.mt or 1) and p.nb == (want.nb or 2) and p.reduce == want.reduce, (tile, p)
 
 
 def test_flattened_is_kept_where_the_kernel_is_not_cheaper(
@@ -118,6 +143,7 @@ def test_a_row_count_takes_the_plan_of_the_next_large_row_count_up() -> None:
     assert fastpath.lookup(plan, 129) == 129 and fastpath.lookup(plan, 1000) == 1000  # 256's, beyond too
     assert fastpath.lookup({2: 2, 32: MMA}, 17) == MMA and fastpath.lookup({2: 2, 32: MMA}, 900) == MMA
     assert fastpath.lookup({2: 2}, 300) == 300  # no large rows planned: flattened
+    assert fastpath.lookup({2: 2, 64: MMA - 1, 128: MMA - 3}, 100) == MMA - 3  # a tile's value carries over
 
 
 def _llama(tmp_path: Path) -> nn.Module:
@@ -183,6 +209,11 @@ def test_stored_plans_keep_the_kernel_and_forged_values_are_refused(launches: li
         plan_store.valid({shapes[0]: {**{r: MMA for r in range(2, 5)}}}, shapes, 4, (8, 16))
     with pytest.raises(ValueError, match="256 rows planned to 16"):  # a large row count padded down
         plan_store.valid({shapes[0]: {**{r: r for r in range(2, 5)}, 256: 16}}, shapes, 4, (8, 16), 0, large)
+    tiles = {r: MMA - (len(w4a16_source.TILES) - 1) for r in large}  # the last tile
+    assert plan_store.valid({shapes[0]: {2: 2, 3: 3, 4: 4, **tiles}}, shapes, 4, (8, 16), 0, large)
+    beyond = MMA - len(w4a16_source.TILES)
+    with pytest.raises(ValueError, match=f"256 rows planned to {beyond}"):  # no such tile
+        plan_store.valid({shapes[0]: {2: 2, 3: 3, 4: 4, **tiles, 256: beyond}}, shapes, 4, (8, 16), 0, large)
     with pytest.raises(ValueError, match="one row planned to -2"):
         plan_store.valid({shapes[0]: {1: MMA, **{r: r for r in range(2, 5)}}}, shapes, 4, (8, 16), 0, large)
     assert plan_store.plan_key(shapes, 4, (8, 16), large) != plan_store.plan_key(shapes, 4, (8, 16))

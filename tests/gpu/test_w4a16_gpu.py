@@ -20,7 +20,7 @@ import pytest
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, w4a16
+from workers.kernels import fastpath, w4a16, w4a16_source
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("policy")]
@@ -52,15 +52,16 @@ def _mean_abs(a: mx.array) -> float:
     return float(mx.mean(mx.abs(a)).item())  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name,n,k,gs", SHAPES, ids=[s[0] for s in SHAPES])
-def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str, n: int, k: int, gs: int) -> None:
+def _check_error(name: str, n: int, k: int, gs: int, rows: tuple[int, ...], tile: int = 0) -> None:
+    """The kernel with ``TILES[tile]`` against a float32 reference on ``rows`` rows: within the bf16
+    bound where MLX's own kernels are, and no worse on average."""
     q, s, b = _weights(n, k, gs, seed=n * 7 + k + gs)
     weight = w4a16.native(q, s, b, gs)
     wbf = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.bfloat16)
-    for m in ROWS if n < 100000 else (16, 128):
+    for m in rows:
         x = (mx.random.normal((m, k), key=mx.random.key(m + n)) * 0.5).astype(mx.bfloat16)
         ref = x.astype(mx.float32) @ wbf.astype(mx.float32).T
-        got = w4a16.native_matmul(x, weight).astype(mx.float32)
+        got = w4a16.native_matmul(x, weight, w4a16.tile_plan(m, n, k, tile)).astype(mx.float32)
         theirs = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=4).astype(mx.float32)
         dense = (x @ wbf.T).astype(mx.float32)
         magnitude = mx.abs(x.astype(mx.float32)) @ mx.abs(wbf.astype(mx.float32)).T
@@ -71,12 +72,27 @@ def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str
         qw = float(mx.max(mx.abs(theirs - ref) / bound).item())  # type: ignore[arg-type]
         dw = float(mx.max(mx.abs(dense - ref) / bound).item())  # type: ignore[arg-type]
         print(
-            f"{name} rows {m}: worst error / bound {worst:.3f} (MLX qmm {qw:.3f}, bf16 dense {dw:.3f}), "
+            f"{name} tile {tile} rows {m}: worst error / bound {worst:.3f} (MLX qmm {qw:.3f}, bf16 dense {dw:.3f}), "
             f"mean error {mean:.3g} (qmm {_mean_abs(theirs - ref):.3g}, dense {_mean_abs(dense - ref):.3g})"
         )
         assert mx.all(mx.isfinite(got)).item(), (name, m)
         assert worst <= max(1.0, 1.25 * max(qw, dw)), (name, m, worst, qw, dw)  # MLX's own pass 1.7 at K = 576
         assert mean <= 1.5 * theirs_mean, (name, m, mean, theirs_mean)
+
+
+@pytest.mark.parametrize("name,n,k,gs", SHAPES, ids=[s[0] for s in SHAPES])
+def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str, n: int, k: int, gs: int) -> None:
+    _check_error(name, n, k, gs, ROWS if n < 100000 else (16, 128))
+
+
+TILE_SHAPES = [s for s in SHAPES if s[1] < 100000 and (s[0].startswith("8b") or s[3] == 32)]
+
+
+@pytest.mark.parametrize("tile", range(1, len(w4a16_source.TILES)))
+@pytest.mark.parametrize("name,n,k,gs", TILE_SHAPES, ids=[s[0] for s in TILE_SHAPES])
+def test_every_calibrated_tile_is_within_the_same_bound(name: str, n: int, k: int, gs: int, tile: int) -> None:
+    """The other tiles the calibration may choose (``w4a16_source.TILES``) at the row counts it times them."""
+    _check_error(name, n, k, gs, (w4a16_source.TILE_ROWS, 100, 128, 256), tile)
 
 
 @pytest.mark.parametrize("gs", [32, 64, 128])

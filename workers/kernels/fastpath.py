@@ -121,6 +121,14 @@ KERNEL = -1
 #: token a sequence), 4-bit projections on MLX CUDA, where MLX's quantized matmul at 16-256 rows
 #: fills few SMs.
 MMA = -2
+
+
+def tile(to: int) -> int | None:
+    """The w4a16 tile (an index of ``w4a16.TILES``) a plan value sends rows to: ``MMA`` is tile 0,
+    ``MMA - i`` tile ``i``; ``None`` for a value that is not the kernel."""
+    return MMA - to if to <= MMA else None
+
+
 #: Row counts above ``calibrate_rows`` timed for ``MMA``; a row count between them takes the plan of
 #: the next one up (the largest one's beyond it). Their plans are ``MMA`` or the row count (flattened).
 LARGE_ROWS = (32, 64, 128, 256)
@@ -130,6 +138,8 @@ one_row: set[int] = set()
 generation = 0
 
 RowKernel = Callable[[mx.array], "mx.array | None"]
+#: The w4a16 kernel on flattened rows with a tile (``tile``); ``None`` where it does not take them.
+TileKernel = Callable[[mx.array, int], "mx.array | None"]
 
 
 def lookup(plan: dict[int, int], rows: int) -> int:
@@ -142,7 +152,7 @@ def lookup(plan: dict[int, int], rows: int) -> int:
     if not large or rows == 1:  # a plan holds every other row count up to the calibrated ones
         return rows
     bucket = next((r for r in large if r >= rows), large[-1])
-    return MMA if plan[bucket] == MMA else rows
+    return plan[bucket] if tile(plan[bucket]) is not None else rows
 
 
 def project(
@@ -151,13 +161,13 @@ def project(
     rows: int,
     key: int = 0,
     kernel: RowKernel | None = None,
-    mma: RowKernel | None = None,
+    mma: TileKernel | None = None,
 ) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
     ``kernel`` computes flattened rows through the project's multi-row kernel (``None`` where that
     does not take them): used where the plan says ``KERNEL``. ``mma`` likewise through the w4a16
-    kernel where the plan says ``MMA`` and ``x`` is a decode step's (one token a sequence: a forward
+    kernel, with the plan's tile, where the plan says ``MMA`` or a value below and ``x`` is a decode step's (one token a sequence: a forward
     calls each projection once, which the kernel's per-weight counters need). A single row (classic
     B = 1 decode) is left exactly as mlx-lm calls it unless its plan is ``KERNEL``.
     """
@@ -165,9 +175,10 @@ def project(
         return call(x), rows
     plan = _plans.get(key)
     to = rows if plan is None else lookup(plan, rows)
-    if to == MMA:
+    mma_tile = tile(to)
+    if mma_tile is not None:
         decode = x.ndim == 3 and x.shape[1] == 1
-        out = mma(x.reshape(rows, x.shape[-1])) if mma is not None and decode else None
+        out = mma(x.reshape(rows, x.shape[-1]), mma_tile) if mma is not None and decode else None
         if out is not None:
             return out.reshape(*x.shape[:-1], out.shape[-1]), rows
         to = rows
@@ -260,11 +271,15 @@ def _forget(key: int) -> None:
 def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
     """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
     with the rows its kernel call runs on (``0``: as mlx-lm calls it; ``k``: the project's multi-row
-    kernel; ``m``: the w4a16 tensor-core kernel), e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:m"``."""
-    names = {KERNEL: "k", MMA: "m"}
+    kernel; ``m``: the w4a16 tensor-core kernel, ``m1``, ``m2``...: with that tile of ``w4a16.TILES``),
+    e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:m1"``."""
+
+    def name(to: int) -> str:
+        t = tile(to)
+        return "k" if to == KERNEL else str(to) if t is None else f"m{t or ''}"
+
     return {
-        shape: " ".join(f"{rows}:{names.get(to, to)}" for rows, to in sorted(plan.items()))
-        for shape, plan in by_shape.items()
+        shape: " ".join(f"{rows}:{name(to)}" for rows, to in sorted(plan.items())) for shape, plan in by_shape.items()
     }
 
 

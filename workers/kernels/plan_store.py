@@ -66,7 +66,7 @@ def valid(
     """``plans`` as read from a file, checked: every shape, every row count 2..max_rows (and perhaps
     one row and some of the ``large`` row counts), each planned to 0 (as called), to a call of at
     least its rows (itself or a pad size), to the project's kernel (``-1``, up to ``kernel_rows``
-    rows) or, with ``large``, to the w4a16 kernel (``-2``); one row only as called (1) or to the
+    rows) or, with ``large``, to the w4a16 kernel (``-2``, or below it for its other tiles); one row only as called (1) or to the
     kernel; a large row count only flattened or to the w4a16 kernel."""
     if not isinstance(plans, dict) or set(plans) != set(shapes):
         raise ValueError("the file holds plans for other shapes")
@@ -79,7 +79,7 @@ def valid(
             raise ValueError(f"{shape}: other row counts")
         for rows, to in parsed.items():
             kernel = to == -1 and rows <= kernel_rows
-            mma = to == -2 and bool(large) and rows > 1
+            mma = -1 - len(w4a16_source.TILES) <= to <= -2 and bool(large) and rows > 1
             if rows == 1 and not (to == 1 or kernel):
                 raise ValueError(f"{shape}: one row planned to {to}")
             if rows > max_rows and not (mma or to == rows):

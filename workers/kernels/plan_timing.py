@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers.kernels import fastpath, qmv_rows, w4a16
+from workers.kernels import fastpath, qmv_rows, w4a16, w4a16_source
 
 log = logging.getLogger("mlx_batchd")
 
@@ -97,6 +97,10 @@ def _kernel_way(kernel: fastpath.RowKernel) -> Way:
     return call
 
 
+def _tile_way(kernel: fastpath.TileKernel, tile: int) -> Way:
+    return _kernel_way(lambda x: kernel(x, tile))
+
+
 def row_kernel(m: nn.Module) -> fastpath.RowKernel | None:
     """The project's multi-row kernel on ``m`` where it takes it here (an affine-quantized layer on
     MLX CUDA, compiled and byte-equal to MLX's one-row call on this shape), else ``None``."""
@@ -111,16 +115,23 @@ def row_kernel(m: nn.Module) -> fastpath.RowKernel | None:
     return kernel if kernel(mx.zeros((1, d_in), dtype=m.scales.dtype)) is not None else None
 
 
-def mma_kernel(m: nn.Module) -> fastpath.RowKernel | None:
-    """The w4a16 tensor-core kernel on ``m`` where it takes it here (``w4a16.takes``), else ``None``."""
-    return (lambda x: w4a16.project(m, x)) if w4a16.takes(m) else None
+def mma_kernel(m: nn.Module) -> fastpath.TileKernel | None:
+    """The w4a16 tensor-core kernel on ``m`` (rows, tile) where it takes it here (``w4a16.takes``), else ``None``."""
+    return (lambda x, tile: w4a16.project(m, x, tile)) if w4a16.takes(m) else None
+
+
+def mma_ways(rows: int) -> list[int]:
+    """The plan values timed for the w4a16 kernel on ``rows`` rows: ``fastpath.MMA``, and from
+    ``w4a16_source.TILE_ROWS`` rows one more for each other tile of ``w4a16_source.TILES``."""
+    tiles = len(w4a16_source.TILES) if rows >= w4a16_source.TILE_ROWS else 1
+    return [fastpath.MMA - t for t in range(tiles)]
 
 
 def time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
     flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``,
-    ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or ``fastpath.MMA`` (where the w4a16
-    kernel takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it).
+    ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or the w4a16 kernel's tiles (``mma_ways``,
+    where it takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it).
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
     is timed as mlx-lm calls it against the row kernel only, where that takes ``m``."""
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
@@ -139,12 +150,12 @@ def time_plan(m: nn.Module, n: int) -> dict[int, int]:
         if kernel is not None and rows <= qmv_rows.MAX_ROWS:
             ways.append(fastpath.KERNEL)
         if mma is not None and rows > 1:
-            ways.append(fastpath.MMA)
+            ways += mma_ways(rows)
         calls = [
             _kernel_way(kernel)
             if to == fastpath.KERNEL and kernel is not None
-            else _kernel_way(mma)
-            if to == fastpath.MMA and mma is not None
+            else _tile_way(mma, tile)
+            if (tile := fastpath.tile(to)) is not None and mma is not None
             else _way(original, m, to)
             for to in ways
         ]

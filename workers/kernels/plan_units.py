@@ -177,12 +177,13 @@ def uninstall(model: nn.Module) -> None:
 
 
 def warm_rows(model: nn.Module, plans: Plans) -> list[int]:
-    """The row counts ``plans`` send to a project kernel (``KERNEL`` or ``MMA``) on a ``model`` whose
+    """The row counts ``plans`` send to a project kernel (``KERNEL``, ``MMA`` or an ``MMA`` tile) on a ``model`` whose
     decode forward can warm them: each kernel compiles at its first call (and the row kernel checks
     each layer shape against MLX's one-row call)."""
     if not plan_timing.decodes(model):
         return []
-    return sorted({r for plan in plans.values() for r, to in plan.items() if to in (fastpath.KERNEL, fastpath.MMA)})
+    kernels = (r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL or to <= fastpath.MMA)
+    return sorted(set(kernels))
 
 
 def warming_steps(model: nn.Module, by_shape: Plans) -> Generator[str, None, Plans]:

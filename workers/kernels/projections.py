@@ -195,7 +195,7 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 rows,
                 id(self),
                 lambda xs: qmv_rows.project(self, original, xs, source),
-                lambda xs: w4a16.project(self, xs),
+                lambda xs, tile: w4a16.project(self, xs, tile),
             )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):

@@ -7,8 +7,8 @@ it waits on each; this kernel dequantizes in registers (MLX's dequantize bit for
 ``mma.sync.m16n8k16`` bf16 with fp32 accumulators, splitting K across CTAs until the SMs are busy and
 adding the slices in a fixed order (deterministic). The CUDA text is ``w4a16_source``.
 
-Where it runs is a plan value (``fastpath.MMA``), chosen per projection shape and row count by
-``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
+Where it runs, and with which tile (``TILES``), is a plan value (``fastpath.MMA`` and the values below
+it), chosen per projection shape and row count by ``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
 kernel out of the plans. Its dequantization is one FMA a pair, as MLX CUDA's ``scale * q + bias``
 compiles, so its error matches MLX's own (``tests/gpu``). Batched decode makes no byte-identity
 promise; the exact levels never reach this kernel.
@@ -21,6 +21,7 @@ calls each projection once and steps follow one another.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -31,7 +32,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import envs
-from workers.kernels.w4a16_source import NATIVE_HEADER, NATIVE_INPUT_NAMES, NATIVE_SOURCE, OUTPUT_NAMES
+from workers.kernels.w4a16_source import (
+    NATIVE_HEADER,
+    NATIVE_INPUT_NAMES,
+    NATIVE_SOURCE,
+    OUTPUT_NAMES,
+    TILES,
+)
 
 #: Streaming multiprocessors assumed when MLX does not say (H100 SXM and H200: 132).
 DEFAULT_SMS = 132
@@ -116,6 +123,13 @@ def plan(
         fits = (st for st in (4, 3) if Plan(mt, nb, warps, 1, stages=st).native_shared_bytes() <= SHARED_LIMIT)
         stages = next(fits, 2)
     return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, max(2, stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def tile_plan(m: int, n: int, k: int, tile: int = 0) -> Plan:
+    """``plan`` for ``m`` rows on this device with ``TILES[tile]``'s fields forced."""
+    t = TILES[tile]
+    return plan(m, n, k, mt=t.mt, nb=t.nb, reduce=t.reduce, sm_count=sms())
 
 
 def check_shapes(n: int, k: int, group_size: int) -> None:
@@ -238,7 +252,7 @@ def launch(
         raise ValueError(f"w4a16: x has K={x.shape[1]}, the weight {k}")
     if m == 0:
         return mx.zeros((0, n), dtype=mx.bfloat16)
-    p = p or plan(m, n, k, sm_count=sms())
+    p = p or tile_plan(m, n, k)
     split = p.splits > 1
     reduce = split and p.reduce and p.tiles(m, n) <= locks.size
     out, ws = _kernel(kern, p, group_size, split, reduce)(
@@ -265,9 +279,9 @@ def native_matmul(x: mx.array, w: Native, p: Plan | None = None) -> mx.array:
 
 #: Per ``QuantizedLinear`` (by id): its weight as the kernel takes it, made at first use.
 _weights: dict[int, Native] = {}
-#: Test seam: when set, runs in place of the CUDA launch (``(x, weight) -> y``); the kernel cannot run
-#: on a machine without CUDA, so the routing around it is tested through this.
-launch_seam: Callable[[mx.array, Native], mx.array] | None = None
+#: Test seam: when set, runs in place of the CUDA launch (``(x, weight, plan) -> y``); the kernel cannot
+#: run on a machine without CUDA, so the routing around it is tested through this.
+launch_seam: Callable[[mx.array, Native, Plan], mx.array] | None = None
 
 
 def takes(m: nn.Module) -> bool:
@@ -300,9 +314,9 @@ def _weight(m: nn.QuantizedLinear) -> Native:
 _takes: dict[int, bool] = {}
 
 
-def project(m: nn.Module, x: mx.array) -> mx.array | None:
-    """``m(x)`` for flattened rows ``x`` [rows, K] through the kernel, or ``None`` where it does not
-    take ``m`` (``takes``); activations other than bf16 are cast to bf16 and back."""
+def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
+    """``m(x)`` for flattened rows ``x`` [rows, K] through the kernel with ``TILES[tile]``, or ``None``
+    where it does not take ``m`` (``takes``); activations other than bf16 are cast to bf16 and back."""
     ok = _takes.get(id(m))
     if ok is None:
         ok = _takes[id(m)] = takes(m)
@@ -312,7 +326,8 @@ def project(m: nn.Module, x: mx.array) -> mx.array | None:
     assert isinstance(m, nn.QuantizedLinear)
     w = _weight(m)
     xb = x if x.dtype == mx.bfloat16 else x.astype(mx.bfloat16)
-    y = native_matmul(xb, w) if launch_seam is None else launch_seam(xb, w)
+    p = tile_plan(x.shape[0], w.n, w.k, tile)
+    y = native_matmul(xb, w, p) if launch_seam is None else launch_seam(xb, w, p)
     if "bias" in m:
         y = y + m.bias
     return y if y.dtype == x.dtype else y.astype(x.dtype)

@@ -2,12 +2,14 @@
 
 ``HEADER`` holds the device helpers (the MMA, ``ldmatrix``, the bf16x2 dequantization that gives MLX's
 dequantize bit for bit, ``cp.async``); ``NATIVE_SOURCE`` the kernel body, reading MLX's packed 4-bit
-arrays as they are; ``EPILOGUE`` the C store and the deterministic split-K reduction.
+arrays as they are; ``EPILOGUE`` the C store and the deterministic split-K reduction; ``TILES`` the
+launch shapes the calibration times against each other.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 HEADER = r"""
 #undef FP_NAN
@@ -314,6 +316,23 @@ NATIVE_INPUT_NAMES = ["x", "w", "scales", "biases", "locks"]
 OUTPUT_NAMES = ["out", "ws"]
 
 
+class Tile(NamedTuple):
+    """Fields forced on ``w4a16.plan`` (``None``: the plan's own choice)."""
+
+    mt: int | None = None
+    nb: int | None = None
+    reduce: bool = True
+
+
+#: Tiles the calibration times against each other at ``TILE_ROWS`` rows and more: the fields each
+#: forces on ``w4a16.plan`` (the first is ``plan``'s own). A 128-row tile (``mt`` 8) dequantizes each
+#: weight once for twice the rows of a 64-row one; one 16-output block a warp (``nb`` 1) halves its
+#: registers; ``reduce`` off adds the K slices with an MLX sum instead of the tile's last CTA.
+TILES: tuple[Tile, ...] = (Tile(), Tile(mt=8), Tile(mt=8, nb=1), Tile(reduce=False), Tile(mt=8, reduce=False))
+#: Row counts from which the calibration times every tile in ``TILES`` (below it, ``plan``'s own).
+TILE_ROWS = 64
+
+
 def variant() -> str:
-    """A short hash of the kernel's text: stored plans that chose it are timed again when it changes."""
-    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE).encode()).hexdigest()[:16]
+    """A short hash of the kernel's text and tiles: stored plans that chose it are timed again when either changes."""
+    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE + repr(TILES)).encode()).hexdigest()[:16]
