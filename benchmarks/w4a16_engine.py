@@ -31,13 +31,17 @@ from workers.models import cache_dir
 from workers.models.loading import load
 
 ARMS = {"mlx": "0", "w4a16": "1"}
+#: Each arm's installed plans (``fastpath.plans_summary`` lines), for the record.
+PLANS: dict[str, dict[str, str]] = {}
 
 
 def engine_for(model: Any, vocab: int, batch: int, switch: str) -> Engine:
     """An engine on ``model`` with the plans calibrated under ``MLX_BATCHD_W4A16=switch``."""
     os.environ[envs.W4A16.name] = switch
     plan_units.calibrate(model, cache_dir() / "kernel-plans")
-    return Engine(model, eos_token_ids=(), vocab_size=vocab, max_batch=max(batch, 32))
+    engine = Engine(model, eos_token_ids=(), vocab_size=vocab, max_batch=max(batch, 32))
+    PLANS[switch] = engine.kernel_plans
+    return engine
 
 
 def decode_rate(engine: Engine, vocab: int, batch: int, tokens: int, prompt: int) -> float:
@@ -86,6 +90,9 @@ def main() -> None:
         results["rows"].append(row)
         spread = ", ".join(f"{n} {med[n]:.1f} tok/s ({min(v):.1f}-{max(v):.1f})" for n, v in rates.items())
         print(f"B={batch}: {spread}, w4a16 / mlx {row['ratio']:.3f}", flush=True)
+    results["plans"] = {name: PLANS.get(switch, {}) for name, switch in ARMS.items()}
+    for line in results["plans"]["w4a16"].items():
+        print("w4a16 plan", *line, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
