@@ -328,7 +328,14 @@ class Tile(NamedTuple):
 #: forces on ``w4a16.plan`` (the first is ``plan``'s own). A 128-row tile (``mt`` 8) dequantizes each
 #: weight once for twice the rows of a 64-row one; one 16-output block a warp (``nb`` 1) halves its
 #: registers; ``reduce`` off adds the K slices with an MLX sum instead of the tile's last CTA.
-TILES: tuple[Tile, ...] = (Tile(), Tile(mt=8), Tile(mt=8, nb=1), Tile(reduce=False), Tile(mt=8, reduce=False))
+TILES: tuple[Tile, ...] = (
+    Tile(),
+    Tile(mt=8),
+    Tile(mt=8, nb=1),
+    Tile(reduce=False),
+    Tile(mt=8, reduce=False),
+    Tile(mt=8, nb=1, reduce=False),
+)
 #: Row counts from which the calibration times every tile in ``TILES`` (below it, ``plan``'s own).
 TILE_ROWS = 64
 
