@@ -2,8 +2,8 @@
 calibration (``plan_units.calibration_steps``) and the prefix cache's check
 (``prefix_cache.check_steps``) where their results are not stored yet, and then the start of the probe.
 
-Each piece is a generator of units (one shape's timing, one row count's forward check, one check
-draw; each yields a label of what it did); the engine loop runs one unit at a time while the engine
+Each piece is a generator of units (one shape's timing, one row count's forward check, one
+forward of the prefix check; each yields a label of what it did); the engine loop runs one unit at a time while the engine
 is idle, as it runs the probe's draws (``workers.engine.loop``), so a request that arrives waits for
 one unit at most and a busy engine runs none. Pieces run in the order queued: the probe's pairing
 and the prefix check's stored result name the kernel plans installed, so they follow the calibration.

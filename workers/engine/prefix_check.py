@@ -1,6 +1,6 @@
 """The prefix cache's exactness check: is a suffix prefilled on a cached prefix the same bytes as one
-whole prefill on this model (``warm_vs_cold``, run once per pairing, a draw at a time between the
-engine's steps: ``warm_vs_cold_steps``), and its result stored per pairing (``CheckStore``) so a
+whole prefill on this model (``warm_vs_cold``, run once per pairing, a forward at a time between
+the engine's steps: ``warm_vs_cold_steps``), and its result stored per pairing (``CheckStore``) so a
 restart does not measure it again.
 
 Reuse is only as exact as the backend: a suffix prefilled on a cached prefix runs other row counts
@@ -99,30 +99,46 @@ def make_draws(prefill_step: int, window: int | None, context: int) -> list[Draw
     return [d for d in draws if d.prompt + DECODE_STEPS < context]
 
 
-def _feed(model: Any, cache: list[Any], tokens: list[int], step: int, singles: int) -> mx.array:
+def _feed(
+    model: Any, cache: list[Any], tokens: list[int], step: int, singles: int, what: str, last: bool = False
+) -> Generator[str, None, mx.array]:
     """Feed ``tokens`` as serving does: all but the last ``singles`` in chunks of ``step`` (prefill),
-    those one at a time (decode); returns the last forward's logits row."""
+    those one at a time (decode); returns the last forward's logits row. A unit a forward: each
+    forward's results are evaluated before the yield that ends its unit (``last``: none after the
+    last forward, the caller's unit goes on)."""
     split = len(tokens) - singles
-    for i in range(0, split, step):
+    starts = range(0, split, step)
+    count = len(starts) + len(tokens[split:])
+    done = 0
+    for i in starts:
         model(mx.array([tokens[i : min(i + step, split)]]), cache=cache)
         mx.eval([c.state for c in cache])
+        done += 1
+        if done < count or not last:
+            yield f"{what} forward {done}/{count}"
     logits = mx.array(0)
     for t in tokens[split:]:
         logits = model(mx.array([[t]]), cache=cache)[0, -1]
-        mx.eval(logits)
+        mx.eval(logits, [c.state for c in cache])
+        done += 1
+        if done < count or not last:
+            yield f"{what} forward {done}/{count}"
     return logits
 
 
 def _continue(
-    model: Any, cache: list[Any], first: mx.array, tokens: list[int] | None
-) -> tuple[list[mx.array], list[int]]:
-    """Greedy decode steps after ``first``: the rows and the tokens fed (``tokens`` when given)."""
+    model: Any, cache: list[Any], first: mx.array, tokens: list[int] | None, what: str, last: bool = False
+) -> Generator[str, None, tuple[list[mx.array], list[int]]]:
+    """Greedy decode steps after ``first``: the rows and the tokens fed (``tokens`` when given), a
+    unit a forward as ``_feed``'s."""
     rows, fed = [first], []
     for i in range(DECODE_STEPS):
         t = as_int(mx.argmax(rows[-1])) if tokens is None else tokens[i]
         fed.append(t)
         rows.append(model(mx.array([[t]]), cache=cache)[0, -1])
-        mx.eval(rows[-1])
+        mx.eval(rows[-1], [c.state for c in cache])
+        if i + 1 < DECODE_STEPS or not last:
+            yield f"{what} decode {i + 1}/{DECODE_STEPS}"
     return rows, fed
 
 
@@ -136,22 +152,35 @@ def _differing(a: mx.array, b: mx.array) -> tuple[int, int]:
 
 def run_draw(model: Any, d: Draw, prefill_step: int, vocab: int, rng: random.Random) -> None:
     """Run one draw and fill in its differing and total bytes (or why it was skipped)."""
+    drive(run_draw_steps(model, d, prefill_step, vocab, rng))
+
+
+def run_draw_steps(
+    model: Any, d: Draw, prefill_step: int, vocab: int, rng: random.Random, what: str = "draw"
+) -> Generator[str, None, None]:
+    """``run_draw`` as units of one forward each (a prefill chunk or one token), each evaluated
+    before it yields; the last forward's unit also fills in the draw's outcome (no yield after it).
+    The forwards, their chunks and their order are ``run_draw``'s, so the outcome is the same bytes."""
     prompt = [rng.randrange(vocab) for _ in range(d.prompt)]
     entry = prompt[: d.cached] + [rng.randrange(vocab) for _ in range(d.trimmed)]
     # The entry as a finished sequence leaves it: its prompt's last token and its generated ones fed
     # one at a time, extracted from the batch cache as ``BatchGenerator`` extracts it.
     batch = merge_caches([make_prompt_cache(model)])
-    _feed(model, batch, entry, prefill_step, d.decoded + 1)
+    yield from _feed(model, batch, entry, prefill_step, d.decoded + 1, f"{what} entry", last=True)
     stored = [c.extract(0) for c in batch]
     if d.trimmed and not can_trim_prompt_cache(stored):
         d.skipped = "entry not trimmable"
         return
     warm_cache = copy.deepcopy(stored)
     trim_prompt_cache(warm_cache, d.trimmed)
+    mx.eval([c.state for c in warm_cache])
+    yield f"{what} entry stored"
     cold_cache = merge_caches([make_prompt_cache(model)])
-    cold, fed = _continue(model, cold_cache, _feed(model, cold_cache, prompt, prefill_step, 1), None)
+    first = yield from _feed(model, cold_cache, prompt, prefill_step, 1, f"{what} cold")
+    cold, fed = yield from _continue(model, cold_cache, first, None, f"{what} cold")
     warm_batch = merge_caches([warm_cache])
-    warm, _ = _continue(model, warm_batch, _feed(model, warm_batch, prompt[d.cached :], prefill_step, 1), fed)
+    first = yield from _feed(model, warm_batch, prompt[d.cached :], prefill_step, 1, f"{what} warm")
+    warm, _ = yield from _continue(model, warm_batch, first, fed, f"{what} warm", last=True)
     d.differing_bytes, d.total_bytes = _differing(mx.stack(cold), mx.stack(warm))
 
 
@@ -166,14 +195,15 @@ def warm_vs_cold(
 def warm_vs_cold_steps(
     model: Any, prefill_step: int, vocab_size: int, window: int | None = None, context: int = 1 << 30, seed: int = 0
 ) -> Generator[str, None, ReuseVerdict]:
-    """``warm_vs_cold`` as units, one draw each (yielding its outcome), ending in the verdict: for an
-    engine that serves between them."""
+    """``warm_vs_cold`` as units of one forward each (``run_draw_steps``; a draw's last unit yields
+    its outcome), ending in the verdict: for an engine that serves between them, so a request waits
+    for one forward of the check at most."""
     tic = time.perf_counter()
     rng = random.Random(seed)
     draws = make_draws(prefill_step, window, context)
     for i, d in enumerate(draws, 1):
         log.info("prefix cache check: draw %d/%d (prompt %d tokens, %d cached) ...", i, len(draws), d.prompt, d.cached)
-        run_draw(model, d, prefill_step, vocab_size, rng)
+        yield from run_draw_steps(model, d, prefill_step, vocab_size, rng, f"draw {i}/{len(draws)}")
         outcome = d.skipped or ("exact" if not d.differing_bytes else f"{d.differing_bytes} bytes differ")
         log.info("prefix cache check: draw %d/%d %s (%.1f s so far)", i, len(draws), outcome, time.perf_counter() - tic)
         yield f"draw {i}/{len(draws)} {outcome}"
