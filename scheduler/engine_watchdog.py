@@ -17,7 +17,8 @@ the moment work became pending (an idle engine sends nothing, and a start-up bef
 never watched), the watchdog calls ``on_hung`` once, from its own thread. The limit stretches to
 ``STEP_MARGIN`` times the longest step the engine has reported, so a machine whose steps
 legitimately come near the limit (a long prefill chunk on a slow CPU) is not declared dead for the
-next one.
+next one. The first long step is kept short instead: the engine sizes its prefill steps to run within
+``STEP_TARGET_SHARE`` of the limit at the speed it measured (from its warm-up on).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from typing import Any
 ENGINE_TIMEOUT_S = 60.0
 #: The limit is at least this many times the longest step the engine reported.
 STEP_MARGIN = 2.0
+#: The engine sizes its prefill steps to run within this share of ``timeout_s`` at its measured speed
+#: (``workers.engine.prefill_pace``): a slow machine's long prompts take more, shorter steps, each
+#: reported in time, rather than one step the watchdog would take for a hang.
+STEP_TARGET_SHARE = 0.25
 
 
 class _State(Enum):

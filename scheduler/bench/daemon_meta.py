@@ -43,6 +43,8 @@ def read_daemons(
     meta["compiled_layers"] = {"engine": compiled_layers.running(engine.model)} | {
         name: c.stats()["engine"].get("compiled_layers", 0) for name, c in clients.items()
     }
+    # Bytes of each arm's dequantized shadow (serve --dense-shadow; 0: none): its own arm's memory cost.
+    meta["dense_shadow_bytes"] = {name: c.stats()["engine"].get("dense_shadow_bytes", 0) for name, c in clients.items()}
     # The in-process arms run on the CPUs the daemon arm's engine process runs on
     # (scheduler.affinity): like for like, the ratios then hold the daemon's cost alone.
     engine_cpus = clients["daemon"].stats()["engine"]["loop"].get("cpus")

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -90,6 +91,18 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
     """An outer timeout's SIGTERM unwinds like Ctrl-C would: the daemons are stopped, and the tables
     written after each finished batch size stay."""
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def failing_arm(arm: str) -> Iterator[None]:
+    """A request the arm's daemon failed (its engine died, a request it refused) ends the bench with
+    one line naming the arm and the error's code, not a traceback."""
+    from clients import RequestError
+
+    try:
+        yield
+    except RequestError as exc:
+        raise BenchError(f"arm {arm}: a request failed: [{exc.code}] {exc.message}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -175,8 +188,8 @@ def _main(args: argparse.Namespace) -> int:
     # --env-arm: daemons like the daemon arm's (its ZeroMQ door only), each with its own variables.
     env_arms: list[EnvArm] = list(getattr(args, "env_arm", None) or [])
     for a in env_arms:
-        daemons[a.name] = list(cap)
-        daemon_env[a.name] = dict(a.env)
+        daemons[a.name] = [*cap, *a.serve_args]
+        daemon_env[a.name] = a.variables
     b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
     for arm, d in zip(b1_arms, drafters):
         daemons[arm] = [*cap, *drafter_args(d)]
@@ -257,6 +270,10 @@ def _main(args: argparse.Namespace) -> int:
         probe_seconds, in_process_cpus = read_daemons(clients, engine, meta, verdicts)
 
         def run(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
+            with failing_arm(arm):
+                return run_arm(arm, prompts, tokens)
+
+        def run_arm(arm: str, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
             if arm == "raw":
                 with running_on(in_process_cpus):
                     return run_raw(model, eos, prompts, tokens)

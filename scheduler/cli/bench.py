@@ -147,8 +147,9 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
         default=[],
         metavar="NAME:VAR=VALUE[,VAR=VALUE]",
         help="also measure, at every B, a daemon like the daemon arm's started with these MLX_BATCHD_* "
-        "variables, as arm NAME (lowercase letters, digits, hyphens), beside the daemon arm in the tables "
-        "and the plot with its ratio to it (repeatable; e.g. mlx-kernels:MLX_BATCHD_W4A16=0); recorded in the report",
+        "variables (or serve options as --OPTION=VALUE), as arm NAME (lowercase letters, digits, hyphens), beside "
+        "the daemon arm in the tables and the plot with its ratio to it (repeatable; e.g. "
+        "mlx-kernels:MLX_BATCHD_W4A16=0, dense:--dense-shadow=on); recorded in the report",
     )
     p.add_argument(
         "--restart-times",
@@ -223,6 +224,7 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the workload matrix (or the prefix cache scenario)."""
+    from clients import ClientError
     from scheduler.bench import main
     from scheduler.bench.output import BenchError
 
@@ -230,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         return main(args)
     except BenchError as exc:
         raise CommandError(str(exc)) from None
+    except ClientError as exc:  # a daemon failed a call outside an arm's run (its stats, its wait for idle)
+        raise CommandError(f"a daemon failed a call: {exc}") from None
 
 
 def run_bursts(args: argparse.Namespace) -> int:

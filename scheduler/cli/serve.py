@@ -167,6 +167,7 @@ def _configured(parser: Parser) -> Callable[[argparse.Namespace], int]:
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """The engine's options from the command line: the same on every rank."""
+    from scheduler.engine_watchdog import STEP_TARGET_SHARE
     from workers.api import BurstSettings, EngineSettings, default_k
 
     return EngineSettings(
@@ -191,6 +192,10 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         ),
         prefix_cache_bytes=int(prefix_cache_mb(args) * 2**20),
         rank_timeout_s=args.rank_timeout,
+        # Prefill steps short enough for the watchdog to hear each in time (``engine_watchdog``).
+        step_target_s=STEP_TARGET_SHARE * args.engine_timeout,
+        dense_shadow=args.dense_shadow,
+        kv_budget_bytes=int(args.kv_budget_mb * 2**20),
     )
 
 

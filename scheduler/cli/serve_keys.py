@@ -78,6 +78,16 @@ FILE_KEYS: tuple[Key, ...] = (
         alias=True,
     ),
     Key(
+        "dense_shadow",
+        str,
+        "off",
+        "keep a dequantized copy of the 4/8-bit projections' weights, which calibration routes large batches "
+        "through where it times cheaper: on, auto (only where the memory free leaves the KV budget), off; its "
+        "bytes are in stats (engine.dense_shadow_bytes)",
+        choices=("off", "auto", "on"),
+        alias=True,
+    ),
+    Key(
         "cpu_affinity",
         str,
         "split",

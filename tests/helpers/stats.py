@@ -144,6 +144,7 @@ def stats_snapshot(
             "loop": {"iterations": 40, "emit_seconds": 0.004, "cpus": [0]},
             "kernel_plans": {},
             "compiled_layers": 0,
+            "dense_shadow_bytes": 0,
             "start_up": {"kernel plans": {"status": "done", "at": "4/4 shapes timed", "units": 6, "seconds": 1.5}},
         },
     }

@@ -124,6 +124,9 @@ class EngineSettings:
     prefill_step: int = 2048
     #: Prompt tokens one prefill step carries across its wave (``workers.engine.prefill_wave``).
     prefill_tokens: int = PREFILL_TOKENS
+    #: Seconds a prefill step is sized to stay within at the measured speed (``workers.engine.prefill_pace``);
+    #: 0: no time bound. The daemon sets it from ``engine_timeout`` (``scheduler.engine_watchdog``).
+    step_target_s: float = 0.0
     #: While the engine has work, an arrival waits at most this long for others so that they join
     #: the batch in one prefill wave (``workers.engine.arrivals``); 0 admits each on the next iteration.
     admit_window_s: float = 0.02
@@ -153,6 +156,11 @@ class EngineSettings:
     #: Across ranks: seconds one engine iteration may take before this rank presumes a peer gone and
     #: exits (mlx's ring can leave a collective waiting for good when its peer dies mid-transfer).
     rank_timeout_s: float = 60.0
+    #: ``--dense-shadow``: ``off``, ``auto`` or ``on`` (``workers.kernels.dense_shadow``): a dequantized
+    #: copy of the quantized projections' weights, which calibration may route large batches through.
+    dense_shadow: str = "off"
+    #: The front end's KV budget (``--kv-budget-mb``; 0: none), which ``dense_shadow`` ``auto`` leaves free.
+    kv_budget_bytes: int = 0
 
 
 #: The salt of tenants marked shareable; per-tenant salts carry a prefix, so no tenant name equals it.

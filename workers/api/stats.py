@@ -264,6 +264,8 @@ class EngineSnapshot(CountersSnapshot):
     kernel_plans: dict[str, str]
     #: How many of the model's decoder layers run as compiled halves in decode steps (``compiled_layers``).
     compiled_layers: int
+    #: Bytes of the dequantized shadow of the quantized projections (``serve --dense-shadow``; 0 when off).
+    dense_shadow_bytes: int
     #: Start-up work by name (``kernel plans``, ``prefix check``, ``probe``), pending or ended.
     start_up: dict[str, StartUpRow]
 

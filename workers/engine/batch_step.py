@@ -15,6 +15,7 @@ from mlx_lm.generate import BatchGenerator
 
 from workers.api import Event, Finished, FinishReason, Level, StepInfo, StepKind, TokenMode, Tokens, TopLogprobs
 from workers.engine import faults, thread_clock
+from workers.engine.prefill_pace import PrefillPace, forwarded_rows, step_chunk
 from workers.engine.prefill_wave import wave_size
 from workers.engine.sequences import EngineCounters, Sequence, top_logprobs
 from workers.engine.spec.runner import BurstRunner
@@ -33,6 +34,7 @@ class BatchStep:
     counters: EngineCounters
     decode_seconds_by_batch: dict[int, float]
     ledger: PinLedger
+    pace: PrefillPace
     prefill_batch: int
     prefill_step: int
     prefill_tokens: int
@@ -59,13 +61,16 @@ class BatchStep:
         # Batched work never sees a scoped pin; the lone sequence's classic step runs at the
         # verdict's rung when that rung pins classic decode too (``padded``).
         chain = self.runner.chain_level() if solo else None
-        if mlxlm.prefill_pending(self._gen):  # the next wave sized by tokens (``prefill_wave``)
-            prefilling, queued = mlxlm.prefill_lengths(self._gen)
-            size = wave_size(prefilling, queued, self.prefill_batch, self.prefill_tokens, self.prefill_step)
-            self._gen.prefill_batch_size = size
+        prefill = mlxlm.prefill_pending(self._gen)
+        if prefill:
+            self._size_prefill(batch)
         clock = thread_clock.read()
+        rows, began = forwarded_rows(self.ledger), self.pace.clock()
         with unpinned("serving") if chain is None else self.pinned(chain, "classic"):
             prompt_responses, gen_responses = self._gen.next()
+        rows = forwarded_rows(self.ledger) - rows
+        if prefill and rows > batch:  # it prefilled: its speed sizes the next steps (``prefill_pace``)
+            self.pace.record(rows, self.pace.clock() - began)
         used = thread_clock.read()
         now = time.monotonic()
         level = process_level()
@@ -108,6 +113,17 @@ class BatchStep:
                     self._finish(s, FinishReason.ERROR, "engine_error", f"this request failed in the engine: {exc}")
                 )
         return events
+
+    def _size_prefill(self, decoding: int) -> None:
+        """Size the next prefill step: its wave by tokens (``prefill_wave``) within a budget that
+        the measured speed keeps within the step's target time (``prefill_pace``), and, where that
+        budget binds, each prompt's chunk to its share of it."""
+        prefilling, queued = mlxlm.prefill_lengths(self._gen)
+        budget = self.pace.budget(self.prefill_tokens, decoding)
+        step = self.prefill_step if budget >= self.prefill_tokens else min(self.prefill_step, budget)
+        size = wave_size(prefilling, queued, self.prefill_batch, budget, step)
+        self._gen.prefill_batch_size = size
+        self._gen.prefill_step_size = step if step == self.prefill_step else step_chunk(budget, size, step)
 
     def _batched_tops(self, responses: list[Any]) -> dict[int, TopLogprobs]:
         """The top logprobs of this step's tokens for the sequences that asked (by uid), in one

@@ -41,6 +41,7 @@ from workers.engine.grammar_mask import GrammarState
 from workers.engine.holdings import Holdings
 from workers.engine.logits_controls import processors_for, stop_ids
 from workers.engine.parking import Parking
+from workers.engine.prefill_pace import PrefillPace
 from workers.engine.prefill_wave import most_prompts
 from workers.engine.prefix_cache import PrefixCache
 from workers.engine.sampling import make_sampler
@@ -72,6 +73,7 @@ class Engine(Parking, Holdings, BatchStep):
         prefill_batch: int | None = None,
         prefill_step: int = 2048,
         prefill_tokens: int = PREFILL_TOKENS,
+        step_target_s: float = 0.0,
         lockstep: bool = False,
         calibration: Calibration = "now",
     ) -> None:
@@ -94,6 +96,10 @@ class Engine(Parking, Holdings, BatchStep):
         self.prefill_batch = most_prompts(prefill_batch, max_batch)
         self.prefill_step = prefill_step
         self.prefill_tokens = prefill_tokens
+        #: The prefill budget that keeps a step within ``step_target_s`` at the measured speed
+        #: (``workers.engine.prefill_pace``). Not in lockstep: every rank must size its steps alike,
+        #: and each measures its own speed.
+        self.pace = PrefillPace(0.0 if lockstep else step_target_s)
         self.counters = EngineCounters()
         self._verdicts = Verdicts(self.pin_scope)
         self.runner = BurstRunner(self, self._verdicts)

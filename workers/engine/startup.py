@@ -228,7 +228,28 @@ def chosen_lines(loaded: LoadedModel, s: EngineSettings, engine: Engine) -> list
         f"context:        {info.context_length} tokens, {info.kv_bytes_per_token} bytes of KV a token",
         f"drafter:        {drafter}{burst}",
         f"prefix cache:   {prefix}",
+        f"dense shadow:   {shadow_line(loaded)}",
     ]
+
+
+def shadow_line(loaded: LoadedModel) -> str:
+    """The dense shadow as ``configure_dense_shadow`` chose it, in the banner's words."""
+    from workers.kernels import dense_shadow
+
+    choice = dense_shadow.chosen(loaded.model)
+    return "off (--dense-shadow off)" if choice is None else choice.line()
+
+
+def configure_dense_shadow(loaded: LoadedModel, s: EngineSettings) -> None:
+    """Make the dense shadow (``workers.kernels.dense_shadow``) as ``--dense-shadow`` asks, before the
+    engine reads its kernel plans (their key says whether it is on). ``auto`` leaves free the KV
+    budget, or without one ``RESERVE_TOKENS`` of KV for each of ``max_batch`` sequences."""
+    from workers.kernels import dense_shadow
+
+    info = loaded.info
+    tokens = min(dense_shadow.RESERVE_TOKENS, info.context_length)
+    reserve = s.kv_budget_bytes or s.max_batch * tokens * info.kv_bytes_per_token
+    dense_shadow.configure(loaded.model, s.dense_shadow, reserve)
 
 
 def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSettings) -> None:
@@ -277,6 +298,7 @@ def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine
     probe configured and its counters reset: what an engine thread serves once it says ``Ready``.
     What is not stored yet (kernel plans, the prefix cache's check) is queued to run between steps,
     and the probe after it."""
+    configure_dense_shadow(loaded, s)
     engine = Engine(
         loaded.model,
         calibration="background",
@@ -286,6 +308,7 @@ def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine
         prefill_batch=s.prefill_batch,
         prefill_step=s.prefill_step,
         prefill_tokens=s.prefill_tokens,
+        step_target_s=s.step_target_s,
         lockstep=world.distributed,
     )
     engine.tokenizer = loaded.tokenizer

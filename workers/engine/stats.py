@@ -25,7 +25,7 @@ from workers.api.stats import (
     VerdictRow,
 )
 from workers.engine.engine import Engine
-from workers.kernels import compiled_layers
+from workers.kernels import compiled_layers, dense_shadow
 
 
 def engine_snapshot(
@@ -57,4 +57,5 @@ def engine_snapshot(
         "kernel_plans": engine.kernel_plans,
         "start_up": cast(dict[str, StartUpRow], engine.start_up_summary()),
         "compiled_layers": compiled_layers.running(engine.model),
+        "dense_shadow_bytes": dense_shadow.resident_bytes(engine.model),
     }

@@ -121,16 +121,20 @@ KERNEL = -1
 #: token a sequence), 4-bit projections on MLX CUDA, where MLX's quantized matmul at 16-256 rows
 #: fills few SMs.
 MMA = -2
+#: A plan's value for "through the dequantized shadow" (``dense_shadow``, ``serve --dense-shadow``):
+#: ``x @ w_dense.T``, planned only where the plans were timed with the shadow (below every w4a16 tile).
+DENSE = -100
 
 
 def tile(to: int) -> int | None:
     """The w4a16 tile (an index of ``w4a16.TILES``) a plan value sends rows to: ``MMA`` is tile 0,
     ``MMA - i`` tile ``i``; ``None`` for a value that is not the kernel."""
-    return MMA - to if to <= MMA else None
+    return MMA - to if DENSE < to <= MMA else None
 
 
-#: Row counts above ``calibrate_rows`` timed for ``MMA``; a row count between them takes the plan of
-#: the next one up (the largest one's beyond it). Their plans are ``MMA`` or the row count (flattened).
+#: Row counts above ``calibrate_rows`` timed for ``MMA`` (and ``DENSE``); a row count between them takes
+#: the plan of the next one up (the largest one's beyond it). Their plans are ``MMA``, ``DENSE`` or the
+#: row count (flattened).
 LARGE_ROWS = (32, 64, 128, 256)
 #: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
 one_row: set[int] = set()
@@ -144,7 +148,7 @@ TileKernel = Callable[[mx.array, int], "mx.array | None"]
 
 def lookup(plan: dict[int, int], rows: int) -> int:
     """The rows of the kernel call for ``rows`` rows under ``plan``: its own entry, else the plan of the
-    next ``LARGE_ROWS`` count up (the largest one's beyond them): ``MMA`` or the rows flattened."""
+    next ``LARGE_ROWS`` count up (the largest one's beyond them): ``MMA``, ``DENSE`` or the rows flattened."""
     to = plan.get(rows)
     if to is not None:
         return to
@@ -152,7 +156,7 @@ def lookup(plan: dict[int, int], rows: int) -> int:
     if not large or rows == 1:  # a plan holds every other row count up to the calibrated ones
         return rows
     bucket = next((r for r in large if r >= rows), large[-1])
-    return plan[bucket] if tile(plan[bucket]) is not None else rows
+    return plan[bucket] if tile(plan[bucket]) is not None or plan[bucket] == DENSE else rows
 
 
 def project(
@@ -162,6 +166,7 @@ def project(
     key: int = 0,
     kernel: RowKernel | None = None,
     mma: TileKernel | None = None,
+    dense: RowKernel | None = None,
 ) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
@@ -169,12 +174,19 @@ def project(
     does not take them): used where the plan says ``KERNEL``. ``mma`` likewise through the w4a16
     kernel, with the plan's tile, where the plan says ``MMA`` or a value below and ``x`` is a decode step's (one token a sequence: a forward
     calls each projection once, which the kernel's per-weight counters need). A single row (classic
-    B = 1 decode) is left exactly as mlx-lm calls it unless its plan is ``KERNEL``.
+    B = 1 decode) is left exactly as mlx-lm calls it unless its plan is ``KERNEL``. ``dense`` computes
+    flattened rows through the dequantized shadow where the plan says ``DENSE`` (decode steps and
+    prefill alike: a plain matmul); where it does not take them, the rows run flattened.
     """
     if x.ndim < 2 or not active().flatten:
         return call(x), rows
     plan = _plans.get(key)
     to = rows if plan is None else lookup(plan, rows)
+    if to == DENSE:
+        out = None if dense is None else dense(x.reshape(rows, x.shape[-1]))
+        if out is not None:
+            return out.reshape(*x.shape[:-1], out.shape[-1]), rows
+        to = rows
     mma_tile = tile(to)
     if mma_tile is not None:
         decode = x.ndim == 3 and x.shape[1] == 1
@@ -271,11 +283,14 @@ def _forget(key: int) -> None:
 def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
     """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
     with the rows its kernel call runs on (``0``: as mlx-lm calls it; ``k``: the project's multi-row
-    kernel; ``m``: the w4a16 tensor-core kernel, ``m1``, ``m2``...: with that tile of ``w4a16.TILES``),
+    kernel; ``m``: the w4a16 tensor-core kernel, ``m1``, ``m2``...: with that tile of ``w4a16.TILES``;
+    ``d``: the dequantized shadow),
     e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:m1"``."""
 
     def name(to: int) -> str:
         t = tile(to)
+        if to == DENSE:
+            return "d"
         return "k" if to == KERNEL else str(to) if t is None else f"m{t or ''}"
 
     return {

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.kernels import qmv_launch, w4a16_source
+from workers.kernels import dense_shadow, fastpath, qmv_launch, w4a16_source
 from workers.kernels.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
@@ -42,7 +42,10 @@ MAX_FILE_BYTES = 1 << 20
 Plans = dict[str, dict[int, int]]
 
 
-def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...], large: tuple[int, ...] = ()) -> str:
+def plan_key(
+    shapes: list[str], max_rows: int, pads: tuple[int, ...], large: tuple[int, ...] = (), dense: bool = False
+) -> str:
+    """The plans' file name for these inputs; ``dense``: timed with the dequantized shadow (``fastpath.DENSE``)."""
     body = {
         "backend": backend_fingerprint(),
         "shapes": sorted(shapes),
@@ -51,6 +54,7 @@ def plan_key(shapes: list[str], max_rows: int, pads: tuple[int, ...], large: tup
         "kernel": qmv_launch.variant(),
         "large": list(large),
         "w4a16": w4a16_source.variant() if large else "",
+        **({"dense_shadow": True} if dense else {}),  # absent when off: plans timed without it keep their key
     }
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
 
@@ -62,12 +66,14 @@ def valid(
     pads: tuple[int, ...],
     kernel_rows: int = 0,
     large: tuple[int, ...] = (),
+    dense: bool = False,
 ) -> Plans:
     """``plans`` as read from a file, checked: every shape, every row count 2..max_rows (and perhaps
     one row and some of the ``large`` row counts), each planned to 0 (as called), to a call of at
     least its rows (itself or a pad size), to the project's kernel (``-1``, up to ``kernel_rows``
-    rows) or, with ``large``, to the w4a16 kernel (``-2``, or below it for its other tiles); one row only as called (1) or to the
-    kernel; a large row count only flattened or to the w4a16 kernel."""
+    rows) or, with ``large``, to the w4a16 kernel (``-2``, or below it for its other tiles) or, with
+    ``dense`` (timed with the shadow), from ``dense_shadow.MIN_ROWS`` rows to it (``fastpath.DENSE``); one row
+    only as called (1) or to the kernel; a large row count only flattened or to either kernel."""
     if not isinstance(plans, dict) or set(plans) != set(shapes):
         raise ValueError("the file holds plans for other shapes")
     out: Plans = {}
@@ -80,6 +86,7 @@ def valid(
         for rows, to in parsed.items():
             kernel = to == -1 and rows <= kernel_rows
             mma = -1 - len(w4a16_source.TILES) <= to <= -2 and bool(large) and rows > 1
+            mma = mma or (to == fastpath.DENSE and dense and rows >= dense_shadow.MIN_ROWS)
             if rows == 1 and not (to == 1 or kernel):
                 raise ValueError(f"{shape}: one row planned to {to}")
             if rows > max_rows and not (mma or to == rows):
@@ -125,12 +132,13 @@ def keep_check(
     pads: tuple[int, ...],
     check: dict[int, Any],
     large: tuple[int, ...] = (),
+    dense: bool = False,
 ) -> None:
     """Beside the plans, what their whole-forward check measured (``plan_timing.forward_checked``'s
     report: each row count's forward milliseconds by candidate and the one kept), for reading only:
     ``load_or_time`` never reads it. Plans are timed once per machine, so this is the one record
     of why they are what they are."""
-    path = root / f"{plan_key(shapes, max_rows, pads, large)}.check.json"
+    path = root / f"{plan_key(shapes, max_rows, pads, large, dense)}.check.json"
     _write(path, json.dumps({str(rows): r for rows, r in sorted(check.items())}, indent=1), "their check")
 
 
@@ -153,12 +161,13 @@ def load_or_time(
     time_plans: Callable[[], Plans],
     kernel_rows: int = 0,
     large: tuple[int, ...] = (),
+    dense: bool = False,
 ) -> tuple[Plans, bool]:
     """The stored plans for these shapes, or ``time_plans()`` stored for the next process; returns
     the plans and whether they came from the store. ``root`` ``None``: always timed, never stored."""
     if root is None:
         return time_plans(), False
-    path = root / f"{plan_key(shapes, max_rows, pads, large)}.json"
+    path = root / f"{plan_key(shapes, max_rows, pads, large, dense)}.json"
     with contextlib.ExitStack() as stack:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -174,7 +183,8 @@ def load_or_time(
                 size = path.stat().st_size
                 if size > MAX_FILE_BYTES:
                     raise ValueError(f"{size} bytes, more than plans take")
-                return valid(json.loads(path.read_text()), shapes, max_rows, pads, kernel_rows, large), True
+                plans = valid(json.loads(path.read_text()), shapes, max_rows, pads, kernel_rows, large, dense)
+                return plans, True
             except Exception as exc:  # anything in the file, however odd, means "time again"
                 log.warning("ignoring the stored kernel plans %s (%s); timing them again", path, exc)
         plans = time_plans()

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers.kernels import fastpath, qmv_rows, w4a16, w4a16_source
+from workers.kernels import dense_shadow, fastpath, qmv_rows, w4a16, w4a16_source
 
 log = logging.getLogger("mlx_batchd")
 
@@ -120,6 +120,11 @@ def mma_kernel(m: nn.Module) -> fastpath.TileKernel | None:
     return (lambda x, tile: w4a16.project(m, x, tile)) if w4a16.takes(m) else None
 
 
+def dense_kernel(m: nn.Module) -> fastpath.RowKernel | None:
+    """``m`` through its dequantized shadow (``dense_shadow``) where it has one, else ``None``."""
+    return (lambda x: dense_shadow.project(m, x)) if dense_shadow.has(m) else None
+
+
 def mma_ways(rows: int) -> list[int]:
     """The plan values timed for the w4a16 kernel on ``rows`` rows: ``fastpath.MMA``, and from
     ``w4a16_source.TILE_ROWS`` rows one more for each other tile of ``w4a16_source.TILES``."""
@@ -131,7 +136,8 @@ def time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
     flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``,
     ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or the w4a16 kernel's tiles (``mma_ways``,
-    where it takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it).
+    where it takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it), and from
+    ``dense_shadow.MIN_ROWS`` rows ``fastpath.DENSE`` where ``m`` has a shadow (the large rows too).
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
     is timed as mlx-lm calls it against the row kernel only, where that takes ``m``."""
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
@@ -140,8 +146,9 @@ def time_plan(m: nn.Module, n: int) -> dict[int, int]:
     dtype = m.scales.dtype if bits else m.weight.dtype
     kernel = row_kernel(m)
     mma = mma_kernel(m)
+    dense = dense_kernel(m)
     plan: dict[int, int] = {}
-    large = fastpath.LARGE_ROWS if mma is not None else ()
+    large = fastpath.LARGE_ROWS if mma is not None or dense is not None else ()
     for rows in [*range(1 if kernel else 2, n + 1), *(r for r in large if r > n)]:
         if rows > n:
             ways = [rows]
@@ -151,9 +158,13 @@ def time_plan(m: nn.Module, n: int) -> dict[int, int]:
             ways.append(fastpath.KERNEL)
         if mma is not None and rows > 1:
             ways += mma_ways(rows)
+        if dense is not None and rows >= dense_shadow.MIN_ROWS:
+            ways.append(fastpath.DENSE)
         calls = [
             _kernel_way(kernel)
             if to == fastpath.KERNEL and kernel is not None
+            else _kernel_way(dense)
+            if to == fastpath.DENSE and dense is not None
             else _tile_way(mma, tile)
             if (tile := fastpath.tile(to)) is not None and mma is not None
             else _way(original, m, to)
@@ -233,12 +244,18 @@ def forward_ms(model: nn.Module, rows: int, installs: list[Callable[[], None]]) 
 
 
 def candidates(
-    plans: Plans, kernel_shapes: set[str], rows: int, mma_shapes: set[str] | None = None, n: int = 0
+    plans: Plans,
+    kernel_shapes: set[str],
+    rows: int,
+    mma_shapes: set[str] | None = None,
+    n: int = 0,
+    dense_shapes: set[str] | None = None,
 ) -> list[tuple[str, dict[str, int]]]:
     """Ways to run every projection on ``rows`` rows, by name: the per-shape plans first, then each
     uniform way (a kernel where it takes the shape, the plan elsewhere); duplicates dropped. One row
     concerns only the shapes the row kernel takes (elsewhere it is always as mlx-lm calls it); rows
-    above ``n`` (``fastpath.LARGE_ROWS``) are flattened or through the w4a16 kernel (``mma_shapes``)."""
+    above ``n`` (``fastpath.LARGE_ROWS``) are flattened or through the w4a16 kernel (``mma_shapes``) or
+    the dequantized shadow (``dense_shapes``, from ``dense_shadow.MIN_ROWS`` rows)."""
     mma_shapes = mma_shapes or set()
     shapes = sorted(kernel_shapes) if rows == 1 else sorted(plans)
     planned = {shape: plans[shape].get(rows, rows) for shape in shapes}
@@ -252,6 +269,8 @@ def candidates(
         out += [(f"padded to {p}", dict.fromkeys(shapes, p)) for p in fastpath.PADS if p > rows]
     if mma_shapes and rows > 1:
         out.append(("w4a16", {s: fastpath.MMA if s in mma_shapes else v for s, v in planned.items()}))
+    if dense_shapes and rows >= dense_shadow.MIN_ROWS:
+        out.append(("dense", {s: fastpath.DENSE if s in dense_shapes else v for s, v in planned.items()}))
     if kernel_shapes and rows <= qmv_rows.MAX_ROWS:
         out.append(("kernel", {s: fastpath.KERNEL if s in kernel_shapes else v for s, v in planned.items()}))
     unique: list[tuple[str, dict[str, int]]] = []
@@ -268,10 +287,11 @@ def forward_checked(
     n: int,
     report: dict[int, dict[str, Any]] | None = None,
     mma_shapes: set[str] | None = None,
+    dense_shapes: set[str] | None = None,
 ) -> Plans:
     """``plans`` with each row count's ways replaced by the uniform way whose decode forward is
     cheaper by ``MARGIN`` (``forward_check_steps`` run to its end)."""
-    result: Plans = drive(forward_check_steps(model, plans, kernel_shapes, n, report, mma_shapes))
+    result: Plans = drive(forward_check_steps(model, plans, kernel_shapes, n, report, mma_shapes, dense_shapes))
     return result
 
 
@@ -282,17 +302,18 @@ def forward_check_steps(
     n: int,
     report: dict[int, dict[str, Any]] | None = None,
     mma_shapes: set[str] | None = None,
+    dense_shapes: set[str] | None = None,
 ) -> Generator[str, None, Plans]:
     """The forward check as units, one row count each (yielding what it checked), ending in ``plans``
     with each row count's ways replaced by the uniform way whose decode forward is cheaper by
     ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for 2..``n`` rows
     (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
-    (``mma_shapes``), ``fastpath.LARGE_ROWS``. ``report`` (when given) gets each row count's forward
+    (``mma_shapes``) or a shape has a shadow (``dense_shapes``), ``fastpath.LARGE_ROWS``. ``report`` (when given) gets each row count's forward
     milliseconds by candidate and the one kept. A unit leaves its row count's kept way installed;
     the next unit installs what it times itself, so the caller may install other plans in between."""
-    large = [r for r in fastpath.LARGE_ROWS if r > n] if mma_shapes else []
+    large = [r for r in fastpath.LARGE_ROWS if r > n] if mma_shapes or dense_shapes else []
     for rows in [*range(1 if kernel_shapes else 2, n + 1), *large]:
-        options = candidates(plans, kernel_shapes, rows, mma_shapes, n)
+        options = candidates(plans, kernel_shapes, rows, mma_shapes, n, dense_shapes)
         if len(options) < 2:
             continue
 

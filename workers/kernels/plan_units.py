@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers.kernels import fastpath, plan_store, plan_timing, qmv_rows, w4a16
+from workers.kernels import dense_shadow, fastpath, plan_store, plan_timing, qmv_rows, w4a16
 from workers.kernels.plan_timing import Plans
 
 log = logging.getLogger("mlx_batchd")
@@ -32,11 +32,13 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Shapes:
     """What calibrating a model covers: its distinct projection shapes (each timed on its first
-    module), the policy's row range and the large row counts (where the w4a16 kernel takes a shape)."""
+    module), the policy's row range, the large row counts (where the w4a16 kernel takes a shape or
+    one has a dequantized shadow) and whether a shape has the shadow (``dense_shadow``)."""
 
     first: dict[str, nn.Module]
     n: int
     large: tuple[int, ...]
+    dense: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -45,7 +47,7 @@ class Shapes:
     def load_or_time(self, store: Path | None, time_plans: Callable[[], Plans]) -> tuple[Plans, bool]:
         """``plan_store.load_or_time`` for these shapes."""
         return plan_store.load_or_time(
-            store, self.names, self.n, fastpath.PADS, time_plans, qmv_rows.MAX_ROWS, self.large
+            store, self.names, self.n, fastpath.PADS, time_plans, qmv_rows.MAX_ROWS, self.large, self.dense
         )
 
 
@@ -57,7 +59,8 @@ def shapes_of(model: nn.Module) -> Shapes | None:
     qmv_rows.register_siblings(model)  # siblings all planned to the kernel share its calls
     first = {shape: m for m, shape in reversed(fastpath._projections(model))}
     mma = any(w4a16.takes(m) for m in first.values())
-    return Shapes(first, n, fastpath.LARGE_ROWS if mma else ())
+    dense = any(dense_shadow.has(m) for m in first.values())
+    return Shapes(first, n, fastpath.LARGE_ROWS if mma or dense else (), dense)
 
 
 def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]) -> Generator[str, None, Plans]:
@@ -73,9 +76,11 @@ def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]
         return plans
     kernel_shapes = {shape for shape in names if 1 in plans[shape]}  # one row is timed where the kernel takes it
     mma_shapes = {shape for shape in names if w4a16.takes(sh.first[shape])}
+    dense_shapes = {shape for shape in names if dense_shadow.has(sh.first[shape])}
     checked = {shape: dict(plan) for shape, plan in plans.items()}
     try:
-        return (yield from plan_timing.forward_check_steps(model, checked, kernel_shapes, sh.n, report, mma_shapes))
+        steps = plan_timing.forward_check_steps(model, checked, kernel_shapes, sh.n, report, mma_shapes, dense_shapes)
+        return (yield from steps)
     except Exception:  # a model whose decode forward this check cannot run keeps the per-shape plans
         log.warning("kernel plans: the whole-forward check failed; keeping the per-shape plans", exc_info=True)
         return plans
@@ -101,7 +106,7 @@ def calibrate(
     how = "read from the store" if stored else f"timed in {time.perf_counter() - tic:.1f} s"
     log.info("kernel plans for %d projection shapes %s", len(sh.first), how)
     if not stored and store is not None and report:
-        plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large)
+        plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large, sh.dense)
     plan_timing.drive(warming_steps(model, by_shape))
     return by_shape
 
@@ -151,7 +156,7 @@ def calibration_steps(model: nn.Module, store: Path | None) -> Generator[str, No
     if stored:
         log.info("kernel plans: another process stored its plans meanwhile; those are installed")
     elif store is not None and report:
-        plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large)
+        plan_store.keep_check(store, sh.names, sh.n, fastpath.PADS, report, sh.large, sh.dense)
     return (yield from warming_steps(model, by_shape))
 
 
@@ -182,7 +187,9 @@ def warm_rows(model: nn.Module, plans: Plans) -> list[int]:
     each layer shape against MLX's one-row call)."""
     if not plan_timing.decodes(model):
         return []
-    kernels = (r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL or to <= fastpath.MMA)
+    kernels = (
+        r for plan in plans.values() for r, to in plan.items() if to == fastpath.KERNEL or fastpath.tile(to) is not None
+    )
     return sorted(set(kernels))
 
 
