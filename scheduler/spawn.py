@@ -65,9 +65,15 @@ class DaemonProcess:
                         raise
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send ``sig`` and wait up to ``timeout`` s for the exit; a daemon still running then is
+        killed (its code is then ``-SIGKILL``) rather than left behind."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
     def __enter__(self) -> DaemonProcess:
         try:
