@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     row-exact widths measured at load."""
     from tqdm import tqdm
 
-    from workers.exact.probe import drive
+    from workers.exact import drive
     from workers.exact.report import iter_table, ladder_line, narrowed_widths, pin_cost_line
     from workers.exact.setup import probe_setup
     from workers.kernels import compiled_layers, plan_units
@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tick(bar: Any, label: str) -> None:
-    """Advance the progress bar by one draw, showing which one finished."""
+    """Advance the progress bar by one draw, showing which one finished (a forward inside a draw
+    only shows)."""
+    from workers.exact import within_draw
+
     bar.set_postfix_str(label)
-    bar.update()
+    if not within_draw(label):
+        bar.update()

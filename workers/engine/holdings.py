@@ -70,7 +70,7 @@ class Holdings:
     # ------------------------------------------------------------------ the probe and verdicts
 
     def start_probe(self, name: str, steps: Generator[str, None, Verdict]) -> None:
-        """Queue a probe; ``probe_step`` advances it one draw at a time."""
+        """Queue a probe; ``probe_step`` advances it one forward at a time."""
         self._verdicts.start_probe(name, steps)
 
     @property
@@ -78,7 +78,7 @@ class Holdings:
         return self._verdicts.probing
 
     def probe_step(self) -> Verdict | None:
-        """Advance the probe by one draw; return the verdict when it is done."""
+        """Advance the probe by one unit (a forward); return the verdict when it is done."""
         return self._verdicts.probe_step()
 
     @property

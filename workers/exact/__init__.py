@@ -4,6 +4,9 @@ and their cost, and the verify warm-up."""
 
 from __future__ import annotations
 
+from workers.exact.draws import (
+    within_draw,
+)
 from workers.exact.pin_cost import (
     bucket,
 )
@@ -60,4 +63,5 @@ __all__ = [
     "probe_steps",
     "sliding_window",
     "unpinned",
+    "within_draw",
 ]

@@ -4,12 +4,19 @@ Draws are chosen where divergences hide: short prompts, a block whose keys run 2
 (mlx-lm's capacity step, where kernels have shown key-length effects), and a long context past the
 sliding window (or >= 1024 tokens). Every run starts from a fresh cache built as serving builds it,
 with a layout-stable growth step (``layout_stable``), as bursts get.
+
+Each run is also a step generator of one forward a unit (``chain_steps``, ``block_steps``,
+``calibrated_block_steps``; a prefill chunk, one decode step, one block), each forward evaluated
+before its unit yields and any level or capture entered and left within that unit: the engine
+serves between the units at its own level, and a request waits for one forward, not a draw. The
+plain calls (``run_chain``, ``run_block``) drive them to the end: the same forwards in the same order.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +24,21 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import Level
-from workers.kernels import CapturedCall, as_int, calibrate, capturing, mlxlm, scoped, stabilize_layout, wrap_caches
+from workers.kernels import (
+    CapturedCall,
+    as_int,
+    calibrate,
+    capturing,
+    drive,
+    mlxlm,
+    scoped,
+    stabilize_layout,
+    wrap_caches,
+)
 
+#: In the label of a unit inside a draw (``head / what``); a draw's own label has none, so logs and
+#: progress bars count draws by it (``within_draw``).
+WITHIN = " / "
 SHORT_PROMPT = 8
 CAPACITY_STEP = 256
 LONG_CONTEXT = 1024
@@ -32,6 +52,11 @@ class Draw:
 
     name: str
     prompt: list[int]
+
+
+def within_draw(label: str) -> bool:
+    """Whether a probe unit's ``label`` is a forward inside a draw rather than a draw's own label."""
+    return WITHIN in label
 
 
 def sliding_window(config: dict[str, Any]) -> int | None:
@@ -63,12 +88,39 @@ def make_draws(k: int, vocab: int, context: int, window: int | None, seed: int =
 
 
 MakeCache = Callable[[], list[Any]]
+#: A step generator: one unit per ``next``, each yielding a label of what it did, ending in a value.
+Steps = Generator[str, None, Any]
+#: Tokens per prefill forward (a chunk).
+PREFILL_STEP = 2048
 
 
-def prefill(model: Any, cache: list[Any], tokens: list[int], step: int = 2048) -> None:
-    for i in range(0, len(tokens), step):
+def prefill(model: Any, cache: list[Any], tokens: list[int], step: int = PREFILL_STEP) -> None:
+    drive(prefill_steps(model, cache, tokens, "prefill", step))
+
+
+def prefill_steps(
+    model: Any, cache: list[Any], tokens: list[int], what: str, step: int = PREFILL_STEP
+) -> Generator[str, None, None]:
+    """``prefill`` a chunk per unit, each chunk's cache evaluated before its yield."""
+    count = -(-len(tokens) // step)
+    for n, i in enumerate(range(0, len(tokens), step), 1):
         model(mx.array([tokens[i : i + step]]), cache=cache)
         mx.eval([c.state for c in cache])
+        yield f"{what} prefill {n}/{count}"
+
+
+def timed(steps: Generator[str, None, Any], busy: list[float]) -> Generator[str, None, Any]:
+    """``steps`` unchanged, adding the seconds its own units take (not the time between them, when
+    the engine serves) to ``busy[0]``."""
+    while True:
+        tic = time.perf_counter()
+        try:
+            label = next(steps)
+        except StopIteration as end:
+            busy[0] += time.perf_counter() - tic
+            return end.value
+        busy[0] += time.perf_counter() - tic
+        yield label
 
 
 def chain_level(level: Level) -> Level:
@@ -85,18 +137,29 @@ def run_chain(
     ``BatchGenerator`` decodes on such a cache, whose attention MLX may compute with other bytes
     than the single-sequence cache's: ``workers.kernels.lone_mask``). A verdict is then about the tokens
     the engine serves, not about a decode that it never runs."""
+    result: tuple[mx.array, list[int]] = drive(chain_steps(model, make_cache, draw, width, level))
+    return result
+
+
+def chain_steps(
+    model: Any, make_cache: MakeCache, draw: Draw, width: int, level: Level = Level.WIDE, what: str = "chain"
+) -> Generator[str, None, tuple[mx.array, list[int]]]:
+    """``run_chain`` a forward per unit (a prefill chunk, one decode step), each evaluated before its
+    yield; the level is entered and left within each decode step's unit, so whatever runs between
+    the units runs at its own."""
     single = make_cache()
-    prefill(model, single, draw.prompt[:-1])
+    yield from prefill_steps(model, single, draw.prompt[:-1], what)
     cache = mlxlm.merge_caches([single])
     token = draw.prompt[-1]
     fed, rows = [], []
-    with scoped(level):
-        for _ in range(width):
-            fed.append(token)
+    for i in range(width):
+        fed.append(token)
+        with scoped(level):
             logits = model(mx.array([[token]]), cache=cache)[0, -1]
             mx.eval(logits)
             rows.append(logits)
             token = as_int(mx.argmax(logits))
+        yield f"{what} decode {i + 1}/{width}"
     return mx.stack(rows), fed
 
 
@@ -110,12 +173,28 @@ def run_block(
 ) -> mx.array:
     """One forward over ``tokens`` at ``level`` on a freshly prefilled cache; with ``calls``, the
     block's own projection calls (never the prefill's) are captured into it for calibration."""
+    block: mx.array = drive(block_steps(model, make_cache, draw, tokens, level, calls))
+    return block
+
+
+def block_steps(
+    model: Any,
+    make_cache: MakeCache,
+    draw: Draw,
+    tokens: list[int],
+    level: Level,
+    calls: list[CapturedCall] | None = None,
+    what: str = "block",
+) -> Generator[str, None, mx.array]:
+    """``run_block`` a forward per unit (each prefill chunk, then the block), each evaluated before
+    its yield; the level and the capture are entered and left within the block's unit."""
     cache = make_cache()
-    prefill(model, cache, draw.prompt[:-1])
+    yield from prefill_steps(model, cache, draw.prompt[:-1], what)
     with scoped(level), capturing(calls) if calls is not None else nullcontext():
         layers = wrap_caches(cache) if level.per_query else cache
         logits = model(mx.array([tokens]), cache=layers)[0]
         mx.eval(logits)
+    yield f"{what} forward"
     return logits
 
 
@@ -126,16 +205,28 @@ def run_calibrated_block(
     its module: where one does not hold it is narrowed and the block run again (narrower widths
     change the activations downstream, so until a run narrows nothing). Returns the block's logits
     and ``{module id: (width before, width after)}`` for the modules narrowed."""
+    result: tuple[mx.array, dict[int, tuple[int, int]]] = drive(
+        calibrated_block_steps(model, make_cache, draw, tokens, level)
+    )
+    return result
+
+
+def calibrated_block_steps(
+    model: Any, make_cache: MakeCache, draw: Draw, tokens: list[int], level: Level, what: str = "block"
+) -> Generator[str, None, tuple[mx.array, dict[int, tuple[int, int]]]]:
+    """``run_calibrated_block`` a forward per unit (``block_steps`` per pass; a pass's calibration
+    runs in the unit after its block's)."""
     narrowed: dict[int, tuple[int, int]] = {}
-    for _ in range(MAX_CALIBRATION_PASSES):
+    for n in range(MAX_CALIBRATION_PASSES):
         calls: list[CapturedCall] = []
-        block = run_block(model, make_cache, draw, tokens, level, calls)
+        block = yield from block_steps(model, make_cache, draw, tokens, level, calls, f"{what} pass {n + 1}")
         changed = calibrate(calls)
         if not changed:
             return block, narrowed
         for mid, (before, after) in changed.items():
             narrowed[mid] = (narrowed.get(mid, (before, after))[0], after)
-    return run_block(model, make_cache, draw, tokens, level), narrowed
+    block = yield from block_steps(model, make_cache, draw, tokens, level, what=f"{what} after calibration")
+    return block, narrowed
 
 
 def layout_stable(make_cache: MakeCache) -> MakeCache:

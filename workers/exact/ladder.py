@@ -1,4 +1,4 @@
-"""The ladder: each rung tried on every draw until one is exact, a draw per step.
+"""The ladder: each rung tried on every draw until one is exact, a forward per step.
 
 For each rung, cheapest first (``levels.ladder()``), every draw's chain (classic decode, run twice
 to see it reproduce) is compared with its block at that rung; the first divergence ends the rung.
@@ -6,6 +6,9 @@ At a calibrated rung each block is run with its projections' widths verified on 
 (``draws.run_calibrated_block``); a draw that narrows a width after earlier draws passed
 starts the rung over, so the widths a verdict carries held on every draw. The verdict is the first
 exact rung, or declined (fail closed) unless the operator's policy says otherwise.
+
+Each draw is many steps of one forward (``draws.chain_steps``, ``draws.block_steps``), so an engine
+serving between them keeps a request waiting for one forward, not a draw.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import mlx.core as mx
 
 from workers.api import Level, ProbePolicy
 from workers.exact.draws import (
+    WITHIN,
     Draw,
     MakeCache,
+    block_steps,
+    calibrated_block_steps,
     chain_level,
+    chain_steps,
     compare,
     layout_stable,
-    run_block,
-    run_calibrated_block,
-    run_chain,
+    timed,
 )
 from workers.exact.localize import localize
 from workers.exact.results import DrawResult, LevelResult
@@ -45,10 +50,11 @@ def ladder_steps(
     policy: ProbePolicy = _DEFAULT_POLICY,
     levels: tuple[Level, ...] | None = None,
 ) -> Generator[str, None, LadderOutcome]:
-    """The ladder, one draw per step: yields a label before each draw and returns
-    (level or None, exact, reason, per-level results). The engine drives it a step at a time
-    between batched steps; ``run_ladder`` drives it to the end. Widths start from the load-time
-    measurement and are calibrated at each calibrated rung (they stay narrowed for later rungs)."""
+    """The ladder, one forward per step: yields the draw's label (``level: draw``) before each draw,
+    then ``level: draw / ...`` after each of its forwards, and returns (level or None, exact, reason,
+    per-level results). The engine drives it a step at a time between batched steps; ``drive`` runs
+    it to the end. Widths start from the load-time measurement and are calibrated at each calibrated
+    rung (they stay narrowed for later rungs). A draw's ``seconds`` are its own steps' time."""
     install()
     make_cache = layout_stable(make_cache)
     reset_widths(model)
@@ -71,41 +77,17 @@ def ladder_steps(
         queue, ran = list(draws), set[str]()
         while queue:
             draw = queue.pop(0)
-            yield f"{level.value}: {draw.name}" + (" (again, with narrowed widths)" if draw.name in ran else "")
+            head = f"{level.value}: {draw.name}" + (" (again, with narrowed widths)" if draw.name in ran else "")
+            yield head
             ran.add(draw.name)
-            tic = time.perf_counter()
-            base = (draw.name, chain_level(level))
-            if base not in baselines:
-                chain1, fed = run_chain(model, make_cache, draw, width, base[1])
-                chain2, _ = run_chain(model, make_cache, draw, width, base[1])
-                baselines[base] = (chain1, fed, compare(chain1, chain2)[1])
-            chain, fed, classic_var = baselines[base]
-            narrowed: dict[int, tuple[int, int]] = {}
-            if level.calibrated:
-                block, narrowed = run_calibrated_block(model, make_cache, draw, fed, level)
-            else:
-                block = run_block(model, make_cache, draw, fed, level)
+            busy = [0.0]
+            dr, narrowed = yield from timed(
+                _draw_steps(model, make_cache, draw, width, level, policy, baselines, head), busy
+            )
+            dr.seconds = busy[0]
             for mid, (before, after) in narrowed.items():
                 path = paths.get(mid, str(mid))
                 lr.narrowed[path] = [lr.narrowed.get(path, [before])[0], after]
-            first, diff, total = compare(chain, block)
-            dr = DrawResult(
-                draw.name,
-                len(draw.prompt),
-                exact=diff == 0,
-                first_position=first,
-                differing_bytes=diff,
-                total_bytes=total,
-                chain_vs_chain_bytes=classic_var,
-                narrowed=len(narrowed),
-            )
-            if classic_var:
-                dr.nondeterministic = True
-                dr.accepted_as_classic_variation = policy.accept_classic_variation and diff <= classic_var
-                dr.exact = False
-            if not dr.exact and first is not None and policy.localize:
-                dr.first_divergence = localize(model, make_cache, draw, fed, level, first)
-            dr.seconds = time.perf_counter() - tic
             if narrowed and lr.draws and (dr.exact or dr.accepted_as_classic_variation):
                 # The rung's earlier draws passed with wider widths: the widths a verdict carries
                 # must hold on every draw, so the rung starts over with these.
@@ -145,6 +127,51 @@ def ladder_steps(
     if policy.allow_inexact:
         return Level.WIDE, False, f"allow_inexact: bursts run at wide, marked inexact ({why})", results
     return None, False, f"declined: {why}", results
+
+
+def _draw_steps(
+    model: Any,
+    make_cache: MakeCache,
+    draw: Draw,
+    width: int,
+    level: Level,
+    policy: ProbePolicy,
+    baselines: dict[tuple[str, Level], tuple[mx.array, list[int], int]],
+    head: str,
+) -> Generator[str, None, tuple[DrawResult, dict[int, tuple[int, int]]]]:
+    """One draw at ``level``, a forward per unit (labels ``head / ...``): classic decode's chain (twice,
+    unless ``baselines`` holds it), the block, and their comparison; returns the draw's result (its
+    seconds left to the caller) and the widths its calibration narrowed."""
+    base = (draw.name, chain_level(level))
+    if base not in baselines:
+        chain1, fed = yield from chain_steps(model, make_cache, draw, width, base[1], f"{head}{WITHIN}chain")
+        chain2, _ = yield from chain_steps(model, make_cache, draw, width, base[1], f"{head}{WITHIN}chain again")
+        baselines[base] = (chain1, fed, compare(chain1, chain2)[1])
+    chain, fed, classic_var = baselines[base]
+    narrowed: dict[int, tuple[int, int]] = {}
+    if level.calibrated:
+        block, narrowed = yield from calibrated_block_steps(model, make_cache, draw, fed, level, f"{head}{WITHIN}block")
+    else:
+        block = yield from block_steps(model, make_cache, draw, fed, level, what=f"{head}{WITHIN}block")
+    first, diff, total = compare(chain, block)
+    dr = DrawResult(
+        draw.name,
+        len(draw.prompt),
+        exact=diff == 0,
+        first_position=first,
+        differing_bytes=diff,
+        total_bytes=total,
+        chain_vs_chain_bytes=classic_var,
+        narrowed=len(narrowed),
+    )
+    if classic_var:
+        dr.nondeterministic = True
+        dr.accepted_as_classic_variation = policy.accept_classic_variation and diff <= classic_var
+        dr.exact = False
+    if not dr.exact and first is not None and policy.localize:
+        # A diagnosis the operator asked for: one unit, its captures installed and removed within it.
+        dr.first_divergence = localize(model, make_cache, draw, fed, level, first)
+    return dr, narrowed
 
 
 def _calibration_note(results: list[LevelResult]) -> str:

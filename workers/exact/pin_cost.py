@@ -3,7 +3,7 @@
 A scoped pin runs only verify forwards at the verdict's level; a process-wide pin (the seed's way,
 kept only as a bench arm) would run every batched decode step at it too. After the ladder the probe
 times one batched decode step at each pinning rung against ``wide``, at each of ``BATCH_BUCKETS``
-sequences, on scratch caches (serving state is untouched), one (rung, batch) per probe step. The
+sequences, on scratch caches (serving state is untouched), one forward per probe step. The
 rows are stored with the verdict, so a pairing is measured once; serving never stops to measure.
 ``summary`` turns them and the engine's decode seconds per bucket into the stats' ``pin_tax``.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import Level
-from workers.exact.draws import MakeCache, layout_stable, prefill
+from workers.exact.draws import PREFILL_STEP, WITHIN, MakeCache, layout_stable
 from workers.kernels import mlxlm, scoped
 
 log = logging.getLogger("mlx_batchd.probe")
@@ -60,8 +60,9 @@ def pin_cost_steps(
     model: Any, make_cache: MakeCache, prompt: list[int], levels: list[Level], max_batch: int | None = None
 ) -> Generator[str, None, list[PinCost]]:
     """Time a batched decode step at each of ``levels`` against wide, for every bucket up to
-    ``max_batch`` (a serving engine never decodes more together; ``None``: every bucket), one
-    (level, batch) per step. A pair that fails is left out (logged): the verdict stands without it."""
+    ``max_batch`` (a serving engine never decodes more together; ``None``: every bucket), a forward
+    per step (``head / ...`` labels), each pair's last step labelled ``pin cost at LEVEL, batch B``. A
+    pair that fails is left out (logged): the verdict stands without it."""
     rows: list[PinCost] = []
     if not levels:
         return rows
@@ -69,28 +70,40 @@ def pin_cost_steps(
     context = (prompt * (CONTEXT // max(1, len(prompt)) + 1))[:CONTEXT]
     for batch in (b for b in BATCH_BUCKETS if max_batch is None or b == 1 or b <= max_batch):
         for level in levels:
+            head = f"pin cost at {level.value}, batch {batch}"
             try:
-                rows.append(_measure(model, make_cache, context, batch, level))
+                rows.append((yield from _measure_steps(model, make_cache, context, batch, level, head)))
             except Exception as exc:  # a rung that cannot run batched costs its row only
                 log.warning("pin cost at %s, batch %d not measured: %r", level.value, batch, exc)
-            yield f"pin cost at {level.value}, batch {batch}"
+            yield head
     return rows
 
 
-def _measure(model: Any, make_cache: MakeCache, context: list[int], batch: int, level: Level) -> PinCost:
+def _measure_steps(
+    model: Any, make_cache: MakeCache, context: list[int], batch: int, level: Level, head: str
+) -> Generator[str, None, PinCost]:
+    """One (level, batch) pair a forward per unit: the scratch prefill's chunks, then each timed step
+    (wide and pinned in turn), the level entered and left within its step's unit. No yield after the
+    last step: the caller's ``head`` ends that unit."""
     single = make_cache()
-    with scoped(Level.WIDE):
-        prefill(model, single, context)
+    count = -(-len(context) // PREFILL_STEP)
+    for n, i in enumerate(range(0, len(context), PREFILL_STEP), 1):
+        with scoped(Level.WIDE):
+            model(mx.array([context[i : i + PREFILL_STEP]]), cache=single)
+            mx.eval([c.state for c in single])
+        yield f"{head} / prefill {n}/{count}"
     merged = mlxlm.merge_caches([single] * batch)  # the batch cache batched decode steps on
     mx.eval([c.state for c in merged])
     step = mx.array([[context[-1]]] * batch)
     times: dict[Level, list[float]] = {Level.WIDE: [], level: []}
-    for _ in range(REPS + 1):
+    for rep in range(REPS + 1):
         for lv in (Level.WIDE, level):
             tic = time.perf_counter()
             with scoped(lv):
                 mx.eval(model(step, cache=merged))
             times[lv].append(time.perf_counter() - tic)
+            if not (rep == REPS and lv is level):
+                yield f"{head}{WITHIN}{lv.value} step {rep + 1}/{REPS + 1}"
     wide, pinned = (sorted(times[lv][1:])[REPS // 2] for lv in (Level.WIDE, level))
     return PinCost(level.value, batch, wide, pinned, pinned / wide)
 

@@ -21,7 +21,7 @@ probe's own activations. When calibration has left every projection at one row, 
 per-query-1 and is reported as that rung. Verdicts (with their widths) are memoised by a
 fingerprint of everything that can change the answer and persisted as JSON.
 
-This module turns a pairing into a verdict (from the store, or by running the ladder a draw per
+This module turns a pairing into a verdict (from the store, or by running the ladder a forward per
 step). The parts: ``draws`` (the draws, and running one), ``ladder`` (the rungs and the policy),
 ``localize`` (naming the first sublayer that differs), ``results`` (the verdict and its checked
 JSON), ``verdict_store`` (fingerprints and the files), ``report`` (the verdict for people).
@@ -72,7 +72,8 @@ def probe_steps(
 ) -> Generator[str, None, Verdict]:
     """The verdict for ``pairing`` (a JSON-able description including the model's fingerprint,
     the drafter and the backend), from the store when its fingerprint is known, else measured a
-    draw per step. Either way the verdict's widths are what narrow and per-query serve with after it.
+    forward per step (a prefill chunk, a decode step, a block, a pin-cost step; any pin entered and
+    left within its step, so an engine serves between the steps at its own level). Either way the verdict's widths are what narrow and per-query serve with after it.
     With ``warm`` (a verdict that bursts will serve: the block lengths they can run) the verify's
     kernels are built at the verdict's level for those lengths before it is returned (``verify_warmup``).
     ``max_batch``: a serving engine's most sequences a step; the pin's cost is measured up to it."""

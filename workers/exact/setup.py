@@ -51,7 +51,7 @@ class ProbeSetup:
         warm: list[int] | None = None,
         max_batch: int | None = None,
     ) -> Generator[str, None, Verdict]:
-        """The probe as steps (one draw each), ending in the verdict. ``model`` is what the forwards
+        """The probe as steps (one forward each), ending in the verdict. ``model`` is what the forwards
         run through: the loaded model, or the engine's counted wrapper of it so its pins are tallied.
         ``warm``: the block lengths whose verify kernels are built at the verdict's level first (a
         serving engine's probe: ``verify_warmup.block_lengths``); ``max_batch``: the most sequences the

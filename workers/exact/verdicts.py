@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.api import Level, PinScope
+from workers.exact.draws import within_draw
 from workers.exact.pins import unpinned
 from workers.exact.probe import Verdict, failed_verdict
 from workers.kernels import set_process_level
@@ -45,7 +46,7 @@ class Verdicts:
         return None if name is None else self.by_name.get(name)
 
     def start_probe(self, name: str, steps: Generator[str, None, Verdict]) -> None:
-        """Queue a probe; ``probe_step`` advances it one draw at a time."""
+        """Queue a probe; ``probe_step`` advances it one forward at a time."""
         self.probe_state = ProbeState(name, steps)
 
     @property
@@ -53,7 +54,7 @@ class Verdicts:
         return self.probe_state is not None
 
     def probe_step(self) -> Verdict | None:
-        """Advance the probe by one draw; return the verdict when it is done."""
+        """Advance the probe by one unit (a forward); return the verdict when it is done."""
         state = self.probe_state
         if state is None:
             return None
@@ -61,6 +62,8 @@ class Verdicts:
             with unpinned("probe"):
                 state.label = next(state.steps)
             state.step += 1
+            if within_draw(state.label):
+                return None
             # A line per draw, so a start-up probe shows its progress instead of a silent wait.
             log.info(
                 "probe %s: draw %d, %s (%.1f s so far)",

@@ -16,7 +16,8 @@ So before a verdict reaches the burst runner the engine runs one verify forward 
 tokens (an MTP head, a draft model: every block it asks for is that long, and building every length
 costs tens of seconds on a fresh GPU machine); a lone token is verified at
 the classic level. Plus one classic step when the level pins the chain too, on a scratch cache: one
-length per probe step, so serving waits for one forward at most. The forwards are counted as pinned with purpose ``warm``.
+forward (a prefill chunk, a length) per probe step, so serving waits for one forward at most. The
+forwards are counted as pinned with purpose ``warm``.
 On the CPU nothing is compiled and the forwards cost a few milliseconds.
 """
 
@@ -31,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from workers.api import Level
-from workers.exact.draws import MakeCache, prefill
+from workers.exact.draws import WITHIN, MakeCache, prefill_steps
 from workers.exact.pins import unpinned
 from workers.kernels import scoped, stabilize_layout, wrap_caches
 
@@ -51,12 +52,14 @@ def warm_steps(
     model: Any, make_cache: MakeCache, level: Level, lengths: list[int], prompt: list[int]
 ) -> Generator[str, None, list[int]]:
     """One verify forward per block length in ``lengths`` at ``level`` on a cache prefilled with
-    ``prompt``, a length per step; returns the lengths run. The cache is trimmed back after each
-    block, so every block sees the same short context."""
+    ``prompt``, a forward per step (the prefill's chunks first, labelled ``verify warm-up at LEVEL /
+    prefill i/n``; then a length per step); returns the lengths run. The cache is trimmed back after
+    each block, so every block sees the same short context. Each pin is entered and left within its
+    step."""
     tic = time.perf_counter()
     cache = make_cache()
     stabilize_layout(cache)  # as a burst's caches grow
-    prefill(model, cache, prompt)
+    yield from prefill_steps(model, cache, prompt, f"verify warm-up at {level.value}{WITHIN.rstrip()}")
     for n in lengths:
         tokens = [prompt[i % len(prompt)] for i in range(n)]
         with unpinned(PURPOSE), scoped(level):
