@@ -39,6 +39,7 @@ from workers.kernels.backend import (
     SettingError,
     backend_fingerprint,
     configure_attention,
+    configure_kernel_cache,
 )
 from workers.kernels.byte_equal import (
     bytes_equal,
@@ -123,6 +124,7 @@ __all__ = [
     "capturing",
     "compiled_layers",
     "configure_attention",
+    "configure_kernel_cache",
     "continuation_bpe_class",
     "current_level",
     "detokenizer_prototype",

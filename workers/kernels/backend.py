@@ -1,5 +1,5 @@
 """What a measured fact about kernels depends on (the device, its architecture and MLX's version), and
-the process-wide choice of MLX's attention kernels.
+the process-wide choice of MLX's attention kernels, and where MLX CUDA keeps the kernels it compiles.
 
 Probe verdicts and kernel plans are kept on disk and reused only on the backend that measured them.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -16,6 +17,27 @@ from workers.envs import SettingError as SettingError
 #: MLX CUDA's switch for its cuDNN attention. MLX reads it once per process, at the first attention
 #: call, so it is set before the engine's first forward.
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+#: Where MLX CUDA keeps the kernels it compiles at run time (NVRTC); its own default is under the
+#: system's temporary folder, emptied at a reboot.
+KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+
+
+def configure_kernel_cache(root: Path, cuda: bool | None = None) -> Path | None:
+    """On MLX CUDA (``cuda``: whether it runs here), keep compiled kernels under ``root`` (the project's
+    cache folder), one folder per MLX version and GPU architecture, so a later start, a reboot
+    included, compiles none again; the operator's ``MLX_PTX_CACHE_DIR`` wins. MLX reads the variable
+    at its first compile, so this runs before the model's first forward. Returns the folder in use."""
+    if cuda is None:
+        cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    if not cuda:
+        return None
+    if KERNEL_CACHE_ENV in os.environ:
+        return Path(os.environ[KERNEL_CACHE_ENV])
+    info = backend_fingerprint()
+    arch = re.sub(r"[^A-Za-z0-9._-]+", "_", info["architecture"] or info["device_name"] or "gpu")
+    folder = root / "kernels" / re.sub(r"[^A-Za-z0-9._-]+", "_", info["mlx"]) / arch
+    os.environ[KERNEL_CACHE_ENV] = str(folder)
+    return folder
 
 
 def configure_attention(cudnn: bool) -> bool:

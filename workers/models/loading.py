@@ -13,11 +13,13 @@ from workers.api import CUDNN_ATTENTION_DEFAULT, ModelInfo
 from workers.kernels import (
     WidthReport,
     configure_attention,
+    configure_kernel_cache,
     continuation_bpe_class,
     detokenizer_prototype,
     measure_widths,
     model_classes,
 )
+from workers.models.demo import cache_dir
 
 if TYPE_CHECKING:
     from workers.dist import Mode, ShardReport, World
@@ -213,6 +215,7 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
     from mlx_lm.utils import load as mlx_load
 
     configure_attention(CUDNN_ATTENTION_DEFAULT)
+    configure_kernel_cache(cache_dir())
 
     path = check_model(spec)
     sharded = world is not None and world.distributed
