@@ -20,7 +20,7 @@ import pytest
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers.engine.engine import Engine
-from workers.kernels import fastpath, w4a16, w4a16_source
+from workers.kernels import dense_shadow, fastpath, w4a16, w4a16_source
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("policy")]
@@ -127,21 +127,21 @@ def test_split_k_is_deterministic_and_its_counters_return_to_zero() -> None:
     assert not mx.any(weight.locks).item()
 
 
-def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _greedy_agreement(tmp_path: Path, to: int, what: str) -> None:
     """32 sequences x 32 greedy tokens (1,024) of a 4-bit Llama synth that echoes its prompt (clear
-    margins between the top tokens), decode planned through the kernel at every row count against
-    MLX's kernels. Batched GPU decode makes no byte-identity promise; a near-tie may flip and the
-    sequence then continues differently, so the tokens equal before each sequence's first difference
-    are counted."""
-    monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
+    margins between the top tokens), decode planned to ``to`` at every row count against MLX's
+    kernels. Batched GPU decode makes no byte-identity promise; a near-tie may flip and the sequence
+    then continues differently, so the tokens equal before each sequence's first difference are
+    counted."""
     fastpath.set_active(fastpath.CUDA)
     config = llama_config(1024, 4, 2816, 8, 2, quant_bits=4, echo=True)
     from mlx_lm import load
 
     model = load(str(write_model(tmp_path / "m", config, seed=7)))[0]
-    assert any(w4a16.takes(m) for m, _ in fastpath._projections(model))
+    if to == fastpath.DENSE:
+        assert dense_shadow.configure(model, "on", 0).on
+    else:
+        assert any(w4a16.takes(m) for m, _ in fastpath._projections(model))
     prompts = [[(7 * i + j) % 200 + 1 for j in range(8)] for i in range(32)]
     shapes = {shape for _, shape in fastpath._projections(model)}
 
@@ -155,12 +155,24 @@ def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
         )
 
     mlx_way = run(None)
-    kernel_way = run(fastpath.MMA)
+    other_way = run(to)
     agreed = 0
     for i, want in mlx_way.items():
-        got = kernel_way[i]
+        got = other_way[i]
         same = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
         agreed += same
     total = sum(len(v) for v in mlx_way.values())
-    print(f"greedy agreement: {agreed} of {total} tokens before each sequence's first difference")
+    print(f"greedy agreement, {what}: {agreed} of {total} tokens before each sequence's first difference")
     assert total == 1024 and agreed >= 0.99 * total
+
+
+def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
+    _greedy_agreement(tmp_path, fastpath.MMA, "w4a16 kernel")
+
+
+def test_engine_greedy_tokens_through_the_dense_shadow_agree_with_mlx_s_path(tmp_path: Path) -> None:
+    """The same with every projection through the dequantized bf16 shadow (``serve --dense-shadow``)."""
+    _greedy_agreement(tmp_path, fastpath.DENSE, "dense shadow")
