@@ -44,16 +44,25 @@ def apply_bitmask(
     logits: mx.array, words: np.ndarray, extra: Iterable[int] = (), allow_extra: bool = False
 ) -> mx.array:
     """``logits`` ``[1, V]`` with every token whose bit is clear in ``words`` (llguidance's int32
-    bitmask row) set to -inf; tokens of ``extra`` are allowed exactly when ``allow_extra``."""
+    bitmask row) set to -inf; tokens of ``extra`` are allowed exactly when ``allow_extra``.
+
+    The words go to the device as they are and are unpacked there: a thirty-second of the bytes a
+    per-token mask would carry, and no per-token work on the host."""
     vocab = logits.shape[-1]
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-    allowed = np.zeros(vocab, dtype=np.bool_)
-    n = min(vocab, bits.size)
-    allowed[:n] = bits[:n]
+    w = words.view(np.uint32).copy()
+    n = min(vocab, w.size * 32)
+    tail = np.zeros(vocab - n, dtype=np.bool_)
     for t in extra:
-        if 0 <= t < vocab:
-            allowed[t] = allow_extra
-    return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+        if 0 <= t < n:
+            bit = np.uint32(1 << (t & 31))
+            w[t >> 5] = (w[t >> 5] | bit) if allow_extra else (w[t >> 5] & ~bit)
+        elif n <= t < vocab:
+            tail[t - n] = allow_extra
+    bits = mx.arange(32, dtype=mx.uint32)  # made here: an array belongs to the stream of its thread
+    allowed = ((mx.array(w)[:, None] >> bits) & 1).reshape(-1)[:n].astype(mx.bool_)
+    if tail.size:
+        allowed = mx.concatenate([allowed, mx.array(tail)])
+    return mx.where(allowed, logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
 class GrammarState:
