@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable, Generator
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from tests.helpers.units import Counted, run_units
 from workers.engine import prefix_check
 from workers.engine.prefix_check import DECODE_STEPS, ReuseVerdict, decide, make_draws, warm_vs_cold
 from workers.kernels import as_int, merge_caches
@@ -93,31 +93,6 @@ def _outcome(v: ReuseVerdict) -> dict[str, Any]:
 # --------------------------------------------------------------------------- units
 
 
-def _run(steps: Generator[str, None, ReuseVerdict], between: Callable[[], None]) -> tuple[list[str], ReuseVerdict]:
-    """Each unit's label and the verdict, calling ``between`` after every unit."""
-    labels = []
-    while True:
-        try:
-            labels.append(next(steps))
-        except StopIteration as end:
-            return labels, end.value
-        between()
-
-
-class Counted:
-    """``model`` noting each forward's token count in ``events`` (``mx.eval`` notes its calls there)."""
-
-    def __init__(self, model: Any, events: list[tuple[str, int]]) -> None:
-        self.model, self.events = model, events
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
-        self.events.append(("forward", tokens.shape[1]))
-        return self.model(tokens, cache=cache)
-
-
 @pytest.mark.parametrize("seed", [0, 5])
 def test_the_units_give_the_verdict_and_draws_of_the_check_run_whole(model: Any, seed: int) -> None:
     """Also with the same model serving other forwards between the units, as the engine does."""
@@ -133,7 +108,7 @@ def test_the_units_give_the_verdict_and_draws_of_the_check_run_whole(model: Any,
     def serve() -> None:
         mx.eval(model(mx.array([[7, 8, 9]]), cache=serving))
 
-    labels, stepped = _run(prefix_check.warm_vs_cold_steps(model, STEP, BYTE_VOCAB, WINDOW, CONTEXT, seed), serve)
+    labels, stepped = run_units(prefix_check.warm_vs_cold_steps(model, STEP, BYTE_VOCAB, WINDOW, CONTEXT, seed), serve)
     assert _outcome(stepped) == _outcome(whole)
     assert len(labels) > 2 * len(whole.draws)
 
@@ -156,7 +131,7 @@ def test_a_draw_is_many_units_of_one_evaluated_forward_each(model: Any, monkeypa
         events.clear()
 
     steps = prefix_check.warm_vs_cold_steps(Counted(model, events), STEP, BYTE_VOCAB, WINDOW, CONTEXT)
-    labels, verdict = _run(steps, cut)
+    labels, verdict = run_units(steps, cut)
     assert not [e for e in events if e[0] == "forward"]  # the verdict's call runs no forward
     assert len(units) == len(labels)
     for label, unit in zip(labels, units, strict=True):

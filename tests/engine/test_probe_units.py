@@ -23,6 +23,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import workers.kernels.seam
+from tests.helpers.units import Counted, run_units
 from tests.reference import load_measured, perturb
 from workers import kernels
 from workers.api import Level, ProbePolicy
@@ -188,18 +189,6 @@ def _ladder_whole(
 # --------------------------------------------------------------------------- helpers
 
 
-def _run(steps: Generator[str, None, Any], between: Callable[[], None] = lambda: None) -> tuple[list[str], Any]:
-    """Each unit's label and the generator's value, calling ``between`` after every unit (as the
-    engine serves between them)."""
-    labels = []
-    while True:
-        try:
-            labels.append(next(steps))
-        except StopIteration as end:
-            return labels, end.value
-        between()
-
-
 def _results(results: list[LevelResult]) -> list[dict[str, Any]]:
     """The ladder's results without their seconds."""
     out = []
@@ -222,20 +211,6 @@ def _server(model: Any) -> Callable[[], None]:
     return serve
 
 
-class Counted:
-    """``model`` noting each forward's token count in ``events`` (``mx.eval`` notes its calls there)."""
-
-    def __init__(self, model: Any, events: list[tuple[str, int]]) -> None:
-        self.model, self.events = model, events
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
-        self.events.append(("forward", int(tokens.size)))
-        return self.model(tokens, cache=cache)
-
-
 # --------------------------------------------------------------------------- same bytes
 
 
@@ -248,11 +223,11 @@ def test_chain_and_block_units_give_the_bytes_of_the_whole_draw(model_path: Path
     for draw in make_draws(K, VOCAB, 4096, None)[2:4]:
         for level in (Level.WIDE, Level.PADDED, Level.PER_QUERY):
             whole, fed = _chain_whole(model, make_cache, draw, K + 1, level)
-            labels, (stepped, stepped_fed) = _run(chain_steps(model, make_cache, draw, K + 1, level), serve)
+            labels, (stepped, stepped_fed) = run_units(chain_steps(model, make_cache, draw, K + 1, level), serve)
             assert stepped_fed == fed and compare(whole, stepped)[1] == 0, (draw.name, level)
             assert len(labels) == K + 1 + 1  # the prefill's one chunk, then each decode step
             block = _block_whole(model, make_cache, draw, fed, level)
-            labels, stepped = _run(block_steps(model, make_cache, draw, fed, level), serve)
+            labels, stepped = run_units(block_steps(model, make_cache, draw, fed, level), serve)
             assert compare(block, stepped)[1] == 0 and len(labels) == 2, (draw.name, level)
 
 
@@ -266,13 +241,13 @@ def test_the_ladder_in_units_reaches_the_verdict_and_results_of_the_ladder_a_dra
     levels = (Level.WIDE, Level.NARROW)
     make_cache = lambda: make_prompt_cache(model)  # noqa: E731
 
-    labels_whole, (level, exact, _, results) = _run(_ladder_whole(model, make_cache, draws, K, levels))
+    labels_whole, (level, exact, _, results) = run_units(_ladder_whole(model, make_cache, draws, K, levels))
     widths_whole = kernels.widths_by_path(model)
     assert (level, exact) == (Level.NARROW, True)
     assert [(lr.level, lr.exact) for lr in results] == [("wide", False), ("narrow", True)]
     assert results[1].narrowed and results[0].draws[0].differing_bytes > 0
 
-    labels, (level2, exact2, _, results2) = _run(
+    labels, (level2, exact2, _, results2) = run_units(
         ladder_steps(model, make_cache, draws, K, levels=levels), _server(model)
     )
     assert (level2, exact2) == (level, exact)
@@ -314,7 +289,7 @@ def test_every_unit_runs_one_forward_at_most_and_evaluates_it(
         units.append(events[:])
         events.clear()
 
-    labels, verdict = _run(steps, cut)
+    labels, verdict = run_units(steps, cut)
     assert verdict.level == "narrow" and verdict.exact, verdict.reason
     assert verdict.pin_cost and [r.batch for r in verdict.pin_cost][-1] == 8
     assert len(units) == len(labels)
@@ -345,10 +320,12 @@ def test_every_unit_runs_one_forward_at_most_and_evaluates_it(
     reference = PinLedger()
     ref_model = CountedModel(model, reference)
     make_cache = lambda: make_prompt_cache(model)  # noqa: E731
-    _run(_ladder_whole(ref_model, make_cache, draws, K, (Level.WIDE, Level.NARROW)))
+    run_units(_ladder_whole(ref_model, make_cache, draws, K, (Level.WIDE, Level.NARROW)))
     kernels.apply_widths(model, verdict.widths)
-    _run(pin_cost_steps(ref_model, make_cache, draws[0].prompt, [Level.NARROW, Level.PER_QUERY, Level.PER_QUERY_1], 8))
-    _run(warm_steps(ref_model, make_cache, Level.NARROW, [2, 3, 4], draws[0].prompt))
+    run_units(
+        pin_cost_steps(ref_model, make_cache, draws[0].prompt, [Level.NARROW, Level.PER_QUERY, Level.PER_QUERY_1], 8)
+    )
+    run_units(warm_steps(ref_model, make_cache, Level.NARROW, [2, 3, 4], draws[0].prompt))
 
     def counts(lg: PinLedger) -> dict[str, list[tuple[str, str, int, int]]]:
         snap = lg.snapshot()
@@ -383,7 +360,7 @@ def test_what_serves_between_units_runs_at_the_serving_level(model_path: Path) -
         seen.append((current_level(), in_scoped_pin()))
         mx.eval(server(mx.array([[7]]), cache=serving))
 
-    labels, verdict = _run(steps, serve)
+    labels, verdict = run_units(steps, serve)
     assert verdict.level == "padded", verdict.reason
     assert len(seen) == len(labels) > 20
     assert set(seen) == {(Level.WIDE, False)}
