@@ -85,7 +85,8 @@ def valid(
             raise ValueError(f"{shape}: other row counts")
         for rows, to in parsed.items():
             kernel = to == -1 and rows <= kernel_rows
-            mma = -1 - len(w4a16_source.TILES) <= to <= -2 and bool(large) and rows > 1
+            tile = fastpath.tile(to)
+            mma = tile is not None and tile < len(w4a16_source.TILES) and bool(large) and rows > 1
             mma = mma or (to == fastpath.DENSE and dense and rows >= dense_shadow.MIN_ROWS)
             if rows == 1 and not (to == 1 or kernel):
                 raise ValueError(f"{shape}: one row planned to {to}")
