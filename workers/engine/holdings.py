@@ -14,9 +14,10 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import BurstSettings, Level, PinScope
-from workers.engine.background import Background
+from workers.engine.background import Background, Steps
+from workers.engine.prefill_pace import PrefillPace
 from workers.engine.spec import Adaptive, BurstCounters, BurstRunner, BurstSeq, Drafter
-from workers.exact import CountedModel, PinLedger, Verdict, Verdicts, pin_cost_summary, pinned
+from workers.exact import CountedModel, PinLedger, Verdict, Verdicts, paced, pin_cost_summary, pinned
 
 
 class Holdings:
@@ -29,6 +30,8 @@ class Holdings:
     _verdicts: Verdicts
     background: Background
     decode_seconds_by_batch: dict[int, float]
+    pace: PrefillPace
+    prefill_tokens: int
 
     # ------------------------------------------------------------------ pins
 
@@ -67,11 +70,17 @@ class Holdings:
     def start_up_summary(self) -> dict[str, Any]:
         return self.background.summary()
 
+    def paced(self, steps: Steps) -> Steps:
+        """``steps`` (the prefix check, the probe) prefilling in chunks no larger than a serving step
+        may prefill when it starts (``workers.engine.prefill_pace``), so that none of its units
+        outlasts the watchdog's limit on a slow machine."""
+        return paced(steps, lambda: self.pace.budget(self.prefill_tokens, 0))
+
     # ------------------------------------------------------------------ the probe and verdicts
 
     def start_probe(self, name: str, steps: Generator[str, None, Verdict]) -> None:
         """Queue a probe; ``probe_step`` advances it one forward at a time."""
-        self._verdicts.start_probe(name, steps)
+        self._verdicts.start_probe(name, self.paced(steps))
 
     @property
     def probing(self) -> bool:

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from workers.exact import drive
+from workers.exact import drive, prefill_chunk
 from workers.kernels import as_int, merge_caches
 
 log = logging.getLogger("mlx_batchd.engine")
@@ -102,10 +102,12 @@ def make_draws(prefill_step: int, window: int | None, context: int) -> list[Draw
 def _feed(
     model: Any, cache: list[Any], tokens: list[int], step: int, singles: int, what: str, last: bool = False
 ) -> Generator[str, None, mx.array]:
-    """Feed ``tokens`` as serving does: all but the last ``singles`` in chunks of ``step`` (prefill),
-    those one at a time (decode); returns the last forward's logits row. A unit a forward: each
-    forward's results are evaluated before the yield that ends its unit (``last``: none after the
-    last forward, the caller's unit goes on)."""
+    """Feed ``tokens`` as serving does: all but the last ``singles`` in chunks of ``step`` (prefill;
+    less where the engine's pace asks it, ``workers.exact.paced``), those one at a time (decode);
+    returns the last forward's logits row. A unit a forward: each forward's results are evaluated
+    before the yield that ends its unit (``last``: none after the last forward, the caller's unit
+    goes on)."""
+    step = min(step, prefill_chunk())
     split = len(tokens) - singles
     starts = range(0, split, step)
     count = len(starts) + len(tokens[split:])

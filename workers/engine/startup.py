@@ -290,7 +290,7 @@ def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSetting
     def steps() -> Generator[str, None, ReuseVerdict]:
         return (yield from check().steps())  # made when it starts: after the kernel plans
 
-    engine.background.add("prefix check", steps(), settle, lambda: unpinned("probe"))
+    engine.background.add("prefix check", engine.paced(steps()), settle, lambda: unpinned("probe"))
 
 
 def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine:

@@ -5,6 +5,8 @@ and their cost, and the verify warm-up."""
 from __future__ import annotations
 
 from workers.exact.draws import (
+    paced,
+    prefill_chunk,
     within_draw,
 )
 from workers.exact.pin_cost import (
@@ -56,8 +58,10 @@ __all__ = [
     "drive",
     "failed_verdict",
     "make_draws",
+    "paced",
     "pin_cost_summary",
     "pinned",
+    "prefill_chunk",
     "probe",
     "probe_setup",
     "probe_steps",

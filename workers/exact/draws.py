@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable, Generator
 from contextlib import nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,18 +91,45 @@ def make_draws(k: int, vocab: int, context: int, window: int | None, seed: int =
 MakeCache = Callable[[], list[Any]]
 #: A step generator: one unit per ``next``, each yielding a label of what it did, ending in a value.
 Steps = Generator[str, None, Any]
-#: Tokens per prefill forward (a chunk).
+#: Tokens per prefill forward (a chunk) at most.
 PREFILL_STEP = 2048
+#: Tokens per prefill forward of the start-up work running now (``paced``).
+_CHUNK: ContextVar[int] = ContextVar("prefill_chunk", default=PREFILL_STEP)
 
 
-def prefill(model: Any, cache: list[Any], tokens: list[int], step: int = PREFILL_STEP) -> None:
+def prefill_chunk() -> int:
+    """Tokens per prefill forward here: ``PREFILL_STEP``, or less inside ``paced`` work."""
+    return _CHUNK.get()
+
+
+def paced(steps: Steps, chunk: Callable[[], int]) -> Steps:
+    """``steps`` with every prefill forward in them (``prefill_chunk``) of at most ``chunk()`` tokens
+    (within ``PREFILL_STEP``), read when its first unit runs: an engine sizes it from its prefill
+    pace, so that a start-up unit keeps within the watchdog's limit as a serving step does. One size
+    for the whole run, so every draw of a probe prefills its prompt alike."""
+    size = 0
+    while True:
+        size = size or max(1, min(PREFILL_STEP, chunk()))
+        token = _CHUNK.set(size)
+        try:
+            label = next(steps)
+        except StopIteration as end:
+            return end.value
+        finally:
+            _CHUNK.reset(token)
+        yield label
+
+
+def prefill(model: Any, cache: list[Any], tokens: list[int], step: int | None = None) -> None:
     drive(prefill_steps(model, cache, tokens, "prefill", step))
 
 
 def prefill_steps(
-    model: Any, cache: list[Any], tokens: list[int], what: str, step: int = PREFILL_STEP
+    model: Any, cache: list[Any], tokens: list[int], what: str, step: int | None = None
 ) -> Generator[str, None, None]:
-    """``prefill`` a chunk per unit, each chunk's cache evaluated before its yield."""
+    """``prefill`` a chunk per unit (``step`` tokens, default ``prefill_chunk()``), each chunk's cache
+    evaluated before its yield."""
+    step = step or prefill_chunk()
     count = -(-len(tokens) // step)
     for n, i in enumerate(range(0, len(tokens), step), 1):
         model(mx.array([tokens[i : i + step]]), cache=cache)

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import Level
-from workers.exact.draws import PREFILL_STEP, WITHIN, MakeCache, layout_stable
+from workers.exact.draws import WITHIN, MakeCache, layout_stable, prefill_chunk
 from workers.kernels import mlxlm, scoped
 
 log = logging.getLogger("mlx_batchd.probe")
@@ -86,10 +86,11 @@ def _measure_steps(
     (wide and pinned in turn), the level entered and left within its step's unit. No yield after the
     last step: the caller's ``head`` ends that unit."""
     single = make_cache()
-    count = -(-len(context) // PREFILL_STEP)
-    for n, i in enumerate(range(0, len(context), PREFILL_STEP), 1):
+    chunk = prefill_chunk()
+    count = -(-len(context) // chunk)
+    for n, i in enumerate(range(0, len(context), chunk), 1):
         with scoped(Level.WIDE):
-            model(mx.array([context[i : i + PREFILL_STEP]]), cache=single)
+            model(mx.array([context[i : i + chunk]]), cache=single)
             mx.eval([c.state for c in single])
         yield f"{head} / prefill {n}/{count}"
     merged = mlxlm.merge_caches([single] * batch)  # the batch cache batched decode steps on
