@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +88,11 @@ def test_an_engine_with_stored_plans_installs_them_at_once_and_queues_nothing(
     timed = _engine(loaded, "now")  # times and stores them
     assert timed.kernel_plans and not timed.starting
 
-    def no_timing(m: Any, n: int) -> dict[int, int]:
+    def no_timing(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
         raise AssertionError("timed again although the plans were stored")
+        yield ""  # a generator, as the one it replaces
 
-    monkeypatch.setattr(plan_timing, "time_plan", no_timing)
+    monkeypatch.setattr(plan_timing, "time_plan_steps", no_timing)
     plan_units.uninstall(loaded.model)
     engine = _engine(loaded)
     assert not engine.starting and engine.start_up_summary() == {}
@@ -167,16 +168,16 @@ def test_a_request_is_served_between_units_before_the_calibration_ends(
     """The daemon's loop: the first unit is held until a request is in the inbox; the request is
     served before the next unit, and the calibration ends after it."""
     submitted = threading.Event()
-    real = plan_timing.time_plan
+    real = plan_timing.time_plan_steps
     calls: list[int] = []
 
-    def held(m: Any, n: int) -> dict[int, int]:
+    def held(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
         calls.append(n)
         if len(calls) == 1:
             assert submitted.wait(30)
-        return real(m, n)
+        return (yield from real(m, n))
 
-    monkeypatch.setattr(plan_timing, "time_plan", held)
+    monkeypatch.setattr(plan_timing, "time_plan_steps", held)
     recorded = Recorded(tiny_model, admit_idle_window_s=0.0)
     with recorded as t:
         t.engine.submit(Job(seq=1, prompt=[5, 6, 7], max_tokens=4))
@@ -198,13 +199,13 @@ def test_a_busy_engine_still_finishes_its_calibration_within_its_share(
     """An engine busy from before its first unit to after its last: the calibration ends while the
     request still runs (the pieces before the probe take a share of a busy engine's time)."""
     submitted = threading.Event()
-    real = plan_timing.time_plan
+    real = plan_timing.time_plan_steps
 
-    def held(m: Any, n: int) -> dict[int, int]:
+    def held(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
         assert submitted.wait(30)
-        return real(m, n)
+        return (yield from real(m, n))
 
-    monkeypatch.setattr(plan_timing, "time_plan", held)
+    monkeypatch.setattr(plan_timing, "time_plan_steps", held)
     monkeypatch.setattr(loop, "START_UP_SHARE", 1.0)  # a unit every few steps: a short request suffices
     recorded = Recorded(tiny_model, admit_idle_window_s=0.0)
     with recorded as t:

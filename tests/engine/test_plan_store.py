@@ -7,12 +7,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import mlx.nn as nn
 import pytest
 
 from tests.helpers.fastpath import policy as policy
+from tests.helpers.units import run_units
 from workers.kernels import fastpath, plan_store, plan_timing, plan_units, qmv_launch
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
@@ -29,10 +32,11 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     first = plan_units.calibrate(_model(), tmp_path)
     assert sorted(first) == SHAPES and len(list(tmp_path.glob("*.json"))) == 1
 
-    def no_timing(m: nn.Module, n: int) -> dict[int, int]:
+    def no_timing(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]]:
         raise AssertionError("timed again although the plans were stored")
+        yield ""  # a generator, as the one it replaces
 
-    monkeypatch.setattr(plan_timing, "time_plan", no_timing)
+    monkeypatch.setattr(plan_timing, "time_plan_steps", no_timing)
     again = _model()
     assert plan_units.calibrate(again, tmp_path) == first
     assert fastpath._plans[id(again.layers[2])] == first["Linear(32, 16)/None"]  # every module of a shape
@@ -116,6 +120,34 @@ def test_a_near_tie_keeps_the_flattened_call_and_a_clear_win_is_planned(
     fake_ms.calls = 0  # type: ignore[attr-defined]
     monkeypatch.setattr(plan_timing, "_ms", fake_ms)
     assert plan_timing.time_plan(nn.Linear(8, 8), 4) == {2: 8, 3: 3, 4: 4}
+
+
+def test_a_plans_timing_runs_each_ways_first_call_in_a_unit_of_its_own(
+    policy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A calibration unit holds at most one way's first call on a row count (where a kernel compiles
+    on a fresh machine, seconds each), and a row count's timing is a unit of its own after them."""
+    calls: list[tuple[int, int]] = []
+    real_way = plan_timing._way
+
+    def way(f: Any, m: nn.Module, to: int) -> Any:
+        inner = real_way(f, m, to)
+
+        def call(x: Any) -> Any:
+            calls.append((x.shape[0], to))
+            return inner(x)
+
+        return call
+
+    monkeypatch.setattr(plan_timing, "_way", way)
+    monkeypatch.setattr(plan_timing, "_ms", lambda ways, x: [1.0] * len(ways))
+    after: list[int] = []
+    labels, plan = run_units(plan_timing.time_plan_steps(nn.Linear(8, 8), 4), lambda: after.append(len(calls)))
+    per_unit = [b - a for a, b in zip([0, *after], after)]
+    assert per_unit == [0 if label.endswith("timed") else 1 for label in labels]
+    assert [label for label in labels if label.endswith("timed")] == ["2 rows timed", "3 rows timed", "4 rows timed"]
+    assert sorted(set(calls)) == sorted(calls)  # each way once, in its own unit
+    assert plan == plan_timing.time_plan(nn.Linear(8, 8), 4) == {2: 2, 3: 3, 4: 4}
 
 
 def test_a_lock_held_elsewhere_delays_start_up_a_bounded_time_then_plans_are_timed_here(

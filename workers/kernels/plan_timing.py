@@ -133,13 +133,22 @@ def mma_ways(rows: int) -> list[int]:
 
 
 def time_plan(m: nn.Module, n: int) -> dict[int, int]:
+    """``time_plan_steps`` run to its end."""
+    plan: dict[int, int] = drive(time_plan_steps(m, n))
+    return plan
+
+
+def time_plan_steps(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
     flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``,
     ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or the w4a16 kernel's tiles (``mma_ways``,
     where it takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it), and from
     ``dense_shadow.MIN_ROWS`` rows ``fastpath.DENSE`` where ``m`` has a shadow (the large rows too).
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
-    is timed as mlx-lm calls it against the row kernel only, where that takes ``m``."""
+    is timed as mlx-lm calls it against the row kernel only, where that takes ``m``.
+
+    As units: each way's first call on a row count (where a kernel compiles: on a fresh machine one
+    compile can take seconds, so a unit holds one), then that row count's timing."""
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
     bits = getattr(m, "bits", None)
     d_in = m.weight.shape[-1] * (32 // bits if bits else 1)
@@ -170,9 +179,14 @@ def time_plan(m: nn.Module, n: int) -> dict[int, int]:
             else _way(original, m, to)
             for to in ways
         ]
-        costs = dict(zip(ways, _ms(calls, mx.zeros((rows, d_in), dtype=dtype)), strict=True))
+        x = mx.zeros((rows, d_in), dtype=dtype)
+        for to, call in zip(ways, calls, strict=True):
+            mx.eval(call(x))
+            yield f"{rows} rows: way {to} ready"
+        costs = dict(zip(ways, _ms(calls, x), strict=True))
         best = min(costs, key=lambda k: costs[k])
         plan[rows] = best if costs[best] < (1 - MARGIN) * costs[rows] else rows
+        yield f"{rows} rows timed"
     return plan
 
 

@@ -64,13 +64,13 @@ def shapes_of(model: nn.Module) -> Shapes | None:
 
 
 def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]) -> Generator[str, None, Plans]:
-    """Timing as units (yielding what each did): one shape's plan (``time_plan``), then one row
-    count's forward check (``forward_check_steps``); ends in the plans. A forward check that fails
-    keeps the per-shape plans."""
+    """Timing as units (yielding what each did): a shape's plan a way's first call or a row count
+    at a time (``time_plan_steps``), then one row count's forward check (``forward_check_steps``);
+    ends in the plans. A forward check that fails keeps the per-shape plans."""
     names = sh.names
     plans: Plans = {}
     for i, shape in enumerate(names, 1):
-        plans[shape] = plan_timing.time_plan(sh.first[shape], sh.n)
+        plans[shape] = yield from plan_timing.time_plan_steps(sh.first[shape], sh.n)
         yield f"{i}/{len(names)} shapes timed"
     if not plan_timing.decodes(model):
         return plans
