@@ -1,13 +1,15 @@
-"""Decode throughput at B = 16 with every sequence constrained by a JSON schema, against the same
-batch unconstrained, through a real daemon (demo model by default) and the client library.
-
+"""Decode throughput at B = 16 with every sequence under a control, against the same batch without,
+through a real daemon (demo model by default) and the client library. ``--control``:
+``json-schema`` (every sequence constrained by a JSON schema), ``penalties`` (presence, frequency and
+repetition penalties and a ``logit_bias`` on every sequence), ``mixed`` (every other sequence with
+those penalties, the rest plain: a batch step's time is every row's, so this is the plain rows' speed).
 Both arms generate exactly ``--tokens`` tokens per sequence: the plain arm ignores end-of-sequence,
 and the schema (an array of at least 200 small objects) cannot be complete within the budget, so
 every constrained sequence runs to its length too. The arms alternate ``--rounds`` times after a
 warm-up of each; printed: each round's generated tokens per second, the engine's mean decode step
 (``stats.engine`` decode seconds over decode steps) and the median ratio.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/grammar_throughput.py [--model demo] [--batch 16]
+    PYTHONPATH=. .venv/bin/python benchmarks/grammar_throughput.py [--model demo] [--batch 16] [--control json-schema]
 """
 
 from __future__ import annotations
@@ -47,12 +49,29 @@ def step_seconds(client: Client) -> tuple[float, int]:
     return e["decode_seconds"], e["decode_steps"]
 
 
-def run(client: Client, batch: int, tokens: int, constrained: bool, steps: list[float] | None = None) -> float:
-    extra: dict[str, Any] = (
-        {"response_format": {"type": "json_schema", "schema": SCHEMA}} if constrained else {"ignore_eos": True}
-    )
+#: What a sequence under ``--control penalties`` (and half of ``mixed``) carries.
+PENALTIES: dict[str, Any] = {
+    "ignore_eos": True,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": {"5": -2.0, "7": 1.0},
+}
+CONTROLS = ("json-schema", "penalties", "mixed")
+
+
+def fields(control: str | None, i: int) -> dict[str, Any]:
+    """The fields of the batch's ``i``-th request under ``control`` (``None``: plain)."""
+    if control == "json-schema":
+        return {"response_format": {"type": "json_schema", "schema": SCHEMA}}
+    if control == "penalties" or (control == "mixed" and i % 2 == 0):
+        return PENALTIES
+    return {"ignore_eos": True}
+
+
+def run(client: Client, batch: int, tokens: int, control: str | None, steps: list[float] | None = None) -> float:
     reqs = [
-        {"prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), "max_tokens": tokens, **extra}
+        {"prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), "max_tokens": tokens, **fields(control, i)}
         for i in range(batch)
     ]
     s0, n0 = step_seconds(client)
@@ -72,25 +91,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--control", choices=CONTROLS, default="json-schema")
     a = ap.parse_args()
     d = start_daemon(a.model, Path(tempfile.mkdtemp(prefix="grammar-tp-")), "--prefix-cache-mb", "0")
     try:
         with Client(d.address, timeout=600) as c:
-            run(c, a.batch, 16, False), run(c, a.batch, 16, True)  # warm-up
-            plain, constrained, plain_step, constrained_step = [], [], [], []  # type: ignore[var-annotated]
+            run(c, a.batch, 16, None), run(c, a.batch, 16, a.control)  # warm-up
+            plain, controlled, plain_step, controlled_step = [], [], [], []  # type: ignore[var-annotated]
             for i in range(a.rounds):
-                plain.append(run(c, a.batch, a.tokens, False, plain_step))
-                constrained.append(run(c, a.batch, a.tokens, True, constrained_step))
+                plain.append(run(c, a.batch, a.tokens, None, plain_step))
+                controlled.append(run(c, a.batch, a.tokens, a.control, controlled_step))
                 print(
                     f"round {i}: plain {plain[-1]:.0f} tok/s ({plain_step[-1] * 1e3:.2f} ms/step), "
-                    f"constrained {constrained[-1]:.0f} tok/s ({constrained_step[-1] * 1e3:.2f} ms/step)"
+                    f"{a.control} {controlled[-1]:.0f} tok/s ({controlled_step[-1] * 1e3:.2f} ms/step)"
                 )
-        ratios = [c / p for p, c in zip(plain, constrained)]
+        ratios = [c / p for p, c in zip(plain, controlled)]
         print(
-            f"B={a.batch}, {a.tokens} tokens each: plain {statistics.median(plain):.0f} tok/s, constrained "
-            f"{statistics.median(constrained):.0f} tok/s, ratio median {statistics.median(ratios):.3f} "
+            f"B={a.batch}, {a.tokens} tokens each: plain {statistics.median(plain):.0f} tok/s, {a.control} "
+            f"{statistics.median(controlled):.0f} tok/s, ratio median {statistics.median(ratios):.3f} "
             f"(rounds {', '.join(f'{r:.3f}' for r in ratios)}); decode step plain "
-            f"{statistics.median(plain_step) * 1e3:.2f} ms, constrained {statistics.median(constrained_step) * 1e3:.2f} ms"
+            f"{statistics.median(plain_step) * 1e3:.2f} ms, {a.control} {statistics.median(controlled_step) * 1e3:.2f} ms"
         )
     finally:
         d.stop()
