@@ -89,6 +89,17 @@
 #   CPU, or a pipe write to a reader on another CPU after every step, costs a host-bound B = 1 step.
 # PART=d: the demo pair with its MTP head (the dense mirrored kernel's checks and verify cost, building
 #   ahead on and off, then the bench), and `mlx-batchd demo`.
+# PART=su: start-up (issue 54 item 3): the 8B daemon with prompt lookup started twice on a cache folder of its
+#   own, empty at first (benchmarks/start_times.py: spawn to ready, to a first token, to idle; MLX's compiled
+#   kernels live in that folder too, so the first start compiles as on a fresh machine), then classic requests
+#   during the start-up work of another fresh start against after it (benchmarks/start_load.py).
+# PART=ctl: the cost of logits controls at B = 16 (benchmarks/grammar_throughput.py): every sequence under a
+#   JSON schema, every sequence with penalties and a logit bias, half of them with those (the plain rows' speed).
+# PART=b1: the daemon at B = 1 (128 tokens, 3 repeats) from this tree, or with ARM=before from the tree in
+#   .mlx-cuda/before/tree.tgz (git archive of an earlier commit's scheduler, workers, clients, pyproject.toml):
+#   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
+# PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
+#   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
 source benchmarks/h200-steps.sh
 for PART in ${PART:-k}; do
@@ -230,6 +241,25 @@ elif [ "$PART" = ek ]; then
   step echo-k 420 python3 -m scheduler bench --model "$E" --batch-sizes 1 \
     --drafters ${KDRAFTERS:-prompt-lookup,prompt-lookup@7} --tokens 512 --repeats ${REPEATS:-3} --raw-max-batch 1 \
     --out "$R/echo-k"
+elif [ "$PART" = su ]; then
+  MLX_BATCHD_CACHE=$WORK/su-$$ step starts 480 python3 benchmarks/start_times.py "$M" --draft prompt-lookup
+  MLX_BATCHD_CACHE=$WORK/sl-$$ step start-load 480 python3 benchmarks/start_load.py "$M" --draft prompt-lookup
+elif [ "$PART" = ctl ]; then
+  for control in json-schema penalties mixed; do
+    step "ctl-$control" 160 python3 benchmarks/grammar_throughput.py --model "$M" --batch 16 --tokens 96 --rounds 3 \
+      --control "$control"
+  done
+elif [ "$PART" = b1 ]; then
+  if [ "${ARM:-after}" = before ]; then
+    mkdir -p "$WORK/before" && tar xzf .mlx-cuda/before/tree.tgz -C "$WORK/before"
+    (cd "$WORK/before" && PYTHONPATH=$SITE:$WORK/before step b1-before 540 python3 -m scheduler bench --model "$M" \
+      --batch-sizes 1 --tokens 128 --repeats 3 --out "$R/b1-before")
+  else
+    step b1-after 540 python3 -m scheduler bench --model "$M" --batch-sizes 1 --tokens 128 --repeats 3 --out "$R/b1-after"
+  fi
+elif [ "$PART" = sm ]; then
+  step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
+    --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"
 fi
 done
 finish

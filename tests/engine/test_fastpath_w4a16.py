@@ -223,7 +223,7 @@ def test_stored_plans_are_warmed_between_steps_before_they_are_installed(
     launches: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An engine whose plans are in the store serves with none installed while their kernels are
-    warmed a row count a unit (each compiles at its first call), then installs them."""
+    warmed a forward a unit (each kernel compiles at its first call), then installs them."""
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(fastpath, "LARGE_ROWS", (16, 32))  # fewer warm forwards: this CPU's are slow
     fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
@@ -247,5 +247,5 @@ def test_stored_plans_are_warmed_between_steps_before_they_are_installed(
             assert fastpath.installed(model) == {}
         warmed += sorted({r for r, _ in launches})
         launches.clear()
-    assert warmed == rows
+    assert warmed == rows  # the kernel runs decode steps only: each row count's one-token forward
     assert fastpath.installed(model) == fastpath.plans_summary(stored) and engine.kernel_plans

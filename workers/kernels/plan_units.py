@@ -206,18 +206,21 @@ def warming_steps(model: nn.Module, by_shape: Plans) -> Generator[str, None, Pla
 
 
 def warm_kernel_steps(model: nn.Module, plans: Plans) -> Generator[str, None, list[int]]:
-    """One decode forward, with ``plans`` installed, at every row count they send to a project kernel
-    (``warm_rows``), a unit each; returns those row counts.
+    """Two forwards, with ``plans`` installed, at every row count they send to a project kernel
+    (``warm_rows``): two tokens a row, then one on that cache (a decode step), a unit each; returns
+    those row counts.
 
     Why: the row kernel checks each layer shape (or sibling group) against MLX's one-row call, and
-    each kernel compiles at its first call. Plans read from the store skip the
-    timing that would otherwise have made those calls, and a daemon then paid them inside the first
-    request whose batch reached such a row count."""
+    each kernel compiles at its first call in a process (MLX keeps no custom kernel on disk), seconds
+    each on a GPU. Plans read from the store skip the timing that would otherwise have made those
+    calls, and a daemon then paid them inside the first request whose batch reached such a row count."""
     rows = warm_rows(model, plans)
     for r in rows:
         fastpath.install(model, plans)
         cache = make_prompt_cache(model)
         mx.eval(model(mx.zeros((r, 2), dtype=mx.int32), cache=cache))
+        yield f"kernels warmed at {r} rows, two tokens a row"
+        fastpath.install(model, plans)  # each unit installs them for itself (``_uninstalling``)
         mx.eval(model(mx.zeros((r, 1), dtype=mx.int32), cache=cache))
         yield f"kernels warmed at {r} rows"
     return rows
