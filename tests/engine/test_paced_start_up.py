@@ -1,7 +1,8 @@
-"""Start-up work prefills in chunks the engine's prefill pace allows (``Holdings.paced``): on a slow
-machine one unit of the prefix check or of the probe (a prefill forward) is no longer than a serving
-step may be, so a request waiting behind it, and the watchdog, never see a unit of a whole 2,048-token
-chunk. The check's and the probe's verdicts are those of the unpaced run."""
+"""Start-up work prefills in chunks sized by the engine's prefill pace (``Holdings.paced``): on a slow
+machine one unit of the prefix check or of the probe (a prefill forward) lasts about
+``START_UP_UNIT_S``, so a request waiting behind it, a busy engine's share of start-up work and the
+watchdog never see a unit of a whole 2,048-token chunk. The check's and the probe's verdicts are
+those of the unpaced run."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ import pytest
 from tests.helpers.units import Counted
 from workers.api import EngineSettings
 from workers.engine.engine import Engine
+from workers.engine.holdings import START_UP_UNIT_S
 from workers.engine.startup import configure_prefix_cache, start_probe
 from workers.exact import paced, prefill_chunk
 from workers.models import LoadedModel
 from workers.models.loading import load
 
-#: Seconds per forwarded row recorded into the pace, and its target: 100 tokens a step.
+#: Seconds per forwarded row recorded into the pace (a serving step's target: 100 tokens), and the
+#: chunk a start-up unit gets from it.
 PER_ROW_S = 0.01
 TARGET_S = 1.0
-CHUNK = 100
+CHUNK = int(START_UP_UNIT_S / PER_ROW_S)
 
 
 def _start_up(loaded: LoadedModel, slow: bool) -> tuple[Engine, list[tuple[str, int]]]:
@@ -32,7 +35,7 @@ def _start_up(loaded: LoadedModel, slow: bool) -> tuple[Engine, list[tuple[str, 
     engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size)
     if slow:
         engine.pace.target_s = TARGET_S
-        engine.pace.record(CHUNK, CHUNK * PER_ROW_S)
+        engine.pace.record(200, 200 * PER_ROW_S)
     engine.counted = Counted(engine.counted, events)  # type: ignore[assignment]
     settings = EngineSettings(prefix_cache_bytes=64 << 20, probe_k=2)
     configure_prefix_cache(engine, replace(loaded, model=Counted(loaded.model, events)), settings)
@@ -55,7 +58,7 @@ def test_a_slow_engines_start_up_prefills_in_the_chunks_its_pace_allows_with_the
     monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "fast"))
     fast, fast_events = _start_up(loaded, slow=False)
     # The unpaced run prefills the check's 2,098-token draw in a 2,048-token chunk; the paced one
-    # never forwards more than the pace's 100 tokens, and does forward that many.
+    # never forwards more than the pace's 50 tokens, and does forward that many.
     assert max(n for _, n in fast_events) == 2048
     assert max(n for _, n in slow_events) == CHUNK
     assert len(slow_events) > len(fast_events)

@@ -85,6 +85,18 @@ def test_the_budget_is_within_its_floor_and_prefill_tokens() -> None:
     assert PrefillPace(0.0).budget(4096, 0) == 4096  # no target: no time bound
 
 
+def test_tokens_within_a_time_are_bounded_by_their_floor_and_cap() -> None:
+    """``within``: the tokens a forward may carry to last a given time (start-up units' chunks)."""
+    pace = PrefillPace(TARGET_S)
+    assert pace.within(0.5, 2048) == 2048  # nothing measured yet
+    pace.record(100, 100 * PER_ROW_S)
+    fits = int(0.5 / pace.seconds_per_row())  # type: ignore[operator]
+    assert abs(fits - 0.5 / PER_ROW_S) <= 1 and pace.within(0.5, 2048) == fits
+    assert pace.within(0.5, 8192, least=10 * fits) == 10 * fits  # the floor over the time
+    assert pace.within(0.5, 3) == 3
+    assert pace.within(0.0, 2048) == 2048 and PrefillPace(0.0).within(0.5, 2048) == 2048  # no target
+
+
 @pytest.mark.parametrize(("timeout", "target_s"), [("40", 40 * STEP_TARGET_SHARE), ("0", 0.0)])
 def test_the_daemon_sizes_steps_from_its_engine_timeout(timeout: str, target_s: float) -> None:
     """A step target within the watchdog's limit; none where the watchdog is off."""

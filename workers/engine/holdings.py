@@ -19,6 +19,10 @@ from workers.engine.prefill_pace import PrefillPace
 from workers.engine.spec import Adaptive, BurstCounters, BurstRunner, BurstSeq, Drafter
 from workers.exact import CountedModel, PinLedger, Verdict, Verdicts, paced, pin_cost_summary, pinned
 
+#: Seconds a start-up unit's prefill forward is sized to last (``Holdings.paced``), and its fewest tokens.
+START_UP_UNIT_S = 0.5
+START_UP_MIN_TOKENS = 16
+
 
 class Holdings:
     """Accessors for ``Engine``: the attributes below are set by its ``__init__``."""
@@ -71,10 +75,11 @@ class Holdings:
         return self.background.summary()
 
     def paced(self, steps: Steps) -> Steps:
-        """``steps`` (the prefix check, the probe) prefilling in chunks no larger than a serving step
-        may prefill when it starts (``workers.engine.prefill_pace``), so that none of its units
-        outlasts the watchdog's limit on a slow machine."""
-        return paced(steps, lambda: self.pace.budget(self.prefill_tokens, 0))
+        """``steps`` (the prefix check, the probe) prefilling in chunks that last about
+        ``START_UP_UNIT_S`` at the engine's measured speed when it starts (``workers.engine.prefill_pace``;
+        none in lockstep, where the pace measures nothing): a request that arrives mid-unit, and a
+        busy engine's share of start-up work, wait for no more than that on a slow machine."""
+        return paced(steps, lambda: self.pace.within(START_UP_UNIT_S, self.prefill_tokens, least=START_UP_MIN_TOKENS))
 
     # ------------------------------------------------------------------ the probe and verdicts
 

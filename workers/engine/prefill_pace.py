@@ -58,11 +58,16 @@ class PrefillPace:
         """The prompt tokens the next step may carry: what fits ``target_s`` beside the ``decoding``
         rows its decode step forwards, at least ``MIN_STEP_TOKENS``, at most ``prefill_tokens``
         (which is all of it while nothing is measured or no target is set)."""
+        return self.within(self.target_s, prefill_tokens, decoding, MIN_STEP_TOKENS)
+
+    def within(self, seconds: float, most: int, decoding: int = 0, least: int = 1) -> int:
+        """The prompt tokens a forward may carry to last about ``seconds`` beside ``decoding`` rows at the
+        measured speed: within ``least`` and ``most`` (``most`` while nothing is measured, or with no
+        target: ``target_s`` or ``seconds`` 0)."""
         per_row = self.seconds_per_row()
-        if self.target_s <= 0 or per_row is None or per_row <= 0:
-            return prefill_tokens
-        fits = int(self.target_s / per_row) - decoding
-        return min(prefill_tokens, max(MIN_STEP_TOKENS, fits))
+        if self.target_s <= 0 or seconds <= 0 or per_row is None or per_row <= 0:
+            return most
+        return min(most, max(least, int(seconds / per_row) - decoding))
 
 
 def forwarded_rows(ledger: Any) -> int:
