@@ -213,3 +213,19 @@ def test_a_busy_engine_still_finishes_its_calibration_within_its_share(
         submitted.set()
         assert len(t.until_finished(1)) == 600
     assert recorded.at_finish[1]["status"] == "done", recorded.at_finish[1]
+
+
+def test_an_idle_engine_runs_no_start_up_unit_before_its_quiet_has_passed(
+    cache: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle start-up units wait for ``START_UP_QUIET_S`` without work or commands: requests that follow
+    each other (here with an hour's quiet asked for, and no share of busy time) meet no unit before,
+    between or during them; the calibration is still pending after both."""
+    monkeypatch.setattr(loop, "START_UP_QUIET_S", 3600.0)
+    monkeypatch.setattr(loop, "START_UP_SHARE", 0.0)
+    recorded = Recorded(tiny_model, admit_idle_window_s=0.0)
+    with recorded as t:
+        for seq in (1, 2):
+            t.engine.submit(Job(seq=seq, prompt=[5, 6, 7], max_tokens=4))
+            assert len(t.until_finished(seq)) == 4
+    assert [(recorded.at_finish[s]["status"], recorded.at_finish[s]["units"]) for s in (1, 2)] == [("pending", 0)] * 2

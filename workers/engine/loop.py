@@ -76,6 +76,9 @@ log = logging.getLogger("mlx_batchd.engine")
 #: The most of a busy engine's time the start-up pieces before the probe may take (their units run
 #: between steps, so a unit delays the batch's next token by its length).
 START_UP_SHARE = 0.1
+#: Seconds without work or commands before an idle engine runs start-up units: the gap between a
+#: client's requests that follow each other is not idle time (a unit there delays the next request).
+START_UP_QUIET_S = 0.25
 
 
 def release_thread_streams() -> None:
@@ -126,6 +129,8 @@ class EngineThread(Ranks):
         #: the seconds of the units run since then while it had work.
         self._start_up_since: float | None = None
         self._start_up_spent = 0.0
+        #: When rank 0 last had work or a command (idle start-up units wait ``START_UP_QUIET_S`` after it).
+        self._last_work = time.monotonic()
         #: Iterations of the loop, and the seconds its ``emit`` calls took (``loop_snapshot``).
         self._iterations = 0
         self._emit_seconds = 0.0
@@ -254,12 +259,25 @@ class EngineThread(Ranks):
             if idle and self._cache_dirty:
                 self._release_cache()
             self._busy_since = None
-            # With arrivals held for an idle engine's window, wait for more until they are due.
+            # With arrivals held for an idle engine's window, wait for more until they are due; with
+            # start-up work pending, wait out the quiet before its next idle unit.
             holding = self._admission.wait_s(time.monotonic()) if not engine.has_work else None
+            quiet = self._quiet_s(engine)
+            if quiet is not None and quiet > 0:
+                holding = quiet if holding is None else min(holding, quiet)
             cmds = self._commands(block=idle or holding is not None, timeout=holding)
             self._busy_since = time.monotonic()
+            if cmds or engine.has_work:
+                self._last_work = self._busy_since
             if self._apply(engine, self._decide(engine, cmds, idle)):
                 return
+
+    def _quiet_s(self, engine: Engine) -> float | None:
+        """With start-up work pending on an engine without work: the seconds of quiet still to wait
+        before its next idle unit (0 or less: due now); ``None`` otherwise."""
+        if not engine.starting or engine.has_work or self._admission.held:
+            return None
+        return START_UP_QUIET_S - (time.monotonic() - self._last_work)
 
     def _decide(self, engine: Engine, cmds: list[Command], idle: bool) -> Plan:
         """This iteration as rank 0 decides it: the commands (unseeded sampled jobs get their seed
@@ -278,6 +296,9 @@ class EngineThread(Ranks):
         decisions: dict[str, Any] = {"gate": [gate.refusal, gate.stop]}
         if self._start_up_due(engine):
             decisions["start_up"] = True
+        quiet = self._quiet_s(engine)
+        if not plain and quiet is not None and quiet <= 0:
+            decisions["idle_start_up"] = True
         if stop:
             decisions["stop"] = stop
         distributed = self.world.distributed
@@ -315,10 +336,9 @@ class EngineThread(Ranks):
             self._emit_seconds += time.perf_counter() - tic
             if self.world.distributed:
                 self._note(events)
-        # Start-up work (kernel plans, the prefix cache's check, then the probe) runs a unit at a
-        # time while the engine is idle (a request arriving mid-unit waits for that one unit at
-        # most), and the pieces before the probe also while it is busy, within their share.
-        if engine.starting and not engine.has_work and not self._admission.held:
+        # Start-up work (plans, the prefix check, then the probe) runs a unit at a time once the engine
+        # has been quiet for START_UP_QUIET_S, and the pieces before the probe also while busy, within their share.
+        if plan.decisions.get("idle_start_up") and engine.starting and not engine.has_work:
             self._cache_dirty = True
             engine.start_up_step()
         elif plan.decisions.get("start_up") and engine.background.pending:
@@ -340,10 +360,8 @@ class EngineThread(Ranks):
         return self._start_up_spent < START_UP_SHARE * (now - self._start_up_since)
 
     def _release_cache(self) -> None:
-        """Give MLX's cached buffers back while nothing runs. They are the engine's own peak, kept
-        for reuse; on a GPU shared with other processes (other daemons, a benchmark) they are
-        memory those processes cannot have, and a daemon that had served large batches once kept
-        them for good. Emptying costs nothing while idle and the next step re-allocates."""
+        """Give MLX's cached buffers (the engine's own peak) back while nothing runs: on a shared GPU
+        they are memory other processes cannot have; the next step re-allocates."""
         mx.clear_cache()
         self._cache_dirty = False
 
