@@ -78,7 +78,7 @@ log = logging.getLogger("mlx_batchd.engine")
 START_UP_SHARE = 0.1
 #: Seconds without work or commands before an idle engine runs start-up units: the gap between a
 #: client's requests that follow each other is not idle time (a unit there delays the next request).
-START_UP_QUIET_S = 0.25
+START_UP_QUIET_S = 1.0
 
 
 def release_thread_streams() -> None:
