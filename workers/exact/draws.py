@@ -105,8 +105,8 @@ def prefill_chunk() -> int:
 def paced(steps: Steps, chunk: Callable[[], int]) -> Steps:
     """``steps`` with every prefill forward in them (``prefill_chunk``) of at most ``chunk()`` tokens
     (within ``PREFILL_STEP``), read when its first unit runs: an engine sizes it from its prefill
-    pace, so that a start-up unit keeps within the watchdog's limit as a serving step does. One size
-    for the whole run, so every draw of a probe prefills its prompt alike."""
+    pace (``Holdings.paced``), so that a start-up unit is one short forward. One size for the whole
+    run, so every draw of a probe prefills its prompt alike."""
     size = 0
     while True:
         size = size or max(1, min(PREFILL_STEP, chunk()))

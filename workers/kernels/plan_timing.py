@@ -147,8 +147,8 @@ def time_plan_steps(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
     is timed as mlx-lm calls it against the row kernel only, where that takes ``m``.
 
-    As units: each way's first call on a row count (where a kernel compiles: on a fresh machine one
-    compile can take seconds, so a unit holds one), then that row count's timing."""
+    As units: each way's first call on a row count (where a kernel compiles: a unit holds at most one
+    compile, so a request waits for no more), then that row count's timing."""
     original = getattr(type(m).__call__, "__wrapped__", type(m).__call__)
     bits = getattr(m, "bits", None)
     d_in = m.weight.shape[-1] * (32 // bits if bits else 1)

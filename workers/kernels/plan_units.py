@@ -211,8 +211,8 @@ def warm_kernel_steps(model: nn.Module, plans: Plans) -> Generator[str, None, li
     those row counts.
 
     Why: the row kernel checks each layer shape (or sibling group) against MLX's one-row call, and
-    each kernel compiles at its first call in a process (MLX keeps no custom kernel on disk), seconds
-    each on a GPU. Plans read from the store skip the timing that would otherwise have made those
+    each kernel compiles at its first call in a process (MLX keeps no custom kernel's compile on
+    disk). Plans read from the store skip the timing that would otherwise have made those
     calls, and a daemon then paid them inside the first request whose batch reached such a row count."""
     rows = warm_rows(model, plans)
     for r in rows:
