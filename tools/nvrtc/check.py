@@ -22,7 +22,7 @@ CLI:          python check.py spec SPEC.json [--dump DIR]      (see ``_spec_exam
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import json
 import os
 import sys
@@ -36,239 +36,69 @@ MLX_ROOT = os.environ.get("MLX_CUDA_ROOT", "/tmp/mlxcuda/mlx")  # the unzipped m
 JIT_HEADERS = os.path.join(WORK, "jit_headers")  # extract_jit_headers.py output
 ARCH = os.environ.get("NVRTC_ARCH", "sm_90a")
 
-# mlx/backend/cuda/jit_module.cpp g_include_names (same order); contents are MLX's jit_source_* strings.
-INCLUDE_NAMES = [
-    "mlx/backend/cuda/device/" + n
-    for n in (
-        "atomic_ops.cuh",
-        "binary_ops.cuh",
-        "cast_op.cuh",
-        "config.h",
-        "complex.cuh",
-        "cute_dequant.cuh",
-        "fp16_math.cuh",
-        "gemm_sm70.cuh",
-        "hadamard.cuh",
-        "indexing.cuh",
-        "qmm_naive.cuh",
-        "qmm_sm80.cuh",
-        "qmm_sm90.cuh",
-        "scatter_ops.cuh",
-        "unary_ops.cuh",
-        "ternary_ops.cuh",
-        "utils.cuh",
-    )
-]
-
-DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-
-# mlx/backend/cuda/utils.cpp dtype_to_cuda_type / mlx/backend/common/compiled.cpp get_type_string
-CUDA_TYPE = {
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "float32": "float",
-    "float64": "double",
-    "complex64": "mlx::core::cu::complex64_t",
-}
-TYPE_STRING = {
-    "float32": "float",
-    "float16": "float16_t",
-    "bfloat16": "bfloat16_t",
-    "float64": "double",
-    "complex64": "complex64_t",
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from workers.kernels import jit_cache  # noqa: E402  (the repository's copy of MLX's build and compile)
 
 
 def dtype_name(d) -> str:
     """'bfloat16' from 'bfloat16', 'mx.bfloat16' or an mlx Dtype object."""
-    s = str(d)
-    for p in ("mlx.core.", "mx.", "Dtype."):
-        s = s.replace(p, "")
-    if s not in CUDA_TYPE:
-        raise ValueError(f"unknown dtype {d!r}")
-    return s
+    return jit_cache.type_name(str(d).replace("mx.", ""))
 
 
-class Dtype(str):
-    """Marks a template argument as a dtype (plain str values in a spec are dtypes too)."""
-
-
-def _is_dtype(v) -> bool:
-    return not isinstance(v, (bool, int)) and (isinstance(v, str) or type(v).__name__ == "Dtype")
-
-
-def build_kernel(name, inputs, output_names, output_dtypes, source, header, template):
-    """MLX's build_kernel. inputs: [(name, ndim, dtype)]; template: [(name, int|bool|dtype)].
-    Returns (kernel_name, source)."""
-    h = ""
-    for _, arg in template:
-        if isinstance(arg, bool):
-            h += "_t" if arg else "_f"
-        elif isinstance(arg, int):
-            h += f"_{arg}"
-        else:
-            h += "_" + TYPE_STRING[dtype_name(arg)]
-    kname = "custom_kernel_" + name + h
-    s = DEFAULT_HEADER + header
-    s += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    s += "__global__ void " + kname + "(\n"
-    for iname, ndim, dt in inputs:
-        s += "    const " + CUDA_TYPE[dtype_name(dt)] + "* " + iname + ",\n"
-        if ndim > 0:
-            # custom_kernel.cpp: shape_infos from plain substring search over the source
-            if (iname + "_shape") in source:
-                s += "    const __grid_constant__ Shape " + iname + "_shape,\n"
-            if (iname + "_strides") in source:
-                s += "    const __grid_constant__ Strides " + iname + "_strides,\n"
-            if (iname + "_ndim") in source:
-                s += "    const __grid_constant__ int " + iname + "_ndim,\n"
-    for i, (oname, dt) in enumerate(zip(output_names, output_dtypes)):
-        s += "    " + CUDA_TYPE[dtype_name(dt)] + "* " + oname
-        s += ",\n" if i < len(output_names) - 1 else ") {\n"
-    if template:
-        for tname, arg in template:
-            if isinstance(arg, bool):
-                s += f"  constexpr bool {tname} = {'true' if arg else 'false'};\n"
-            elif isinstance(arg, int):
-                s += f"  constexpr int {tname} = {arg};\n"
-            else:
-                s += f"  using {tname} = {CUDA_TYPE[dtype_name(arg)]};\n"
-        s += "\n"
-    s += source
-    s += "\n}\n\n} // namespace mlx::core::cu\n"
-    return kname, s
-
-
-_lib = None
-
-
-def nvrtc():
-    global _lib
-    if _lib is None:
-        libdir = os.path.join(NV, "lib")
-        builtins = sorted(f for f in os.listdir(libdir) if f.startswith("libnvrtc-builtins.so"))
-        for b in builtins:  # libnvrtc dlopens its builtins library; preload it from the wheel
-            ctypes.CDLL(os.path.join(libdir, b), mode=ctypes.RTLD_GLOBAL)
-        lib = ctypes.CDLL(os.path.join(libdir, "libnvrtc.so.13"), mode=ctypes.RTLD_GLOBAL)
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        lib.nvrtcCreateProgram.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_char_p,
-            ctypes.c_char_p,
-            ctypes.c_int,
-            ctypes.POINTER(ctypes.c_char_p),
-            ctypes.POINTER(ctypes.c_char_p),
-        ]
-        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.nvrtcAddNameExpression.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
-        lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-        lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-        lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        _lib = lib
-    return _lib
+@functools.lru_cache
+def toolchain(arch: str = ARCH) -> jit_cache.Toolchain:
+    """MLX's compile setup from the unzipped wheel and the extracted headers (no GPU, no MLX CUDA)."""
+    headers = {}
+    for inc in jit_cache.INCLUDE_NAMES:
+        with open(os.path.join(JIT_HEADERS, inc), "rb") as f:
+            headers[inc] = f.read()
+    includes = [
+        os.path.join(MLX_ROOT, "include"),
+        os.path.join(MLX_ROOT, "include", "cccl"),
+        os.path.join(NV, "include"),
+    ]
+    extra = os.environ.get("NVRTC_EXTRA", "").split()  # e.g. "--ptxas-options=-v": registers and spills in the log
+    options = (
+        "--device-as-default-execution-space",
+        f"--gpu-architecture={arch}",
+        *(f"--include-path={p}" for p in includes if os.path.isdir(p)),
+        *extra,
+    )
+    lib = jit_cache.load_nvrtc(jit_cache.Path(NV) / "lib")
+    return jit_cache.Toolchain(lib, headers, options, arch.startswith("sm_"), jit_cache.Path("/nonexistent"))
 
 
 def nvrtc_version() -> str:
+    import ctypes
+
     a, b = ctypes.c_int(), ctypes.c_int()
-    nvrtc().nvrtcVersion(ctypes.byref(a), ctypes.byref(b))
+    toolchain().nvrtc.nvrtcVersion(ctypes.byref(a), ctypes.byref(b))
     return f"{a.value}.{b.value}"
-
-
-def _check(err, what):
-    if err != 0:
-        raise RuntimeError(f"{what} failed: {nvrtc().nvrtcGetErrorString(err).decode()}")
-
-
-def include_args():
-    args = [f"--include-path={os.path.join(MLX_ROOT, 'include')}"]
-    cccl = os.path.join(MLX_ROOT, "include", "cccl")
-    if os.path.isdir(cccl):
-        args.append(f"--include-path={cccl}")
-    args.append(f"--include-path={os.path.join(NV, 'include')}")
-    return args
-
-
-def compile_source(kernel_name: str, source: str, module_name: str = "check", arch: str = ARCH):
-    """MLX's jit_module.cpp compile(). Returns (ok, log, seconds, detail)."""
-    lib = nvrtc()
-    headers = []
-    for inc in INCLUDE_NAMES:
-        with open(os.path.join(JIT_HEADERS, inc), "rb") as f:
-            headers.append(f.read())
-    n = len(headers)
-    hdr_arr = (ctypes.c_char_p * n)(*headers)
-    name_arr = (ctypes.c_char_p * n)(*[i.encode() for i in INCLUDE_NAMES])
-    prog = ctypes.c_void_p()
-    _check(
-        lib.nvrtcCreateProgram(
-            ctypes.byref(prog), source.encode(), (module_name + ".cu").encode(), n, hdr_arr, name_arr
-        ),
-        "nvrtcCreateProgram",
-    )
-    full_name = ("mlx::core::cu::" + kernel_name).encode()
-    _check(lib.nvrtcAddNameExpression(prog, full_name), "nvrtcAddNameExpression")
-    # NVRTC_EXTRA: more options, e.g. "--ptxas-options=-v" (registers and spills of each kernel in the log)
-    extra = os.environ.get("NVRTC_EXTRA", "").split()
-    opts = ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *include_args(), *extra]
-    opt_arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    t0 = time.perf_counter()
-    res = lib.nvrtcCompileProgram(prog, len(opts), opt_arr)
-    secs = time.perf_counter() - t0
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    buf = ctypes.create_string_buffer(size.value + 1)
-    lib.nvrtcGetProgramLog(prog, buf)
-    log = buf.value.decode(errors="replace")
-    detail = ""
-    if res == 0:
-        lowered = ctypes.c_char_p()
-        _check(lib.nvrtcGetLoweredName(prog, full_name, ctypes.byref(lowered)), "nvrtcGetLoweredName")
-        cubin = ctypes.c_size_t()
-        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)), "nvrtcGetCUBINSize")
-        detail = f"{lowered.value.decode()} cubin={cubin.value}B"
-        out_dir = os.environ.get("NVRTC_CUBIN_DIR")  # keep the cubin (for cuobjdump -sass)
-        if out_dir:
-            data = ctypes.create_string_buffer(cubin.value)
-            _check(lib.nvrtcGetCUBIN(prog, data), "nvrtcGetCUBIN")
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, kernel_name + ".cubin"), "wb") as f:
-                f.write(data.raw)
-    else:
-        detail = lib.nvrtcGetErrorString(res).decode()
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return res == 0, log, secs, detail
 
 
 def compile_kernel(name, inputs, output_names, output_dtypes, source, header="", template=(), dump=None, arch=ARCH):
     """Build as MLX does and compile. Returns dict(ok, log, seconds, kernel, detail)."""
     template = [(t, (v if isinstance(v, (bool, int)) else dtype_name(v))) for t, v in template]
-    kname, src = build_kernel(name, inputs, output_names, output_dtypes, source, header, template)
+    inputs = [(n, nd, dtype_name(dt)) for n, nd, dt in inputs]
+    kname, src = jit_cache.kernel_text(
+        name, inputs, output_names, [dtype_name(d) for d in output_dtypes], source, header, template
+    )
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, kname + ".cu"), "w") as f:
             f.write(src)
-    ok, log, secs, detail = compile_source(kname, src, kname, arch)
-    return {"ok": ok, "log": log, "seconds": secs, "kernel": kname, "detail": detail}
+    t0 = time.perf_counter()
+    try:
+        binary, lowered, log = jit_cache.compile_module(toolchain(arch), kname, src, kname)
+    except RuntimeError as exc:
+        return {"ok": False, "log": str(exc), "seconds": time.perf_counter() - t0, "kernel": kname, "detail": "failed"}
+    secs = time.perf_counter() - t0
+    out_dir = os.environ.get("NVRTC_CUBIN_DIR")  # keep the cubin (for cuobjdump -sass)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, kname + ".cubin"), "wb") as f:
+            f.write(binary)
+    return {"ok": True, "log": log, "seconds": secs, "kernel": kname, "detail": f"{lowered} cubin={len(binary)}B"}
 
 
 def report(label, r):
@@ -312,7 +142,6 @@ def run_spec(path, dump):
 # ---------------------------------------------------------------------------------------------------
 # project mode: this repository's workers/kernels/qmv_source.py (qmv_rows' kernel) and workers/kernels/rowkernel.py
 def project_cases():
-    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     from workers.kernels import qmv_source, rowkernel, sdpa_rows, sdpa_source
 
     cases = []
@@ -423,9 +252,7 @@ def _run_case(args):
 
 def run_project(jobs, dump, only):
     cases = [c for c in project_cases() if not only or only in c[0]]
-    print(
-        f"NVRTC {nvrtc_version()} ({NV}/lib/libnvrtc.so.13), arch {ARCH}, {len(cases)} kernels, {jobs} jobs", flush=True
-    )
+    print(f"NVRTC {nvrtc_version()} ({NV}/lib), arch {ARCH}, {len(cases)} kernels, {jobs} jobs", flush=True)
     fails = 0
     t0 = time.perf_counter()
     with ProcessPoolExecutor(jobs) as ex:

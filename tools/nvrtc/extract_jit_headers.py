@@ -1,29 +1,18 @@
-"""Extract MLX's embedded CUDA JIT device headers (jit_source_*) from libmlx.so."""
+"""Write MLX's embedded CUDA JIT device headers (its ``jit_source_*`` strings) out of libmlx.so, under
+the names NVRTC includes them by (``workers.kernels.jit_cache.embedded_headers`` reads them)."""
 
 import os
-import re
-import subprocess
 import sys
+from pathlib import Path
 
-lib = sys.argv[1] if len(sys.argv) > 1 else "/tmp/mlxcuda/mlx/lib/libmlx.so"
-out = sys.argv[2] if len(sys.argv) > 2 else "/tmp/nvrtc/jit_headers/mlx/backend/cuda/device"
-os.makedirs(out, exist_ok=True)
-# section table: map vaddr -> file offset for .rodata
-sec = subprocess.run(["readelf", "-SW", lib], capture_output=True, text=True).stdout
-m = re.search(r"\.rodata\s+PROGBITS\s+([0-9a-f]+)\s+([0-9a-f]+)\s+([0-9a-f]+)", sec)
-vaddr, off = int(m.group(1), 16), int(m.group(2), 16)
-data = open(lib, "rb").read()
-seen = {}
-for line in subprocess.run(["nm", "-S", lib], capture_output=True, text=True).stdout.splitlines():
-    mm = re.match(r"([0-9a-f]+) ([0-9a-f]+) r _ZN3mlx4coreL\d+jit_source_(\w+)E$", line)
-    if not mm:
-        continue
-    addr, size, name = int(mm.group(1), 16), int(mm.group(2), 16), mm.group(3)
-    blob = data[addr - vaddr + off : addr - vaddr + off + size].rstrip(b"\0")
-    fname = name + (".h" if name == "config" else ".cuh")
-    if fname in seen and seen[fname] != blob:
-        print("WARNING: differing duplicates for", fname)
-    seen[fname] = blob
-for fname, blob in seen.items():
-    open(os.path.join(out, fname), "wb").write(blob)
-    print(fname, len(blob))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from workers.kernels.jit_cache import embedded_headers  # noqa: E402
+
+lib = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mlxcuda/mlx/lib/libmlx.so")
+out = Path(
+    sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.environ.get("NVRTC_WORK", "/tmp/nvrtc"), "jit_headers")
+)
+for name, blob in embedded_headers(lib).items():
+    (out / name).parent.mkdir(parents=True, exist_ok=True)
+    (out / name).write_bytes(blob)
+    print(name, len(blob))

@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from workers.kernels import rowkernel
+from workers.kernels import jit_cache, rowkernel
 from workers.kernels.byte_equal import bytes_equal
 
 log = logging.getLogger("mlx_batchd.gemv_rows")
@@ -110,7 +110,7 @@ def _launch(x: mx.array, w: mx.array) -> mx.array:
     """``x``'s rows (at most ``MAX_ROWS``) against ``w`` in one kernel call."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
+        _kernel = jit_cache.cuda_kernel(
             name="mlx_batchd_gemv_rows", input_names=["x", "w"], output_names=["out"], source=_SOURCE, header=_HEADER
         )
     key = (x.shape[0], w.shape[0], w.shape[1], x.dtype)
@@ -124,6 +124,7 @@ def _launch(x: mx.array, w: mx.array) -> mx.array:
             "output_shapes": [(m, n)],
             "output_dtypes": [x.dtype],
         }
+        jit_cache.prime(_kernel, [x, w], kwargs["template"], kwargs["output_dtypes"])
     return _kernel(inputs=[x, w], **kwargs)[0]
 
 

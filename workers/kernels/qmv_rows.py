@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers.api import MAX_ROWS
-from workers.kernels import qmv_launch, qmv_source, rowkernel
+from workers.kernels import jit_cache, qmv_launch, qmv_source, rowkernel
 from workers.kernels.byte_equal import bytes_equal
 
 log = logging.getLogger("mlx_batchd.qmv_rows")
@@ -125,7 +125,7 @@ def _kernel(count: int) -> Any:
         else:
             names = ["x", *(f"{n}{j}" for j in range(count) for n in ("w", "scales", "biases"))]
             outs, source = [f"out{j}" for j in range(count)], qmv_source.many(count) + qmv_source.BODY
-        kernel = _kernels[count] = mx.fast.cuda_kernel(
+        kernel = _kernels[count] = jit_cache.cuda_kernel(
             name=f"mlx_batchd_qmv_rows_{count}",
             input_names=names,
             output_names=outs,
@@ -173,6 +173,7 @@ def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: 
     plan = None if plans is None else plans.get(key)
     if plan is None:
         plan = _plan(m, r, mats, bits, gs, x.dtype)
+        jit_cache.prime(plan[0], [x, *plan[1]], plan[2]["template"], plan[2]["output_dtypes"])
         if plans is not None:
             plans[key] = plan
     kernel, tail, kwargs = plan

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import envs
+from workers.kernels import jit_cache
 
 log = logging.getLogger("mlx_batchd.rowkernel")
 
@@ -237,7 +238,7 @@ def self_check(seed: int = 0) -> bool:
 def _kernel(kind: str) -> Any:
     if kind not in _kernels:
         quant = kind == "quant"
-        _kernels[kind] = mx.fast.cuda_kernel(
+        _kernels[kind] = jit_cache.cuda_kernel(
             name=f"mlx_batchd_rowwise_{kind}",
             input_names=["x", "w", "scales", "biases"] if quant else ["x", "w"],
             output_names=["out"],
@@ -254,7 +255,9 @@ def _launch(kind: str, inputs: list[mx.array], m: int, n: int, extra: dict[str, 
     if kind == "quant":
         words = inputs[1].shape[1]
         template.append(("VEC", VECTOR_WORDS if words % VECTOR_WORDS == 0 else 1))
-    out = _kernel(kind)(
+    kernel = _kernel(kind)
+    jit_cache.prime(kernel, inputs, template, [x.dtype])
+    out = kernel(
         inputs=inputs,
         template=template,
         grid=(warps * 32, 1, 1),

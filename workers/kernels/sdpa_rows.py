@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from workers.kernels import rowkernel, sdpa_source
+from workers.kernels import jit_cache, rowkernel, sdpa_source
 
 log = logging.getLogger("mlx_batchd.attention")
 
@@ -52,7 +52,7 @@ def _kernel(name: str) -> Any:
             "pass_1": (["queries", "keys", "values", "scale"], ["partials", "sums", "maxs"], sdpa_source.PASS_1),
             "pass_2": (["partials", "sums", "maxs"], ["out"], sdpa_source.PASS_2),
         }[name]
-        kernel = _kernels[name] = mx.fast.cuda_kernel(
+        kernel = _kernels[name] = jit_cache.cuda_kernel(
             name=f"mlx_batchd_sdpa_rows_{name}",
             input_names=inputs,
             output_names=outputs,
@@ -89,7 +89,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
         s = _scales[scale] = mx.array([scale], dtype=mx.float32)
     template = [("T", queries.dtype), ("D", dim)]
     if total <= ONE_PASS_KEYS:
-        (out,) = _kernel("one_pass")(
+        kernel = _kernel("one_pass")
+        jit_cache.prime(kernel, [queries, keys, values, s], template, [queries.dtype])
+        (out,) = kernel(
             inputs=[queries, keys, values, s],
             template=template,
             grid=(heads * 1024, n, 1),
@@ -98,7 +100,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
             output_dtypes=[queries.dtype],
         )
     else:
-        partials, sums, maxs = _kernel("pass_1")(
+        first, second = _kernel("pass_1"), _kernel("pass_2")
+        jit_cache.prime(first, [queries, keys, values, s], template, [mx.float32] * 3)
+        partials, sums, maxs = first(
             inputs=[queries, keys, values, s],
             template=template,
             grid=(heads * 256, n, 32),
@@ -106,7 +110,8 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
             output_shapes=[(1, heads, n, 32, dim), (1, heads, n, 32), (1, heads, n, 32)],
             output_dtypes=[mx.float32] * 3,
         )
-        (out,) = _kernel("pass_2")(
+        jit_cache.prime(second, [partials, sums, maxs], template, [queries.dtype])
+        (out,) = second(
             inputs=[partials, sums, maxs],
             template=template,
             grid=(heads * 1024, n, 1),

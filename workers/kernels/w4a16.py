@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import envs
+from workers.kernels import jit_cache
 from workers.kernels.w4a16_source import (
     NATIVE_HEADER,
     NATIVE_INPUT_NAMES,
@@ -229,7 +230,7 @@ def _kernel(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> Any:
     name = kernel_name(kern, p, gs, split, reduce)
     built = _kernels.get(name)
     if built is None:
-        built = _kernels[name] = mx.fast.cuda_kernel(
+        built = _kernels[name] = jit_cache.cuda_kernel(
             name=name,
             input_names=kern.input_names,
             output_names=OUTPUT_NAMES,
@@ -255,9 +256,11 @@ def launch(
     p = p or tile_plan(m, n, k)
     split = p.splits > 1
     reduce = split and p.reduce and p.tiles(m, n) <= locks.size
-    out, ws = _kernel(kern, p, group_size, split, reduce)(
+    kernel, args = _kernel(kern, p, group_size, split, reduce), template(kern, p, group_size, split, reduce)
+    jit_cache.prime(kernel, [x, *arrays, locks], args, [mx.bfloat16, mx.float32])
+    out, ws = kernel(
         inputs=[x, *arrays, locks],
-        template=template(kern, p, group_size, split, reduce),
+        template=args,
         grid=p.grid(m, n),
         threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[(m, n), (p.splits, m, n) if split else (1,)],
