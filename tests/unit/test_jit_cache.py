@@ -1,4 +1,4 @@
-"""``workers.kernels.jit_cache`` on the CPU: MLX's kernel text, its module names and cache paths, and a
+"""``workers.kernels.jit_cache`` and ``mlx_jit`` on the CPU: MLX's kernel text, its module names and cache paths, and a
 cache that can't be written leaving the kernel to MLX (the GPU side: tests/gpu/test_jit_cache_gpu.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from workers.kernels import jit_cache
+from workers.kernels import jit_cache, mlx_jit
 
 MASK = (1 << 64) - 1
 
@@ -39,16 +39,16 @@ def _libstdcxx_hash(data: bytes, seed: int = 0xC70F6907) -> int:
 @pytest.mark.skipif(ctypes.util.find_library("stdc++") is None, reason="libstdc++ (MLX CUDA's C++ runtime) absent")
 def test_module_names_hash_the_text_as_libstdcxx_std_hash_does() -> None:
     rng = random.Random(3)
-    texts = ["", "a", "hello", "x" * 8, "y" * 9, jit_cache.DEFAULT_HEADER]
+    texts = ["", "a", "hello", "x" * 8, "y" * 9, mlx_jit.DEFAULT_HEADER]
     texts += ["".join(rng.choice("ab{}();\n ") for _ in range(rng.randrange(1, 300))) for _ in range(40)]
     for text in texts:
-        assert jit_cache.std_hash(text) == _libstdcxx_hash(text.encode()), repr(text)
+        assert mlx_jit.std_hash(text) == _libstdcxx_hash(text.encode()), repr(text)
 
 
 def test_kernel_text_is_mlx_build_kernel() -> None:
     """Template suffixes (bool, int, type), shape parameters only for the inputs the source names,
     and the ``constexpr``/``using`` lines, as MLX's ``build_kernel`` writes them."""
-    kernel, text = jit_cache.kernel_text(
+    kernel, text = mlx_jit.kernel_text(
         "k",
         [("x", 2, "bfloat16"), ("w", 2, "uint32"), ("s", 0, "float32")],
         ["out", "aux"],
@@ -59,7 +59,7 @@ def test_kernel_text_is_mlx_build_kernel() -> None:
     )
     assert kernel == "custom_kernel_k_bfloat16_t_5_t_f"
     assert text == (
-        jit_cache.DEFAULT_HEADER
+        mlx_jit.DEFAULT_HEADER
         + "// header\nnamespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
         + "__global__ void custom_kernel_k_bfloat16_t_5_t_f(\n"
         + "    const __nv_bfloat16* x,\n    const __grid_constant__ Strides x_strides,\n"
@@ -73,13 +73,13 @@ def test_kernel_text_is_mlx_build_kernel() -> None:
 
 
 def test_a_module_name_over_245_characters_is_split_into_folders(tmp_path: Path) -> None:
-    short = jit_cache.module_file(tmp_path, "custom_kernel_k", "text")
-    assert short == tmp_path / f"custom_kernel_k_{jit_cache.std_hash('text'):x}.ptx"
+    short = mlx_jit.module_file(tmp_path, "custom_kernel_k", "text")
+    assert short == tmp_path / f"custom_kernel_k_{mlx_jit.std_hash('text'):x}.ptx"
     name = "custom_kernel_" + "n" * 600
-    long = jit_cache.module_file(tmp_path, name, "text")
-    full = f"{name}_{jit_cache.std_hash('text'):x}"
+    long = mlx_jit.module_file(tmp_path, name, "text")
+    full = f"{name}_{mlx_jit.std_hash('text'):x}"
     assert long == tmp_path / full[:245] / full[245:490] / (full[490:] + ".ptx")
-    suffix = f"_{jit_cache.std_hash('text'):x}"
+    suffix = f"_{mlx_jit.std_hash('text'):x}"
     for size in (245, 246):  # MLX splits only a name over 245 characters
         name = "k" * (size - len(suffix))
         expected = (
@@ -87,22 +87,22 @@ def test_a_module_name_over_245_characters_is_split_into_folders(tmp_path: Path)
             if size == 245
             else tmp_path / (name + suffix)[:245] / f"{(name + suffix)[245:]}.ptx"
         )
-        assert jit_cache.module_file(tmp_path, name, "text") == expected
+        assert mlx_jit.module_file(tmp_path, name, "text") == expected
 
 
 def test_the_cache_folder_is_mlx_s(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "c"))
-    assert jit_cache.mlx_cache_dir("0.32.4") == tmp_path / "c"
+    assert mlx_jit.mlx_cache_dir("0.32.4") == tmp_path / "c"
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")
     for var in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TEMP", str(tmp_path))
-    assert jit_cache.mlx_cache_dir("0.32.4") == tmp_path / "mlx" / "0.32.4" / "ptx"
+    assert mlx_jit.mlx_cache_dir("0.32.4") == tmp_path / "mlx" / "0.32.4" / "ptx"
 
 
 def test_a_written_module_has_mlx_s_names_file_beside_it(tmp_path: Path) -> None:
     path = tmp_path / "d" / "custom_kernel_k_1f.ptx"
-    jit_cache.write_module(path, "custom_kernel_k", b"\x7fELF...", "_ZN3mlx4core2cu15custom_kernel_kEv")
+    mlx_jit.write_module(path, "custom_kernel_k", b"\x7fELF...", "_ZN3mlx4core2cu15custom_kernel_kEv")
     assert path.read_bytes() == b"\x7fELF..."
     assert (
         path.with_suffix(".txt").read_text() == "mlx::core::cu::custom_kernel_k\t_ZN3mlx4core2cu15custom_kernel_kEv\n"
@@ -130,11 +130,11 @@ def test_a_cache_that_cannot_be_written_leaves_the_kernel_to_mlx(
     monkeypatch.setattr(jit_cache, "enabled", lambda: not jit_cache._state.get("off"))
     tries: list[int] = []
 
-    def no_toolchain() -> jit_cache.Toolchain:
+    def no_toolchain() -> mlx_jit.Toolchain:
         tries.append(1)
         raise RuntimeError("no NVRTC here")
 
-    monkeypatch.setattr(jit_cache, "toolchain", no_toolchain)
+    monkeypatch.setattr(mlx_jit, "toolchain", no_toolchain)
     kernel = _kernel()
     with caplog.at_level(logging.WARNING, logger="mlx_batchd"):
         for m in (1, 2, 3):
@@ -155,19 +155,19 @@ def test_each_new_variant_is_compiled_into_the_cache_once(monkeypatch: pytest.Mo
         compiled.append(kernel)
         return b"binary of " + kernel.encode(), "_Z" + kernel, ""
 
-    tools = jit_cache.Toolchain(None, {}, (), True, tmp_path)
+    tools = mlx_jit.Toolchain(None, {}, (), True, tmp_path)
     monkeypatch.setattr(jit_cache, "_state", {"tools": tools})
     monkeypatch.setattr(jit_cache, "enabled", lambda: True)
-    monkeypatch.setattr(jit_cache, "compile_module", compile_module)
+    monkeypatch.setattr(mlx_jit, "compile_module", compile_module)
     for _ in range(2):  # the second object stands for a later process
         kernel = _kernel()
         for m in (1, 2, 1):
             jit_cache.prime(kernel, [_Array()], [("T", "bfloat16"), ("M", m)], ["bfloat16"])
     assert compiled == ["custom_kernel_k_bfloat16_t_1", "custom_kernel_k_bfloat16_t_2"]
-    _, text = jit_cache.kernel_text(
+    _, text = mlx_jit.kernel_text(
         "k", [("x", 2, "bfloat16")], ["out"], ["bfloat16"], "out[0] = x[0];", "", [("T", "bfloat16"), ("M", 2)]
     )
-    path = jit_cache.module_file(tmp_path, "custom_kernel_k_bfloat16_t_2", text)
+    path = mlx_jit.module_file(tmp_path, "custom_kernel_k_bfloat16_t_2", text)
     assert path.read_bytes() == b"binary of custom_kernel_k_bfloat16_t_2"
 
 
@@ -176,11 +176,23 @@ def test_nothing_is_written_where_the_cache_is_off(monkeypatch: pytest.MonkeyPat
     import mlx.core as mx
 
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(jit_cache, "_state", {"tools": jit_cache.Toolchain(None, {}, (), True, tmp_path)})
-    monkeypatch.setattr(jit_cache, "compile_module", lambda *a: (b"binary", "_Zk", ""))
+    monkeypatch.setattr(jit_cache, "_state", {"tools": mlx_jit.Toolchain(None, {}, (), True, tmp_path)})
+    monkeypatch.setattr(mlx_jit, "compile_module", lambda *a: (b"binary", "_Zk", ""))
     monkeypatch.setenv("MLX_BATCHD_KERNEL_CACHE", "0")
     assert jit_cache.prime(_kernel(), [_Array()], [("M", 1)], ["bfloat16"]) is None
     assert list(tmp_path.iterdir()) == []
     monkeypatch.delenv("MLX_BATCHD_KERNEL_CACHE")
     path = jit_cache.prime(_kernel(), [_Array()], [("M", 1)], ["bfloat16"])
     assert path is not None and path.read_bytes() == b"binary"
+
+
+def test_the_compiler_is_the_nvrtc_the_process_already_loaded(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r--p 00000000 08:01 1 /opt/x/lib/libnvrtc-builtins.so.13.0\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /opt/x/lib/libnvrtc.so.13\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 \n\n"
+    )
+    assert mlx_jit.loaded_library("libnvrtc.so", maps) == "/opt/x/lib/libnvrtc.so.13"
+    assert mlx_jit.loaded_library("libcudart.so", maps) is None
+    assert mlx_jit.loaded_library("libnvrtc.so", tmp_path / "absent") is None

@@ -37,19 +37,19 @@ JIT_HEADERS = os.path.join(WORK, "jit_headers")  # extract_jit_headers.py output
 ARCH = os.environ.get("NVRTC_ARCH", "sm_90a")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-from workers.kernels import jit_cache  # noqa: E402  (the repository's copy of MLX's build and compile)
+from workers.kernels import mlx_jit  # noqa: E402  (the repository's copy of MLX's build and compile)
 
 
 def dtype_name(d) -> str:
     """'bfloat16' from 'bfloat16', 'mx.bfloat16' or an mlx Dtype object."""
-    return jit_cache.type_name(str(d).replace("mx.", ""))
+    return mlx_jit.type_name(str(d).replace("mx.", ""))
 
 
 @functools.lru_cache
-def toolchain(arch: str = ARCH) -> jit_cache.Toolchain:
+def toolchain(arch: str = ARCH) -> mlx_jit.Toolchain:
     """MLX's compile setup from the unzipped wheel and the extracted headers (no GPU, no MLX CUDA)."""
     headers = {}
-    for inc in jit_cache.INCLUDE_NAMES:
+    for inc in mlx_jit.INCLUDE_NAMES:
         with open(os.path.join(JIT_HEADERS, inc), "rb") as f:
             headers[inc] = f.read()
     includes = [
@@ -64,8 +64,8 @@ def toolchain(arch: str = ARCH) -> jit_cache.Toolchain:
         *(f"--include-path={p}" for p in includes if os.path.isdir(p)),
         *extra,
     )
-    lib = jit_cache.load_nvrtc(jit_cache.Path(NV) / "lib")
-    return jit_cache.Toolchain(lib, headers, options, arch.startswith("sm_"), jit_cache.Path("/nonexistent"))
+    lib = mlx_jit.load_nvrtc(mlx_jit.Path(NV) / "lib")
+    return mlx_jit.Toolchain(lib, headers, options, arch.startswith("sm_"), mlx_jit.Path("/nonexistent"))
 
 
 def nvrtc_version() -> str:
@@ -80,7 +80,7 @@ def compile_kernel(name, inputs, output_names, output_dtypes, source, header="",
     """Build as MLX does and compile. Returns dict(ok, log, seconds, kernel, detail)."""
     template = [(t, (v if isinstance(v, (bool, int)) else dtype_name(v))) for t, v in template]
     inputs = [(n, nd, dtype_name(dt)) for n, nd, dt in inputs]
-    kname, src = jit_cache.kernel_text(
+    kname, src = mlx_jit.kernel_text(
         name, inputs, output_names, [dtype_name(d) for d in output_dtypes], source, header, template
     )
     if dump:
@@ -89,7 +89,7 @@ def compile_kernel(name, inputs, output_names, output_dtypes, source, header="",
             f.write(src)
     t0 = time.perf_counter()
     try:
-        binary, lowered, log = jit_cache.compile_module(toolchain(arch), kname, src, kname)
+        binary, lowered, log = mlx_jit.compile_module(toolchain(arch), kname, src, kname)
     except RuntimeError as exc:
         return {"ok": False, "log": str(exc), "seconds": time.perf_counter() - t0, "kernel": kname, "detail": "failed"}
     secs = time.perf_counter() - t0
