@@ -188,8 +188,9 @@ def toolchain() -> Toolchain:
     """This process's MLX CUDA's compiler setup (``RuntimeError`` where it is not the one reproduced)."""
     import mlx.core as mx
 
-    if not MLX_VERSIONS.match(mx.__version__):
-        raise RuntimeError(f"MLX {mx.__version__}: its kernel cache layout is not the one reproduced")
+    version = str(getattr(mx, "__version__", ""))
+    if not MLX_VERSIONS.match(version):
+        raise RuntimeError(f"MLX {version}: its kernel cache layout is not the one reproduced")
     root = Path(mx.__file__).resolve().parent  # mlx/: lib/libmlx.so, include/
     nvidia = root.parent / "nvidia" / "cu13"
     lib = load_nvrtc(nvidia / "lib")
@@ -210,7 +211,7 @@ def toolchain() -> Toolchain:
         *(f"--include-path={p}" for p in [*includes, cuda] if p.exists()),
     )
     headers = embedded_headers(root / "lib" / "libmlx.so")
-    return Toolchain(lib, headers, options, sass, mlx_cache_dir(mx.__version__))
+    return Toolchain(lib, headers, options, sass, mlx_cache_dir(version))
 
 
 def compile_module(tools: Toolchain, kernel: str, text: str, module: str) -> tuple[bytes, str, str]:
