@@ -98,6 +98,8 @@
 # PART=b1: the daemon at B = 1 (128 tokens, 3 repeats) from this tree, or with ARM=before from the tree in
 #   .mlx-cuda/before/tree.tgz (git archive of an earlier commit's scheduler, workers, clients, pyproject.toml):
 #   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
+# PART=jit: the project kernels in MLX's disk cache (pytest -m gpu tests/gpu/test_jit_cache_gpu.py: MLX loads a module at
+#   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
@@ -257,6 +259,8 @@ elif [ "$PART" = b1 ]; then
   else
     step b1-after 540 python3 -m scheduler bench --model "$M" --batch-sizes 1 --tokens 128 --repeats 3 --out "$R/b1-after"
   fi
+elif [ "$PART" = jit ]; then
+  TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
 elif [ "$PART" = sm ]; then
   step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
     --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"

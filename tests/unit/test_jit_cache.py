@@ -123,10 +123,10 @@ def _kernel(source: str = "out[0] = x[0];") -> object:
 
 
 def test_a_cache_that_cannot_be_written_leaves_the_kernel_to_mlx(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """One warning, nothing written, and no later variant tries again."""
-    monkeypatch.setattr(jit_cache, "_state", {})
+    monkeypatch.setattr(jit_cache, "_state", {"cache": tmp_path})
     monkeypatch.setattr(jit_cache, "enabled", lambda: not jit_cache._state.get("off"))
     tries: list[int] = []
 
@@ -155,8 +155,8 @@ def test_each_new_variant_is_compiled_into_the_cache_once(monkeypatch: pytest.Mo
         compiled.append(kernel)
         return b"binary of " + kernel.encode(), "_Z" + kernel, ""
 
-    tools = mlx_jit.Toolchain(None, {}, (), True, tmp_path)
-    monkeypatch.setattr(jit_cache, "_state", {"tools": tools})
+    tools = mlx_jit.Toolchain(None, {}, (), True)
+    monkeypatch.setattr(jit_cache, "_state", {"tools": tools, "cache": tmp_path})
     monkeypatch.setattr(jit_cache, "enabled", lambda: True)
     monkeypatch.setattr(mlx_jit, "compile_module", compile_module)
     for _ in range(2):  # the second object stands for a later process
@@ -176,7 +176,7 @@ def test_nothing_is_written_where_the_cache_is_off(monkeypatch: pytest.MonkeyPat
     import mlx.core as mx
 
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(jit_cache, "_state", {"tools": mlx_jit.Toolchain(None, {}, (), True, tmp_path)})
+    monkeypatch.setattr(jit_cache, "_state", {"tools": mlx_jit.Toolchain(None, {}, (), True), "cache": tmp_path})
     monkeypatch.setattr(mlx_jit, "compile_module", lambda *a: (b"binary", "_Zk", ""))
     monkeypatch.setenv("MLX_BATCHD_KERNEL_CACHE", "0")
     assert jit_cache.prime(_kernel(), [_Array()], [("M", 1)], ["bfloat16"]) is None
@@ -196,3 +196,22 @@ def test_the_compiler_is_the_nvrtc_the_process_already_loaded(tmp_path: Path) ->
     assert mlx_jit.loaded_library("libnvrtc.so", maps) == "/opt/x/lib/libnvrtc.so.13"
     assert mlx_jit.loaded_library("libcudart.so", maps) is None
     assert mlx_jit.loaded_library("libnvrtc.so", tmp_path / "absent") is None
+
+
+def test_a_variant_already_in_the_cache_needs_no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A later process finds every variant written: it never loads NVRTC or reads MLX's headers."""
+    monkeypatch.setattr(jit_cache, "_state", {"cache": tmp_path})
+    monkeypatch.setattr(jit_cache, "enabled", lambda: True)
+
+    def no_toolchain() -> mlx_jit.Toolchain:
+        raise AssertionError("the toolchain was made for a variant already in the cache")
+
+    monkeypatch.setattr(mlx_jit, "toolchain", no_toolchain)
+    template = [("T", "bfloat16"), ("M", 3)]
+    kernel_name, text = mlx_jit.kernel_text(
+        "k", [("x", 2, "bfloat16")], ["out"], ["bfloat16"], "out[0] = x[0];", "", template
+    )
+    written = mlx_jit.module_file(tmp_path, kernel_name, text)
+    mlx_jit.write_module(written, kernel_name, b"earlier", "_Zk")
+    assert jit_cache.prime(_kernel(), [_Array()], template, ["bfloat16"]) == written
+    assert not jit_cache._state.get("off")

@@ -65,7 +65,7 @@ def toolchain(arch: str = ARCH) -> mlx_jit.Toolchain:
         *extra,
     )
     lib = mlx_jit.load_nvrtc(mlx_jit.Path(NV) / "lib")
-    return mlx_jit.Toolchain(lib, headers, options, arch.startswith("sm_"), mlx_jit.Path("/nonexistent"))
+    return mlx_jit.Toolchain(lib, headers, options, arch.startswith("sm_"))
 
 
 def nvrtc_version() -> str:

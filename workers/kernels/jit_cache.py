@@ -42,8 +42,8 @@ class KernelSpec:
     ) -> Path | None:
         """Compile this variant into MLX's cache unless it is there; its file, or ``None`` where the
         writing is off."""
-        tools = _tools()
-        if tools is None:
+        cache = _cache()
+        if cache is None:
             return None
         try:
             args = [(n, v if isinstance(v, (bool, int)) else mlx_jit.type_name(v)) for n, v in template]
@@ -52,10 +52,14 @@ class KernelSpec:
             kernel, text = mlx_jit.kernel_text(
                 self.name, specs, self.output_names, types, self.source, self.header, args
             )
-            path = mlx_jit.module_file(tools.cache, kernel, text)
-            if not path.exists():
-                binary, mangled, _ = mlx_jit.compile_module(tools, kernel, text, path.stem)
-                mlx_jit.write_module(path, kernel, binary, mangled)
+            path = mlx_jit.module_file(cache, kernel, text)
+            if path.exists():  # an earlier process's: no compiler needed
+                return path
+            tools = _tools()
+            if tools is None:
+                return None
+            binary, mangled, _ = mlx_jit.compile_module(tools, kernel, text, path.stem)
+            mlx_jit.write_module(path, kernel, binary, mangled)
             return path
         except Exception as exc:  # never in the way of MLX compiling it itself
             _disable(f"{self.name}: {exc}")
@@ -118,7 +122,20 @@ def enabled() -> bool:
     return bool(mx.cuda.is_available())
 
 
+def _cache() -> Path | None:
+    """MLX's cache folder as MLX reads it (once: MLX reads it at its first compile)."""
+    with _lock:
+        if "cache" not in _state and not _state.get("off"):
+            try:
+                _state["cache"] = mlx_jit.mlx_cache_dir(mlx_jit.supported_version())
+            except Exception as exc:
+                _disable(str(exc))
+        return _state.get("cache")
+
+
 def _tools() -> mlx_jit.Toolchain | None:
+    """NVRTC, MLX's headers and options, made at the first compile (a process whose variants are all
+    in the cache never reads the headers out of MLX's library)."""
     with _lock:
         if "tools" not in _state and not _state.get("off"):
             try:
@@ -133,3 +150,4 @@ def _disable(why: str) -> None:
         log.warning("project kernels are left to MLX's own compiling (not cached on disk): %s", why)
     _state["off"] = True
     _state.pop("tools", None)
+    _state.pop("cache", None)

@@ -181,16 +181,23 @@ class Toolchain:
     headers: dict[str, bytes]
     options: tuple[str, ...]
     sass: bool
-    cache: Path
+
+
+def supported_version() -> str:
+    """This process's MLX version; ``RuntimeError`` where it is not one whose layout is reproduced."""
+    import mlx.core as mx
+
+    version = str(getattr(mx, "__version__", ""))
+    if not MLX_VERSIONS.match(version):
+        raise RuntimeError(f"MLX {version}: its kernel cache layout is not the one reproduced")
+    return version
 
 
 def toolchain() -> Toolchain:
     """This process's MLX CUDA's compiler setup (``RuntimeError`` where it is not the one reproduced)."""
     import mlx.core as mx
 
-    version = str(getattr(mx, "__version__", ""))
-    if not MLX_VERSIONS.match(version):
-        raise RuntimeError(f"MLX {version}: its kernel cache layout is not the one reproduced")
+    supported_version()
     root = Path(mx.__file__).resolve().parent  # mlx/: lib/libmlx.so, include/
     nvidia = root.parent / "nvidia" / "cu13"
     lib = load_nvrtc(nvidia / "lib")
@@ -211,7 +218,7 @@ def toolchain() -> Toolchain:
         *(f"--include-path={p}" for p in [*includes, cuda] if p.exists()),
     )
     headers = embedded_headers(root / "lib" / "libmlx.so")
-    return Toolchain(lib, headers, options, sass, mlx_cache_dir(version))
+    return Toolchain(lib, headers, options, sass)
 
 
 def compile_module(tools: Toolchain, kernel: str, text: str, module: str) -> tuple[bytes, str, str]:
