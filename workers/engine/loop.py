@@ -75,7 +75,7 @@ log = logging.getLogger("mlx_batchd.engine")
 
 #: The most of a busy engine's time the start-up pieces before the probe may take (their units run
 #: between steps, so a unit delays the batch's next token by its length).
-START_UP_SHARE = 0.1
+START_UP_SHARE = 0.05
 #: Seconds without work or commands before an idle engine runs start-up units: the gap between a
 #: client's requests that follow each other is not idle time (a unit there delays the next request).
 START_UP_QUIET_S = 1.0
