@@ -215,3 +215,23 @@ def test_a_variant_already_in_the_cache_needs_no_compiler(monkeypatch: pytest.Mo
     mlx_jit.write_module(written, kernel_name, b"earlier", "_Zk")
     assert jit_cache.prime(_kernel(), [_Array()], template, ["bfloat16"]) == written
     assert not jit_cache._state.get("off")
+
+
+@pytest.mark.parametrize(
+    ("nvrtc", "cc", "sass"),
+    [
+        ((8, 0), (7, 0), False),
+        ((9, 2), (7, 2), True),
+        ((9, 2), (7, 5), False),
+        ((10, 1), (7, 5), True),
+        ((10, 1), (8, 0), False),
+        ((11, 0), (8, 0), True),
+        ((11, 0), (8, 6), False),
+        ((11, 5), (8, 6), True),
+        ((11, 5), (8, 9), False),
+        ((13, 0), (9, 0), True),
+    ],
+)
+def test_machine_code_or_ptx_is_chosen_as_mlx_chooses(nvrtc: tuple[int, int], cc: tuple[int, int], sass: bool) -> None:
+    """MLX's ``compiler_supports_device_sass``: which NVRTC compiles a device's machine code (else PTX)."""
+    assert mlx_jit._supports_sass(nvrtc, cc) is sass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,25 +124,25 @@ def enabled() -> bool:
 
 def _cache() -> Path | None:
     """MLX's cache folder as MLX reads it (once: MLX reads it at its first compile)."""
-    with _lock:
-        if "cache" not in _state and not _state.get("off"):
-            try:
-                _state["cache"] = mlx_jit.mlx_cache_dir(mlx_jit.supported_version())
-            except Exception as exc:
-                _disable(str(exc))
-        return _state.get("cache")
+    return _once("cache", lambda: mlx_jit.mlx_cache_dir(mlx_jit.supported_version()))
 
 
 def _tools() -> mlx_jit.Toolchain | None:
     """NVRTC, MLX's headers and options, made at the first compile (a process whose variants are all
     in the cache never reads the headers out of MLX's library)."""
+    return _once("tools", mlx_jit.toolchain)
+
+
+def _once(key: str, make: Callable[[], Any]) -> Any:
+    """``_state[key]``, made by ``make`` at the first call; ``None`` once the writing is off (a ``make``
+    that fails turns it off)."""
     with _lock:
-        if "tools" not in _state and not _state.get("off"):
+        if key not in _state and not _state.get("off"):
             try:
-                _state["tools"] = mlx_jit.toolchain()
+                _state[key] = make()
             except Exception as exc:
                 _disable(str(exc))
-        return _state.get("tools")
+        return _state.get(key)
 
 
 def _disable(why: str) -> None:

@@ -13,11 +13,13 @@ import functools
 import os
 import re
 import struct
-import threading
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from workers.kernels.backend import KERNEL_CACHE_ENV
 
 #: ``mlx/backend/cuda/jit_module.cpp``'s in-memory device headers, in its order.
 INCLUDE_NAMES = tuple(
@@ -63,9 +65,22 @@ CUDA_TYPE = {
     "float64": "double",
     "complex64": "mlx::core::cu::complex64_t",
 }
-TYPE_STRING = {**{k: k + "_t" for k in CUDA_TYPE if k.startswith(("int", "uint"))}, "bool": "bool"}
-TYPE_STRING |= {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "float64": "double"}
-TYPE_STRING["complex64"] = "complex64_t"
+TYPE_STRING = {
+    "bool": "bool",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "float16": "float16_t",
+    "bfloat16": "bfloat16_t",
+    "float32": "float",
+    "float64": "double",
+    "complex64": "complex64_t",
+}
 
 TemplateArg = bool | int | str
 
@@ -136,8 +151,8 @@ def module_file(cache: Path, kernel: str, text: str) -> Path:
 
 def mlx_cache_dir(version: str) -> Path:
     """MLX's ``ptx_cache_dir``: ``MLX_PTX_CACHE_DIR``, else ``<temp>/mlx/<version>/ptx``."""
-    if os.environ.get("MLX_PTX_CACHE_DIR"):
-        return Path(os.environ["MLX_PTX_CACHE_DIR"])
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV])
     temp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
     return Path(temp) / "mlx" / version / "ptx"
 
@@ -271,20 +286,25 @@ def write_module(path: Path, kernel: str, binary: bytes, mangled: str) -> None:
     names file first: MLX reads the binary's presence as the entry's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for target, data in ((path.with_suffix(".txt"), f"mlx::core::cu::{kernel}\t{mangled}\n".encode()), (path, binary)):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_bytes(data)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # created new, never followed
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, target)
 
 
 def _supports_sass(nvrtc: tuple[int, int], cc: tuple[int, int]) -> bool:
     """MLX's ``compiler_supports_device_sass``."""
-    major, minor = nvrtc
-    limit = {9: (7, 2), 10: (7, 5)}.get(major) or (
-        (8, 0) if nvrtc == (11, 0) else (8, 6) if major == 11 and minor < 8 else None
-    )
-    if major < 9:
+    if nvrtc < (9, 0):
         return False
-    return limit is None or cc <= limit
+    if nvrtc < (10, 0):
+        return cc <= (7, 2)
+    if nvrtc < (11, 0):
+        return cc <= (7, 5)
+    if nvrtc == (11, 0):
+        return cc <= (8, 0)
+    if nvrtc < (11, 8):
+        return cc <= (8, 6)
+    return True
 
 
 def loaded_library(stem: str, maps: Path = Path("/proc/self/maps")) -> str | None:
@@ -300,10 +320,12 @@ def loaded_library(stem: str, maps: Path = Path("/proc/self/maps")) -> str | Non
 def load_nvrtc(libdir: Path) -> Any:
     """The NVRTC this process's MLX loaded, else the one in the CUDA wheels beside MLX (its builtins
     first, which it loads by name), else the system's: one compiler for MLX and for this module."""
-    for builtins in sorted(libdir.glob("libnvrtc-builtins.so*")):
-        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-    found = sorted(libdir.glob("libnvrtc.so*"))
-    path = loaded_library("libnvrtc.so") or (str(found[-1]) if found else "libnvrtc.so.13")
+    path = loaded_library("libnvrtc.so")
+    if path is None:
+        for builtins in sorted(libdir.glob("libnvrtc-builtins.so*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        found = sorted(libdir.glob("libnvrtc.so*"))
+        path = str(found[-1]) if found else "libnvrtc.so.13"
     lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     lib.nvrtcCreateProgram.argtypes = [
