@@ -59,8 +59,9 @@ def probed_bursts(
     draws: int = 3,
     policy: Any = None,
 ) -> Any:
-    """Gate ``drafter`` on ``engine`` as serving does: probe the pairing (its first ``draws`` draws)
-    to the end, then configure bursts under that verdict, which is returned."""
+    """Gate ``drafter`` on ``engine`` as serving does: probe the pairing (its first ``draws`` draws;
+    the pin's cost up to the engine's batch size) to the end, then configure bursts under that
+    verdict, which is returned."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from workers.api import ProbePolicy
@@ -74,6 +75,7 @@ def probed_bursts(
         settings.k,
         None,
         policy or ProbePolicy(),
+        max_batch=engine.max_batch,
     )
     engine.start_probe(name, steps)
     while engine.probing:

@@ -231,7 +231,7 @@ def test_generate_many_of_thousands_of_jobs_is_served_not_cut_as_a_flood(tmp_pat
     """``generate_many`` of 6,000 jobs: sent all at once they would outrun the daemon's reader and the
     connection would be cut as a flood (every job ending ``daemon_gone``); the library keeps
     ``DEFAULT_CONCURRENCY`` in flight, so every job is served."""
-    d = start_daemon(demo_path(), tmp_path, "--max-batch", "8")
+    d = start_daemon(demo_path(), tmp_path, "--max-batch", "64")
     try:
         with Client(d.address, timeout=300) as c:
             out = c.generate_many([{"prompt": "hi", "max_tokens": 1} for _ in range(6000)], return_errors=True)

@@ -17,7 +17,7 @@ import workers.kernels.seam
 from tests.reference import load_measured
 from workers.api import Level
 from workers.engine.engine import Engine
-from workers.kernels import LAYOUT_STEP, attention, bytes_equal, sdpa_rows
+from workers.kernels import attention, bytes_equal, layout, sdpa_rows
 from workers.kernels.attention import MAX_GROUP, SPLIT, group_width, spans
 from workers.models.synthetic import PRESETS, write_model
 
@@ -100,12 +100,16 @@ def test_a_verify_block_in_groups_equals_one_call_per_query(llama: Path, level: 
     attention._widths.clear()
 
 
+#: The caches' growth step in the cache-update test: a buffer edge reached by a short prompt.
+SMALL_STEP = 256
+
+
 @pytest.mark.parametrize(
     ("level", "prompt_len", "updates_per_layer"),
     [
-        (Level.PER_QUERY, 40, 1),  # room in the buffer (LAYOUT_STEP keys): one update for the block
+        (Level.PER_QUERY, 40, 1),  # room in the buffer (SMALL_STEP keys): one update for the block
         (Level.MIRRORED, 40, 1),
-        (Level.PER_QUERY, LAYOUT_STEP - 2, 5),  # the block would grow the buffer: one-token updates
+        (Level.PER_QUERY, SMALL_STEP - 2, 5),  # the block would grow the buffer: one-token updates
         (Level.PER_QUERY_1, 40, 5),  # exact by construction: decode's own one-token updates
     ],
 )
@@ -113,7 +117,9 @@ def test_a_block_takes_one_cache_update_where_the_buffer_has_room(
     llama: Path, monkeypatch: pytest.MonkeyPatch, level: Level, prompt_len: int, updates_per_layer: int
 ) -> None:
     """Each query's view is then a prefix of the block's view in the same buffer; the logits are
-    byte-identical to one-token updates (``per-query-1``)."""
+    byte-identical to one-token updates (``per-query-1``). The caches grow by ``SMALL_STEP`` here
+    (``LAYOUT_STEP`` elsewhere): the same branch at a 254-token prompt instead of 4,094."""
+    monkeypatch.setattr(layout, "LAYOUT_STEP", SMALL_STEP)
     model = load_measured(llama)
     engine = Engine(model, eos_token_ids=(0,), vocab_size=260)
     prompt = mx.array([[(7 * i) % 250 + 3 for i in range(prompt_len)]])
