@@ -31,6 +31,8 @@ def read_daemons(
     # The start-up work each daemon ran between its steps after ready (kernel plans, checks, the
     # probe), where its stats report it: what its time to idle went on.
     meta["start_up_work"] = {name: c.stats()["engine"].get("start_up") for name, c in clients.items()}
+    # And where each daemon's seconds before ready went (set-up, weights, widths, warm-up, ...).
+    meta["ready_phases"] = {name: c.stats()["engine"].get("ready_phases", {}) for name, c in clients.items()}
     # Row-count plans are kept per machine (workers.kernels.plan_store), yet a daemon started with another
     # $MLX_BATCHD_CACHE times its own: one whose plans differ from the engine alone's runs other
     # kernels, which its ratio then includes.

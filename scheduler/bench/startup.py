@@ -45,7 +45,7 @@ def restart(
 ) -> dict[str, Any]:
     """Start a daemon with ``extra`` and ``env`` again (nothing else of the bench's running), send it
     one short request as soon as it is ready, and stop it: seconds from its spawn to ready, to that
-    request's first token and to idle, and its exit code."""
+    request's first token and to idle, its exit code, and its seconds by phase (``phases_text``)."""
     from clients.events import TokenEvent
     from clients.sync import Client
     from scheduler.spawn import DaemonProcess
@@ -58,12 +58,22 @@ def restart(
                     first_token = time.monotonic() - proc.spawned_at
             wait_idle({"restart": client})
             idle = time.monotonic() - proc.spawned_at
+            engine = client.stats()["engine"]
     return {
         "ready_s": proc.ready_seconds,
         "first_token_s": first_token,
         "idle_s": idle,
         "exit_code": proc.proc.returncode,
+        "ready_phases": dict(engine.get("ready_phases", {})),
+        "start_up_s": {name: row["seconds"] for name, row in (engine.get("start_up") or {}).items()},
     }
+
+
+def phases_text(t: dict[str, Any]) -> str:
+    """A start's seconds by phase from ``restart``: before ready, then the start-up work after it."""
+    before = ", ".join(f"{k} {v:.1f}" for k, v in t.get("ready_phases", {}).items()) or "-"
+    after = ", ".join(f"{k} {v:.1f}" for k, v in t.get("start_up_s", {}).items()) or "-"
+    return f"before ready (s): {before}; start-up work after it (s): {after}"
 
 
 def startup_markdown(meta: dict[str, Any]) -> str:
@@ -104,7 +114,7 @@ def second_start_text(again: dict[str, Any]) -> str:
     """The daemon arm's second start, in words."""
     return (
         f"second start of 'daemon': ready {seconds_text(again['ready_s'])}, "
-        f"first token {seconds_text(again['first_token_s'])}"
+        f"first token {seconds_text(again['first_token_s'])} ({phases_text(again)})"
     )
 
 

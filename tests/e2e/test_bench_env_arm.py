@@ -97,6 +97,10 @@ def test_env_arm_runs_its_own_daemon_beside_the_daemon_arm_and_restart_times_rep
     assert second["daemon"] == "daemon" and second["exit_code"] == 0
     assert 0 < second["ready_s"] <= second["first_token_s"] <= second["idle_s"], second
     assert second["ready_s"] == again.ready_seconds
+    # The second start's seconds by phase came from its own stats: all of them before its ready.
+    assert {"set-up", "weights", "warm-up"} <= set(second["ready_phases"]), second
+    assert 0 < sum(second["ready_phases"].values()) <= second["ready_s"], second
+    assert all(name in meta["ready_phases"]["daemon"] for name in ("weights", "warm-up")), meta["ready_phases"]
     assert any(x.startswith("bench: second start of 'daemon': ready ") for x in printed)
     assert any(x.startswith("start-up (from spawn): daemon: ready ") and "second start" in x for x in printed)
 

@@ -146,6 +146,7 @@ def stats_snapshot(
             "compiled_layers": 0,
             "dense_shadow_bytes": 0,
             "start_up": {"kernel plans": {"status": "done", "at": "4/4 shapes timed", "units": 6, "seconds": 1.5}},
+            "ready_phases": {"set-up": 0.1, "weights": 0.5, "warm-up": 0.2},
         },
     }
 

@@ -268,6 +268,8 @@ class EngineSnapshot(CountersSnapshot):
     dense_shadow_bytes: int
     #: Start-up work by name (``kernel plans``, ``prefix check``, ``probe``), pending or ended.
     start_up: dict[str, StartUpRow]
+    #: Seconds by phase before ``Ready`` (set-up, weights, widths, engine, warm-up, ...).
+    ready_phases: dict[str, float]
 
 
 @final

@@ -120,6 +120,8 @@ class Engine(Parking, Holdings, BatchStep):
         #: CUDA), and not in lockstep: the plans come from timings, which differ per machine, and a
         #: projection every rank computes whole (the unsplit lm_head) must run the same kernel everywhere.
         self.kernel_plans: dict[str, str] = {}
+        #: Seconds by phase of the start that made this engine (``ready_phases``; empty outside a daemon).
+        self.ready_phases: dict[str, float] = {}
         if not lockstep:
             self._plan(model, calibration)
         #: Decoder layers registered to run as compiled halves in decode steps, which they do where the

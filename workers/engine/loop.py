@@ -63,6 +63,7 @@ from workers.engine.engine import Engine
 from workers.engine.prefill_wave import most_prompts
 from workers.engine.profiling import profiled
 from workers.engine.ranks import Ranks
+from workers.engine.ready_phases import PhaseClock, timed_load
 from workers.engine.sampling import with_seed
 from workers.engine.spec.policy import Gate
 from workers.engine.startup import buffer_cache_limit, build_engine, check_environment, check_same_settings
@@ -190,25 +191,30 @@ class EngineThread(Ranks):
 
     def _serve(self) -> Stopped | Dead:
         """Load, warm up, announce ``Ready`` and run the loop; the final signal is the caller's to send."""
+        clock = PhaseClock()
         try:
             s = self._settings
-            if self._join_world is not None:
-                self.world = self._join_world()
-                self._lockstep = Lockstep(self.world)
-            if self.world.distributed:
-                check_same_settings(self.world, s)
-            check_environment()
-            mx.set_cache_limit(buffer_cache_limit(s))
-            configure_attention(s.cudnn_attention)
-            loaded = self._load()
+            with clock.phase("set-up"):
+                if self._join_world is not None:
+                    self.world = self._join_world()
+                    self._lockstep = Lockstep(self.world)
+                if self.world.distributed:
+                    check_same_settings(self.world, s)
+                check_environment()
+                mx.set_cache_limit(buffer_cache_limit(s))
+                configure_attention(s.cudnn_attention)
+            loaded = timed_load(clock, self._load)
             if loaded.shard is not None:
                 self._shard_mode = loaded.shard.mode
-            engine = build_engine(loaded, s, self.world)
+            engine = build_engine(loaded, s, self.world, clock)
         except (ModelError, DistributedError, SettingError) as exc:  # a model or set-up that cannot serve: one line
             return Dead(str(exc))
         except Exception as exc:
             return Dead(self._failure(exc))
         self._engine = engine
+        engine.ready_phases = dict(clock.seconds)
+        if self.world.leader:
+            log.info("%s", clock.line())
         if self.world.distributed and self.world.leader:
             w = self.world
             log.info("%d ranks, %s, %s (model %s)", w.size, w.backend, self._shard_mode, loaded.info.name)

@@ -21,6 +21,7 @@ import mlx.core as mx
 from workers.api import EngineSettings, Job
 from workers.dist import Broadcaster, DistributedError, World, check_same
 from workers.engine.engine import Engine
+from workers.engine.ready_phases import PhaseClock
 from workers.exact import ProbeSetup, Verdict, VerdictStore, block_lengths, probe_setup, sliding_window
 from workers.models import LoadedModel
 
@@ -293,32 +294,39 @@ def configure_prefix_cache(engine: Engine, loaded: LoadedModel, s: EngineSetting
     engine.background.add("prefix check", engine.paced(steps()), settle, lambda: unpinned("probe"))
 
 
-def build_engine(loaded: LoadedModel, s: EngineSettings, world: World) -> Engine:
+def build_engine(loaded: LoadedModel, s: EngineSettings, world: World, clock: PhaseClock | None = None) -> Engine:
     """The engine for ``loaded`` as the settings ask, warmed up, with its prefix cache, drafter and
     probe configured and its counters reset: what an engine thread serves once it says ``Ready``.
     What is not stored yet (kernel plans, the prefix cache's check) is queued to run between steps,
-    and the probe after it."""
-    configure_dense_shadow(loaded, s)
-    engine = Engine(
-        loaded.model,
-        calibration="background",
-        eos_token_ids=loaded.info.eos_token_ids,
-        vocab_size=loaded.info.vocab_size,
-        max_batch=s.max_batch,
-        prefill_batch=s.prefill_batch,
-        prefill_step=s.prefill_step,
-        prefill_tokens=s.prefill_tokens,
-        step_target_s=s.step_target_s,
-        lockstep=world.distributed,
-    )
+    and the probe after it. Each phase's seconds go on ``clock``."""
+    clock = clock or PhaseClock()
+    with clock.phase("dense shadow"):
+        configure_dense_shadow(loaded, s)
+    with clock.phase("engine"):
+        engine = Engine(
+            loaded.model,
+            calibration="background",
+            eos_token_ids=loaded.info.eos_token_ids,
+            vocab_size=loaded.info.vocab_size,
+            max_batch=s.max_batch,
+            prefill_batch=s.prefill_batch,
+            prefill_step=s.prefill_step,
+            prefill_tokens=s.prefill_tokens,
+            step_target_s=s.step_target_s,
+            lockstep=world.distributed,
+        )
     engine.tokenizer = loaded.tokenizer
-    warm_up(engine)
+    with clock.phase("warm-up"):
+        warm_up(engine)
     if s.prefix_cache_bytes > 0:
-        configure_prefix_cache(engine, loaded, s)
+        with clock.phase("prefix cache"):
+            configure_prefix_cache(engine, loaded, s)
     if s.draft is not None or s.mtp is not None:
-        configure_bursts(engine, loaded, s, world)
+        with clock.phase("drafter"):
+            configure_bursts(engine, loaded, s, world)
     elif s.probe_k is not None:
-        start_probe(engine, loaded, s, s.drafter, s.probe_k, world)
+        with clock.phase("probe set-up"):
+            start_probe(engine, loaded, s, s.drafter, s.probe_k, world)
     engine.reset_counters()
     if world.leader:
         for line in chosen_lines(loaded, s, engine):

@@ -56,6 +56,7 @@ def engine_snapshot(
         "distributed": distributed,
         "kernel_plans": engine.kernel_plans,
         "start_up": cast(dict[str, StartUpRow], engine.start_up_summary()),
+        "ready_phases": engine.ready_phases,
         "compiled_layers": compiled_layers.running(engine.model),
         "dense_shadow_bytes": dense_shadow.resident_bytes(engine.model),
     }

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +39,9 @@ class LoadedModel:
     widths: WidthReport
     #: How this rank holds the model when it is one of several (``None``: the whole model, alone).
     shard: ShardReport | None = None
+    #: Seconds ``load`` spent finding the files (a GGUF file's conversion), reading the weights and
+    #: measuring the widths (``workers.engine.ready_phases``).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class ModelError(ValueError):
@@ -217,8 +221,11 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
     configure_attention(CUDNN_ATTENTION_DEFAULT)
     configure_kernel_cache(cache_dir())
 
+    tic = time.perf_counter()
     path = check_model(spec)
+    phases = {"model files": time.perf_counter() - tic}
     sharded = world is not None and world.distributed
+    tic = time.perf_counter()
     try:
         loaded = mlx_load(str(path), lazy=sharded, return_config=True)
     except (ValueError, OSError, RuntimeError) as exc:  # files that do not fit together, or a cut download
@@ -230,8 +237,11 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
 
         shard = prepare(model, world, config, checkpoint_fingerprint(path))
     keep_leading_space(tokenizer)
+    phases["weights"] = time.perf_counter() - tic
+    tic = time.perf_counter()
     widths = measure_widths(model)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)
+    phases["widths"] = time.perf_counter() - tic
     info = ModelInfo(
         name=spec if spec == "demo" else _display_name(path),
         path=str(path),
@@ -242,4 +252,6 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
         has_chat_template=bool(tokenizer.has_chat_template),
         kv_bytes_per_token=kv_bytes,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, info=info, widths=widths, shard=shard)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, info=info, widths=widths, shard=shard, phases=phases
+    )
