@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +29,8 @@ class WidthReport:
     """Row-exact widths found for each distinct projection signature of a model."""
 
     widths: dict[str, int] = field(default_factory=dict)
+    #: Read from the width store, not measured in this process.
+    stored: bool = False
 
     def narrowest(self) -> int:
         return min(self.widths.values(), default=1)
@@ -66,10 +69,21 @@ def _signature_and_probe(module: nn.Module, max_width: int) -> tuple[str, Probe,
     return None
 
 
-def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: int = 0) -> WidthReport:
+class WidthLookup(Protocol):
+    """Widths measured by an earlier process (``workers.models.width_store``)."""
+
+    def get(self, signatures: list[str], max_width: int, seed: int) -> dict[str, int] | None: ...
+
+    def put(self, widths: dict[str, int]) -> None: ...
+
+
+def measure_widths(
+    model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: int = 0, stored: WidthLookup | None = None
+) -> WidthReport:
     """Find, for each projection signature, the widest M whose M-row call is byte-equal to M
     single-row calls for every M up to it (W = 1 when M = 2 already differs), and register the
-    width for every module with that signature. Runs at wide, outside any pin."""
+    width for every module with that signature. Runs at wide, outside any pin. With ``stored``, widths
+    it holds for exactly these signatures are registered without a forward, and measured ones kept there."""
     install()
     qmv_rows.register_siblings(model)
     report = WidthReport()
@@ -82,6 +96,14 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
         sig, call, d_in, dtype = found
         by_sig.setdefault(sig, []).append(id(module))
         probes.setdefault(sig, (call, d_in, dtype))
+    known = None if stored is None else stored.get(list(probes), max_width, seed)
+    if known is not None:
+        report.widths, report.stored = known, True
+        for sig, width in known.items():
+            for mid in by_sig[sig]:
+                chunk_widths[mid] = load_time_widths[mid] = width
+        track_measured(model)
+        return report
     with scoped(Level.WIDE):
         for sig, (call, d_in, dtype) in probes.items():
             x = (mx.random.normal((max_width, d_in), key=mx.random.key(seed)) * 0.5).astype(dtype)
@@ -95,6 +117,8 @@ def measure_widths(model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: 
             for mid in by_sig[sig]:
                 chunk_widths[mid] = load_time_widths[mid] = width
     track_measured(model)
+    if stored is not None:
+        stored.put(report.widths)
     return report
 
 

@@ -21,6 +21,7 @@ from workers.kernels import (
     model_classes,
 )
 from workers.models.demo import cache_dir
+from workers.models.width_store import WidthStore
 
 if TYPE_CHECKING:
     from workers.dist import Mode, ShardReport, World
@@ -239,7 +240,8 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
     keep_leading_space(tokenizer)
     phases["weights"] = time.perf_counter() - tic
     tic = time.perf_counter()
-    widths = measure_widths(model)  # also installs the kernel-level patches for this model family
+    stored = WidthStore(cache_dir() / "widths", path) if path.is_dir() else None
+    widths = measure_widths(model, stored=stored)  # also installs the kernel-level patches for this model family
     kv_bytes = kv_bytes_per_token(model)
     phases["widths"] = time.perf_counter() - tic
     info = ModelInfo(
