@@ -2,7 +2,7 @@
 same model on the same machine skips ``measure_widths``' forwards.
 
 A file is keyed by what the widths depend on: the model's files (path, sizes, modification times), the
-backend and its versions, the kernel switches, the signatures measured and the measurement's settings.
+backend and its versions, the kernel switches and policy, the signatures measured and the measurement's settings.
 One that does not read back as a width for exactly the signatures asked is measured again. While the
 test seam is set (``workers.kernels.seam``) nothing is read or kept: its widths are the seam's.
 The probe still checks every width on the rows each block feeds it (``calibration.calibrate``).
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workers import envs
-from workers.kernels import seam
+from workers.kernels import fastpath, seam
 from workers.kernels.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
@@ -47,6 +47,7 @@ def widths_key(model_dir: Path, signatures: list[str], max_width: int, seed: int
         "files": files_key(model_dir),
         "backend": backend_fingerprint(),
         "switches": {v.name: envs.read(v) for v in (envs.FASTPATH, envs.ROWKERNEL, envs.W4A16, envs.COMPILED_LAYERS)},
+        "fastpath": fastpath.active().name,
         "signatures": sorted(signatures),
         "max_width": max_width,
         "seed": seed,
