@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workers import envs
-from workers.kernels import fastpath, seam
-from workers.kernels.backend import backend_fingerprint
+from workers.kernels import backend_fingerprint, fastpath, seam
 
 log = logging.getLogger("mlx_batchd")
 
