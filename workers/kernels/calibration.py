@@ -86,7 +86,6 @@ def measure_widths(
     it holds for exactly these signatures are registered without a forward, and measured ones kept there."""
     install()
     qmv_rows.register_siblings(model)
-    report = WidthReport()
     by_sig: dict[str, list[int]] = {}
     probes: dict[str, tuple[Probe, int, mx.Dtype]] = {}
     for _, module in model.named_modules():
@@ -97,13 +96,19 @@ def measure_widths(
         by_sig.setdefault(sig, []).append(id(module))
         probes.setdefault(sig, (call, d_in, dtype))
     known = None if stored is None else stored.get(list(probes), max_width, seed)
-    if known is not None:
-        report.widths, report.stored = known, True
-        for sig, width in known.items():
-            for mid in by_sig[sig]:
-                chunk_widths[mid] = load_time_widths[mid] = width
-        track_measured(model)
-        return report
+    report = WidthReport(known or _measured(probes, max_width, seed), stored=known is not None)
+    for sig, width in report.widths.items():
+        for mid in by_sig[sig]:
+            chunk_widths[mid] = load_time_widths[mid] = width
+    track_measured(model)
+    if stored is not None and known is None:
+        stored.put(report.widths)
+    return report
+
+
+def _measured(probes: dict[str, tuple[Probe, int, mx.Dtype]], max_width: int, seed: int) -> dict[str, int]:
+    """Each signature's width, measured on ``max_width`` random rows at wide."""
+    widths: dict[str, int] = {}
     with scoped(Level.WIDE):
         for sig, (call, d_in, dtype) in probes.items():
             x = (mx.random.normal((max_width, d_in), key=mx.random.key(seed)) * 0.5).astype(dtype)
@@ -113,13 +118,8 @@ def measure_widths(
                 if not bytes_equal(call(x, slice(0, m)), singles[:m]):
                     break
                 width = m
-            report.widths[sig] = width
-            for mid in by_sig[sig]:
-                chunk_widths[mid] = load_time_widths[mid] = width
-    track_measured(model)
-    if stored is not None:
-        stored.put(report.widths)
-    return report
+            widths[sig] = width
+    return widths
 
 
 def calibrate(calls: list[CapturedCall]) -> dict[int, tuple[int, int]]:

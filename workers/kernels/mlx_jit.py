@@ -65,22 +65,7 @@ CUDA_TYPE = {
     "float64": "double",
     "complex64": "mlx::core::cu::complex64_t",
 }
-TYPE_STRING = {
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-    "float16": "float16_t",
-    "bfloat16": "bfloat16_t",
-    "float32": "float",
-    "float64": "double",
-    "complex64": "complex64_t",
-}
+TYPE_STRING = {**CUDA_TYPE, "float16": "float16_t", "bfloat16": "bfloat16_t", "complex64": "complex64_t"}
 
 TemplateArg = bool | int | str
 
