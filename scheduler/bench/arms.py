@@ -4,14 +4,20 @@ alone (in this process), a daemon through the client library, the daemon's HTTP 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import random
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+from scheduler.bench.env_arms import EnvArm
 from scheduler.bench.output import BenchError
+from workers import envs
 
 
 def random_prompts(b: int, n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -179,6 +185,48 @@ def served_model(http: Any) -> str:
 #: The HTTP arms (``--via http``): the ``daemon`` arm's own daemon through its HTTP door, whole
 #: answers and SSE streams; arm -> stream.
 HTTP_ARMS = {"http": False, "http_stream": True}
+
+
+@dataclass(frozen=True)
+class DaemonArms:
+    """The daemons a matrix run starts: each arm's serve options and the environment set for it alone."""
+
+    serve: dict[str, list[str]]
+    env: dict[str, dict[str, str]]
+    env_arms: list[EnvArm]
+    #: ``bursts:<drafter>``, one daemon each, measured at B = 1 only.
+    b1_arms: list[str]
+
+
+def daemon_arms(args: argparse.Namespace, cap: list[str], http_flags: list[str], drafters: list[str]) -> DaemonArms:
+    """The daemon arm (with the HTTP door where ``--via http``), ``--process-pin``'s daemon (the
+    process-wide pin is a bench arm, not a serve option), one per ``--env-arm`` (its ZeroMQ door only)
+    and one per drafter."""
+    serve: dict[str, list[str]] = {"daemon": [*cap, *http_flags]}
+    env: dict[str, dict[str, str]] = {}
+    if args.process_pin:
+        serve["daemon_process_pin"] = [*cap, "--probe-k", "4", "--pin-level", args.process_pin]
+        env["daemon_process_pin"] = {envs.BENCH_PROCESS_PIN.name: "1"}
+    env_arms: list[EnvArm] = list(getattr(args, "env_arm", None) or [])
+    for a in env_arms:
+        serve[a.name] = [*cap, *a.serve_args]
+        env[a.name] = a.variables
+    b1_arms = [f"bursts:{d}" for d in drafters]
+    for arm, d in zip(b1_arms, drafters):
+        serve[arm] = [*cap, *drafter_args(d)]
+    return DaemonArms(serve, env, env_arms, b1_arms)
+
+
+@contextlib.contextmanager
+def failing_arm(arm: str) -> Iterator[None]:
+    """A request the arm's daemon failed (its engine died, a request it refused) ends the bench with
+    one line naming the arm and the error's code, not a traceback."""
+    from clients import RequestError
+
+    try:
+        yield
+    except RequestError as exc:
+        raise BenchError(f"arm {arm}: a request failed: [{exc.code}] {exc.message}") from None
 
 
 def drafter_args(spec: str) -> list[str]:

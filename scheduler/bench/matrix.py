@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -57,8 +56,9 @@ from scheduler.bench.arms import (
     HTTP_ARMS,
     RUN_BURST_KEYS,
     burst_counts,
+    daemon_arms,
     daemon_bursts,
-    drafter_args,
+    failing_arm,
     free_port,
     memory_gib,
     open_http,
@@ -74,35 +74,22 @@ from scheduler.bench.arms import (
 )
 from scheduler.bench.batched import Setup
 from scheduler.bench.daemon_meta import read_daemons
-from scheduler.bench.env_arms import EnvArm
 from scheduler.bench.output import BenchError, progress
 from scheduler.bench.poisson import run_poisson, write_poisson
 from scheduler.bench.prefix import run_prefix
 from scheduler.bench.reference import known_bandwidth
 from scheduler.bench.rewrite import rewrite_prompts
+from scheduler.bench.run_meta import run_meta
 from scheduler.bench.spreads import rotated
 from scheduler.bench.startup import ready_line, restart, second_start_text, startup_line, startup_meta, wait_idle_timed
 from scheduler.bench.tables import write_b1_table, write_tables
 from scheduler.cli.demo import DEMO_PROMPTS
-from workers import envs
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
     """An outer timeout's SIGTERM unwinds like Ctrl-C would: the daemons are stopped, and the tables
     written after each finished batch size stay."""
     raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def failing_arm(arm: str) -> Iterator[None]:
-    """A request the arm's daemon failed (its engine died, a request it refused) ends the bench with
-    one line naming the arm and the error's code, not a traceback."""
-    from clients import RequestError
-
-    try:
-        yield
-    except RequestError as exc:
-        raise BenchError(f"arm {arm}: a request failed: [{exc.code}] {exc.message}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -179,20 +166,8 @@ def _main(args: argparse.Namespace) -> int:
     http_url = f"http://127.0.0.1:{free_port()}" if via_http else None
     # The HTTP arms measure the daemon arm's own daemon: one process, one engine, two doors.
     http_flags = ["--http", http_url.removeprefix("http://")] if http_url else []
-    daemons: dict[str, list[str]] = {"daemon": [*cap, *http_flags]}
-    #: Environment set for one daemon only: the process-wide pin is a bench arm, not a serve option.
-    daemon_env: dict[str, dict[str, str]] = {}
-    if args.process_pin:
-        daemons["daemon_process_pin"] = [*cap, "--probe-k", "4", "--pin-level", args.process_pin]
-        daemon_env["daemon_process_pin"] = {envs.BENCH_PROCESS_PIN.name: "1"}
-    # --env-arm: daemons like the daemon arm's (its ZeroMQ door only), each with its own variables.
-    env_arms: list[EnvArm] = list(getattr(args, "env_arm", None) or [])
-    for a in env_arms:
-        daemons[a.name] = [*cap, *a.serve_args]
-        daemon_env[a.name] = a.variables
-    b1_arms = [f"bursts:{d}" for d in drafters]  # measured at B = 1 only
-    for arm, d in zip(b1_arms, drafters):
-        daemons[arm] = [*cap, *drafter_args(d)]
+    arms = daemon_arms(args, cap, http_flags, drafters)
+    daemons, daemon_env, env_arms, b1_arms = arms.serve, arms.env, arms.env_arms, arms.b1_arms
     device_name = backend_fingerprint()["device_name"]
     given = getattr(args, "bandwidth_gbs", None) or None
     gb_per_s = given or known_bandwidth(device_name)
@@ -219,34 +194,20 @@ def _main(args: argparse.Namespace) -> int:
         gb_per_s=gb_per_s,
         raw_max_batch=getattr(args, "raw_max_batch", None),
     )
-    meta: dict[str, Any] = {
-        "raw_max_batch": setup.raw_max_batch,
-        "model": args.model,
+    machine = {
         "model_path": str(path),
         "device": str(mx.default_device()),
         "mlx": str(getattr(mx, "__version__", "unknown")),
         "row_kernel": qmv_launch.variant(),
-        "tokens": args.tokens,
-        "prompt_tokens": prompt_tokens,
-        "prompts": args.prompts,
-        "repeats": args.repeats,
-        "min_seconds": args.min_seconds,
-        "context": setup.context,
-        "drafters": drafters,
-        "process_pin": args.process_pin,
-        "env_arms": {a.name: a.env for a in env_arms},
-        "daemon_args": daemon_args,
         "mlx_cache_limit_bytes": cache_limit,
         "cudnn_attention": cudnn_attention,
         "via": "http" if via_http else "zeromq",
         "http_url": http_url,
-        "weight_bytes": weight_bytes,
-        "kv_bytes_per_token": loaded.info.kv_bytes_per_token,
-        "bandwidth_gb_s": gb_per_s,
         "bandwidth_source": bandwidth_source,
         "device_name": device_name,
         "fastpath": fastpath.active().name,
     }
+    meta = run_meta(args, setup, machine, env_arms, daemon_args, drafters, prompt_tokens)
     out = Path(args.out)
     counts: dict[str, dict[str, float]] | None = None
     gates: dict[str, dict[str, Any]] = {}

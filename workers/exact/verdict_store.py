@@ -16,6 +16,7 @@ from typing import Any
 
 from workers.exact.results import Verdict
 from workers.kernels import CUDNN_ATTENTION_ENV, backend_fingerprint, fastpath
+from workers.models import model_files
 
 log = logging.getLogger("mlx_batchd.probe")
 
@@ -51,10 +52,9 @@ def model_fingerprint(model_dir: Path, cache_dir: Path) -> str:
     except (OSError, ValueError) as exc:  # unreadable or damaged: the files are hashed again
         log.warning("ignoring the file-hash memo %s (%s)", memo_path, exc)
     h = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.suffix in (".safetensors", ".json") and path.is_file():
-            h.update(path.name.encode())
-            h.update(_file_sha256(path, memo).encode())
+    for path in model_files(model_dir):
+        h.update(path.name.encode())
+        h.update(_file_sha256(path, memo).encode())
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo))

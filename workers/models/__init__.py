@@ -1,6 +1,6 @@
 """The models room: loading a model and its tokenizer (``loading``), the embedded demo models (``demo``),
 GGUF conversion (``gguf``), synthetic models for tests and benchmarks (``synthetic``) and the MTP
-head (``mtp``)."""
+head (``mtp``); measured projection widths kept per model (``width_store``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from workers.models.mtp import (
     load_mtp,
     target_forward,
 )
+from workers.models.width_store import model_files
 
 __all__ = [
     "LoadedModel",
@@ -35,6 +36,7 @@ __all__ = [
     "load",
     "load_mtp",
     "load_tokenizer",
+    "model_files",
     "read_config",
     "resolve_model_path",
     "target_forward",

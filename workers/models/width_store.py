@@ -29,14 +29,15 @@ WIDTHS_VERSION = 1
 MAX_FILE_BYTES = 1 << 16
 
 
+def model_files(model_dir: Path) -> list[Path]:
+    """The files that make ``model_dir`` the model it is: its weights and its JSON (config,
+    tokenizer), by name."""
+    return [p for p in sorted(model_dir.iterdir()) if p.suffix in (".safetensors", ".json") and p.is_file()]
+
+
 def files_key(model_dir: Path) -> list[list[Any]]:
-    """Each weight and config file of ``model_dir``: name, size, modification time (ns)."""
-    out: list[list[Any]] = []
-    for path in sorted(model_dir.iterdir()):
-        if path.suffix in (".safetensors", ".json") and path.is_file():
-            st = path.stat()
-            out.append([path.name, st.st_size, st.st_mtime_ns])
-    return out
+    """Each of ``model_files``: name, size, modification time (ns)."""
+    return [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in model_files(model_dir)]
 
 
 def widths_key(model_dir: Path, signatures: list[str], max_width: int, seed: int) -> str:
