@@ -95,7 +95,7 @@
 #   during the start-up work of another fresh start against after it (benchmarks/start_load.py).
 # PART=ctl: the cost of logits controls at B = 16 (benchmarks/grammar_throughput.py): every sequence under a
 #   JSON schema, every sequence with penalties and a logit bias, half of them with those (the plain rows' speed).
-# PART=b1: the daemon at B = 1 (128 tokens, 3 repeats) from this tree, or with ARM=before from the tree in
+# PART=b1: the daemon at B = 1 (128 tokens, 3 repeats, no prefix cache unless DARGS says) from this tree, or with ARM=before from the tree in
 #   .mlx-cuda/before/tree.tgz (git archive of an earlier commit's scheduler, workers, clients, pyproject.toml):
 #   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
 # PART=jit: the project kernels in MLX's disk cache (pytest -m gpu tests/gpu/test_jit_cache_gpu.py: MLX loads a module at
@@ -258,9 +258,11 @@ elif [ "$PART" = b1 ]; then
   if [ "${ARM:-after}" = before ]; then
     mkdir -p "$WORK/before" && tar xzf .mlx-cuda/before/tree.tgz -C "$WORK/before"
     (cd "$WORK/before" && PYTHONPATH=$SITE:$WORK/before step b1-before 540 python3 -m scheduler bench --model "$M" \
-      --batch-sizes 1 --tokens 128 --repeats 3 --out "$R/b1-before")
+      --batch-sizes 1 --tokens 128 --repeats 3 --raw-max-batch 1 --daemon-args="${DARGS:---prefix-cache-mb 0}" \
+      --out "$R/b1-before")
   else
-    step b1-after 540 python3 -m scheduler bench --model "$M" --batch-sizes 1 --tokens 128 --repeats 3 --out "$R/b1-after"
+    step b1-after 540 python3 -m scheduler bench --model "$M" --batch-sizes 1 --tokens 128 --repeats 3 --raw-max-batch 1 \
+      --daemon-args="${DARGS:---prefix-cache-mb 0}" --out "$R/b1-after"
   fi
 elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider

@@ -13,8 +13,10 @@ import anyio
 
 from scheduler.affinity import AffinityError, CpuSplit, allowed_cpus, pin_process, plan_split
 from scheduler.engine_process import EngineProcess
+from scheduler.engine_spawn import Spawned
 from scheduler.engine_watchdog import ENGINE_TIMEOUT_S
 from scheduler.frontend import FrontEnd, FrontEndSettings
+from workers import envs
 from workers.api import EngineSettings, Signal
 
 SWITCH_INTERVAL_S = 0.0005
@@ -52,32 +54,46 @@ def check_models(settings: DaemonSettings) -> None:
         raise ModelError(f"--mtp {mtp!r} is not an MTP head directory (no config.json in it); pass one, or 'demo'")
 
 
-def serve(settings: DaemonSettings) -> int:
+def serve(settings: DaemonSettings, spawned: Spawned | None = None) -> int:
     """Run the daemon in this (main) thread until SIGINT/SIGTERM; return the exit code.
 
     A configuration that must not start raises (``ModelError``, ``SettingError``, ``ConfigError``,
-    ``TenantsError``) before anything is bound; the command line turns those into one line."""
-    from workers.engine.startup import check_environment
+    ``TenantsError``) before anything is bound; the command line turns those into one line.
+    ``spawned``: the engine process, started before the front end's imports (``engine_spawn``);
+    this call owns it, and ends it where the daemon does not start."""
+    adopted = False
+    try:
+        envs.check()  # the engine process reads them; a typo is refused here, before anything is bound
+        check_models(settings)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    check_models(settings)
-    check_environment()
+        def make_engine(emit: Callable[[list[Signal]], None]) -> EngineProcess:
+            # Called once the checks passed and the address is bound: a daemon that refuses to start
+            # says one line, and moves nothing.
+            nonlocal adopted
+            split = place_processes(settings)
+            cpus = None if split is None else split.engine
+            engine = EngineProcess(
+                settings.model,
+                settings.context_length,
+                emit,
+                settings.engine,
+                cpus,
+                settings.engine_timeout_s,
+                spawned,
+            )
+            adopted = True
+            return engine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _run_front_end(settings, make_engine)
+    finally:
+        if spawned is not None and not adopted:
+            spawned.discard()
 
-    def make_engine(emit: Callable[[list[Signal]], None]) -> EngineProcess:
-        # Called once the checks passed and the address is bound: a daemon that refuses to start
-        # says one line, and moves nothing.
-        split = place_processes(settings)
-        cpus = None if split is None else split.engine
-        return EngineProcess(
-            settings.model,
-            settings.context_length,
-            emit,
-            settings.engine,
-            cpus,
-            settings.engine_timeout_s,
-        )
 
+def _run_front_end(
+    settings: DaemonSettings, make_engine: Callable[[Callable[[list[Signal]], None]], EngineProcess]
+) -> int:
     # The front end hands the engine at most one batch's worth of sequences at a time.
     front_settings = replace(
         settings.front, capacity=settings.engine.max_batch, prefix_cache_bytes=settings.engine.prefix_cache_bytes

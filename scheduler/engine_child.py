@@ -54,7 +54,11 @@ def child_main(argv: list[str] | None = None) -> int:
     sigterm_until_ready(ready)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = unpack(sys.stdin.buffer.read())
+    frame = sys.stdin.buffer.read()  # the settings: this process may have been started before they were known
+    if not frame:
+        print("mlx-batchd engine: the daemon sent no settings; exiting", file=sys.stderr, flush=True)
+        return 1
+    spec = unpack(frame)
     logging.getLogger().setLevel(spec.get("log_level", logging.INFO))  # the daemon's --log-level
     if spec.get("cpus"):
         try:  # before the engine thread starts: every thread it and MLX start inherits the mask

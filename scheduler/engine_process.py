@@ -40,7 +40,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -51,6 +50,7 @@ import msgpack
 import zmq
 
 from scheduler.engine_lifetime import make_private_folder
+from scheduler.engine_spawn import Spawned, spawn
 from scheduler.engine_watchdog import ENGINE_TIMEOUT_S, Watchdog
 from scheduler.event_pipe import Receiver, open_pipe, unread
 from workers.api import (
@@ -124,11 +124,14 @@ class EngineProcess:
         settings: EngineSettings | None = None,
         cpus: tuple[int, ...] | None = None,
         engine_timeout_s: float = ENGINE_TIMEOUT_S,
+        spawned: Spawned | None = None,
     ) -> None:
         """``cpus``: where the engine process runs (``scheduler.affinity``); ``None`` leaves it where
         the OS puts it. ``engine_timeout_s``: pending work without
         a word from the engine for this long kills it and reports it ``Dead`` (``engine_watchdog``;
-        0 = never)."""
+        0 = never). ``spawned``: the process, started early (``engine_spawn``); else ``start``
+        starts it."""
+        self._spawned = spawned
         self._model = model
         self._cpus = cpus
         self._context_length = context_length
@@ -148,7 +151,13 @@ class EngineProcess:
         self._cmd.setsockopt(zmq.LINGER, 0)
         self._cmd.setsockopt(zmq.SNDHWM, 0)
         self._cmd.bind(f"ipc://{self._folder / 'commands'}")
-        self._events, self._events_w = open_pipe()
+        #: The event pipe for the process ``start`` starts (a spawned one came with its own).
+        self._pipe: tuple[int, int] | None = None
+        if spawned is None:
+            self._pipe = open_pipe()
+            self._events = self._pipe[0]
+        else:
+            self._events = spawned.events
         #: The child's ``ready`` has passed (set under the lock, by the receiver).
         self._ready = False
         #: A shutdown came before ``ready`` and terminated the child: its end is a stop, not a death.
@@ -158,28 +167,18 @@ class EngineProcess:
 
     def start(self) -> None:
         self._tokenizer_loader.start()
+        spawned = self._spawned or spawn(self._pipe)
         spec = {
             "model": self._model,
             "context_length": self._context_length,
             "settings": to_wire(self._settings),
             "folder": str(self._folder),
-            "events_fd": self._events_w,
+            "events_fd": spawned.events_fd,
             "cpus": None if self._cpus is None else list(self._cpus),
             "log_level": logging.getLogger().getEffectiveLevel(),
         }
-        # The parent-death signal fires when the thread that starts the child ends: asked for only
-        # from the main thread (the daemon's), which lives as long as the daemon.
-        die_with_me = threading.current_thread() is threading.main_thread()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler.engine_child", str(os.getpid()), "1" if die_with_me else "0"],
-            stdin=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=(self._events_w,),
-        )
-        os.close(self._events_w)  # the child holds the only write end: its end of stream is the child's
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(pack(spec))
-        self._proc.stdin.close()
+        self._proc = spawned.proc
+        spawned.send(pack(spec))
         # Events are read once the tokenizer is loaded (``ready`` needs it): in the daemon's event
         # loop when this is called from it, else on a thread.
         self._receiver.start(after=self._tokenizer_loader)

@@ -165,7 +165,7 @@ def daemon_command(name: str, func: Command) -> Command:
 _USER_ERRORS = (
     ("workers.models.loading", "ModelError", 1),
     ("workers.models.gguf.reader", "GGUFError", 2),  # a GGUF file that cannot be converted
-    ("workers.kernels.backend", "SettingError", 2),
+    ("workers.envs", "SettingError", 2),
     ("workers.models.synthetic", "PresetError", 1),
     ("scheduler.spawn", "DaemonExited", 1),
     ("scheduler.frontend", "BindError", 1),  # before ConfigError, its base: first match wins

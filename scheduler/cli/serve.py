@@ -38,6 +38,7 @@ from scheduler.cli.options import (
 from scheduler.cli.serve_keys import FILE_KEYS
 
 if TYPE_CHECKING:
+    from scheduler.daemon import DaemonSettings
     from workers.api import EngineSettings
 
 #: ``--log-level``'s choices, and the format of the daemon's log lines.
@@ -254,11 +255,26 @@ def run_daemon(args: argparse.Namespace) -> int:
     if args.curve_secret is not None:
         check_key_file(args.curve_secret, "--curve-secret", secret=True)
 
-    from scheduler.admission import Limits
-    from scheduler.http_limits import descriptor_limit_raised
+    from scheduler.engine_spawn import spawn
 
-    with descriptor_limit_raised():  # mlx-lm's import lowers RLIMIT_NOFILE to (2048, 4096)
-        from scheduler.daemon import DaemonSettings, serve
+    # The engine process imports the engine while this one imports the front end and checks the rest.
+    spawned = spawn()
+    try:
+        from scheduler.http_limits import descriptor_limit_raised
+
+        with descriptor_limit_raised():  # mlx-lm's import lowers RLIMIT_NOFILE to (2048, 4096)
+            from scheduler.daemon import serve
+        settings = daemon_settings(args, listen)
+    except BaseException:
+        spawned.discard()
+        raise
+    return serve(settings, spawned)
+
+
+def daemon_settings(args: argparse.Namespace, listen: str) -> DaemonSettings:
+    """The parsed options as the daemon's settings."""
+    from scheduler.admission import Limits
+    from scheduler.daemon import DaemonSettings
     from scheduler.frontend import FrontEndSettings
 
     front = FrontEndSettings(
@@ -291,4 +307,4 @@ def run_daemon(args: argparse.Namespace) -> int:
         cpu_affinity=args.cpu_affinity,
         engine_timeout_s=args.engine_timeout,
     )
-    return serve(settings)
+    return settings

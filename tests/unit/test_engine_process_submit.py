@@ -19,8 +19,9 @@ def test_a_job_msgpack_cannot_carry_ends_that_request_not_the_daemon() -> None:
         handle.submit(Job(seq=9, prompt=[1], max_tokens=4))  # a good one is sent (to no child yet)
     finally:
         handle._close()
-        os.close(handle._events)
-        os.close(handle._events_w)
+        assert handle._pipe is not None  # never started: this process still holds both ends
+        for fd in handle._pipe:
+            os.close(fd)
     assert [type(s) for s in emitted] == [Finished, Finished]
     for signal, seq, prompt in zip(emitted, (7, 8), (3, 1)):
         assert (signal.seq, signal.reason, signal.error_code) == (seq, FinishReason.ERROR, "bad_field")

@@ -10,7 +10,6 @@ from functools import lru_cache
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 #: JSON without free whitespace: one space after ',' and ':' (as ``json.dumps`` writes), so a model
 #: cannot spend its budget on blanks between tokens of the document.
@@ -29,6 +28,8 @@ def lltokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
     hit = _TOKENIZERS.get(key)
     if hit is not None and hit[0] is tokenizer:
         return hit[1]
+    import llguidance.hf  # imports transformers: only once a tokenizer is there to convert
+
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
     lltok = llguidance.hf.from_tokenizer(hf, n_vocab=max(vocab_size, len(hf)), eos_token=eos)
