@@ -11,6 +11,9 @@ E=${E:-$WORK/m8e}   # the echo synth (llama-8b-4bit-echo), made by the parts tha
 # MLX's compiled kernels from an earlier machine, where carried (.mlx-cuda/ptx): spares minutes of JIT.
 # MLX keeps them under the system's temporary directory ($TMP/mlx/<version>/ptx).
 [ -f .mlx-cuda/ptx/ptx.tgz ] && [ ! -d "$TMP/mlx" ] && tar xzf .mlx-cuda/ptx/ptx.tgz -C "$TMP"
+# The daemons' kernel plans and compiled kernels from an earlier machine, where carried (.mlx-cuda/mbc,
+# what `finish` brought back as mbc.tgz): a fresh machine of the same GPU skips minutes of calibration.
+[ -f .mlx-cuda/mbc/mbc.tgz ] && [ ! -d "$WORK/mbc" ] && tar xzf .mlx-cuda/mbc/mbc.tgz -C "$WORK"
 [ -d "$SITE/mlx" ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=$WORK/mbc
 R=$OUT/r && mkdir -p "$R"
@@ -38,4 +41,5 @@ finish() { # what every call brings back besides its steps' output: the kernel p
   rm -f "$R"/*/*.png
   find "$WORK/mbc" -name '*.json' -path '*kernel-plans*' -exec cp {} "$R/" \; 2>/dev/null
   tar czf "$OUT/ptx.tgz" -C "$TMP" mlx 2>/dev/null
+  (cd "$WORK" && tar czf "$OUT/mbc.tgz" $(ls -d mbc/kernel-plans mbc/ptx 2>/dev/null)) 2>/dev/null
 }
