@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from clients import Client, RequestError
-from scheduler.bench.arms import run_daemon
-from scheduler.bench.arms import failing_arm
+from scheduler.bench.arms import failing_arm, run_daemon
 from scheduler.bench.output import BenchError
 from scheduler.cli import build_parser
 from tests.conftest import start_daemon
