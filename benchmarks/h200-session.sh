@@ -100,7 +100,8 @@
 #   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
 # PART=jit: the project kernels in MLX's disk cache (pytest -m gpu tests/gpu/test_jit_cache_gpu.py: MLX loads a module at
 #   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
-# PART=imp: what a start spends before the engine loads: the front end's and the engine's imports
+# PART=imp: what a start spends before the engine loads: the front end's imports (with its model check's)
+#   and the engine process's
 #   (python -X importtime, the 15 slowest), whether importing mlx-lm brings in torch, then the 8B started
 #   twice with --prefix-cache-mb 0 (benchmarks/start_times.py: ready phases, spawn to ready).
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
@@ -268,8 +269,9 @@ elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
 elif [ "$PART" = imp ]; then
   python3 -X importtime -c "import scheduler.daemon" 2> "$R/imp-front.txt"
-  python3 -X importtime -c "from workers.engine.startup import check_environment; check_environment()" 2> "$R/imp-engine.txt"
-  for f in imp-front imp-engine; do echo "== $f"; sort -t'|' -k2 -n "$R/$f.txt" | tail -15; done
+  python3 -X importtime -c "import scheduler.daemon; from workers.models.loading import check_model" 2> "$R/imp-check.txt"
+  python3 -X importtime -c "import scheduler.engine_child" 2> "$R/imp-engine.txt"
+  for f in imp-front imp-check imp-engine; do echo "== $f"; sort -t'|' -k2 -n "$R/$f.txt" | tail -15; done
   python3 -c "import sys, time; t = time.perf_counter(); import mlx_lm.generate; print('mlx_lm.generate', round(time.perf_counter() - t, 2), 's; torch imported:', 'torch' in sys.modules)"
   MLX_BATCHD_CACHE=$WORK/imp step starts 480 python3 benchmarks/start_times.py "$M" --prefix-cache-mb 0
   grep -h 'ready in\|start:\|before ready\|front end on' "$R/starts.log" | cut -c1-300
