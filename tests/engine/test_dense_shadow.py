@@ -198,6 +198,23 @@ def test_off_makes_no_shadow_and_on_reports_its_bytes(dense_calls: list[int], tm
     assert choice.line().startswith("on, ")
 
 
+def test_a_snapshot_without_a_shadow_does_not_walk_the_model(
+    dense_calls: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every stats snapshot (ten a second while sequences run, on the engine thread) reads the shadow's
+    bytes: with none made, that costs no walk over the model's modules."""
+    model = _llama(tmp_path)
+    dense_shadow.configure(model, "off", 0)
+    engine = Engine(model, eos_token_ids=(), vocab_size=256)
+
+    def walked(m: nn.Module) -> list[nn.QuantizedLinear]:
+        raise AssertionError("the snapshot walked the model's modules")
+
+    monkeypatch.setattr(dense_shadow, "modules", walked)
+    unused: Any = {}
+    assert engine_snapshot(engine, unused, unused, unused)["dense_shadow_bytes"] == 0
+
+
 def test_auto_stays_off_with_too_little_memory_and_says_why(
     dense_calls: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -199,7 +199,10 @@ def project(m: nn.Module, x: mx.array) -> mx.array | None:
 
 
 def resident_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s shadow held now (0 when off)."""
+    """The bytes of ``model``'s shadow held now (0 when off). Read with every stats snapshot: with no
+    shadow anywhere it answers without walking the model's modules."""
+    if not _dense:
+        return 0
     return sum(w.nbytes for m in modules(model) if (w := weight(m)) is not None)
 
 
