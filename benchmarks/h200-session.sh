@@ -98,6 +98,9 @@
 # PART=b1: the daemon at B = 1 (128 tokens, 3 repeats, no prefix cache unless DARGS says) from this tree, or with ARM=before from the tree in
 #   .mlx-cuda/before/tree.tgz (git archive of an earlier commit's scheduler, workers, clients, pyproject.toml):
 #   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
+# PART=b1t: the same comparison in one run (benchmarks/b1_trees.py): a daemon of each tree, started one after the
+#   other, then B = 1 requests alternating between them, REPEATS (10) rounds. On a fresh machine the two starts
+#   (the before tree's plans before ready, this tree's after it) may take the whole call: run it twice.
 # PART=jit: the project kernels in MLX's disk cache (pytest -m gpu tests/gpu/test_jit_cache_gpu.py: MLX loads a module at
 #   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
 # PART=imp: what a start spends before the engine loads: the front end's imports (with its model check's)
@@ -265,6 +268,10 @@ elif [ "$PART" = b1 ]; then
     step b1-after 540 python3 -m scheduler bench --model "$M" --batch-sizes 1 --tokens 128 --repeats 3 --raw-max-batch 1 \
       --daemon-args="${DARGS:---prefix-cache-mb 0}" --out "$R/b1-after"
   fi
+elif [ "$PART" = b1t ]; then
+  mkdir -p "$WORK/before" && [ -d "$WORK/before/scheduler" ] || tar xzf .mlx-cuda/before/tree.tgz -C "$WORK/before"
+  step b1-trees 540 python3 benchmarks/b1_trees.py "$M" --tree before="$WORK/before" --tree after=. --tokens 128 \
+    --repeats "${REPEATS:-10}" --daemon-args="${DARGS:---prefix-cache-mb 0}" --out "$R/b1-trees.json"
 elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
 elif [ "$PART" = imp ]; then
