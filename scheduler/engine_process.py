@@ -178,7 +178,10 @@ class EngineProcess:
             "log_level": logging.getLogger().getEffectiveLevel(),
         }
         self._proc = spawned.proc
-        spawned.send(pack(spec))
+        try:
+            spawned.send(pack(spec))
+        except OSError as exc:  # it died before reading them (a broken install, say): its pipe's end says so
+            log.error("the engine process took no settings: %s", exc)
         # Events are read once the tokenizer is loaded (``ready`` needs it): in the daemon's event
         # loop when this is called from it, else on a thread.
         self._receiver.start(after=self._tokenizer_loader)

@@ -8,6 +8,7 @@ reads no model, touches no device and writes nothing until its settings arrive.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,10 +28,14 @@ class Spawned:
     events_fd: int
 
     def send(self, spec: bytes) -> None:
-        """The child's settings: it loads once it has them."""
+        """The child's settings: it loads once it has them (``OSError`` when it is gone already)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(spec)
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(spec)
+            self.proc.stdin.flush()
+        finally:
+            with contextlib.suppress(OSError):  # closing flushes again what a gone child cannot take
+                self.proc.stdin.close()
 
     def discard(self) -> None:
         """The start was refused: end the child (still importing, or waiting for its settings)."""

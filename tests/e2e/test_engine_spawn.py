@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from scheduler.daemon import DaemonSettings, serve
+from scheduler.engine_process import EngineProcess
 from scheduler.engine_spawn import spawn
 from scheduler.frontend import FrontEndSettings
+from workers.api import Dead, Signal, Stopped
 from workers.models.loading import ModelError
 
 
@@ -42,3 +45,25 @@ def test_an_engine_process_without_settings_exits_with_one_line() -> None:
     err = run.stderr.decode()
     assert run.returncode == 1, err
     assert err == "mlx-batchd engine: the daemon sent no settings; exiting\n"
+
+
+def test_an_engine_process_gone_before_its_settings_is_reported_dead(tiny_model: Path) -> None:
+    """Started early, it died while importing (a broken install): the daemon hears ``Dead`` from the
+    pipe's end, and sending the settings to nobody raises nothing into the daemon."""
+    spawned = spawn()
+    spawned.proc.kill()
+    spawned.proc.wait()
+    got: list[Signal] = []
+    final = threading.Event()
+
+    def emit(signals: list[Signal]) -> None:
+        got.extend(signals)
+        if any(isinstance(s, (Stopped, Dead)) for s in signals):
+            final.set()
+
+    handle = EngineProcess(str(tiny_model), None, emit, spawned=spawned)
+    handle.start()
+    assert final.wait(60), got
+    handle.join(10)
+    assert [type(s) for s in got] == [Dead], got
+    assert "exited with code -9" in got[0].error
