@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,8 +16,9 @@ from clients import Client
 from scheduler.engine_process import EngineProcess
 from tests.conftest import start_daemon
 from tests.helpers.processes import _alive, _children
+from tests.helpers.signals import Recorded
 from tests.reference import greedy_reference
-from workers.api import Dead, Signal, Stopped
+from workers.api import Stopped
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds child processes through /proc")
 
@@ -74,14 +74,8 @@ def test_a_shutdown_before_ready_stops_the_engine_process_without_a_word_lost(ti
     """A daemon told to stop while its engine process is still starting (on a GPU host, loading and
     checking kernels for minutes; here, before the child has even connected its command socket): the
     child is terminated, the handle's final word is ``Stopped`` (the daemon exits 0), no ``Ready``."""
-    got: list[Signal] = []
-    final = threading.Event()
-
-    def emit(signals: list[Signal]) -> None:
-        got.extend(signals)
-        if any(isinstance(s, (Stopped, Dead)) for s in signals):
-            final.set()
-
+    emit = Recorded()
+    got, final = emit.got, emit.final
     handle = EngineProcess(str(tiny_model), None, emit)
     handle.start()
     child = handle._proc

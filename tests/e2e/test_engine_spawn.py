@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,8 @@ from scheduler.daemon import DaemonSettings, serve
 from scheduler.engine_process import EngineProcess
 from scheduler.engine_spawn import spawn
 from scheduler.frontend import FrontEndSettings
-from workers.api import Dead, Signal, Stopped
+from tests.helpers.signals import Recorded
+from workers.api import Dead
 from workers.models.loading import ModelError
 
 
@@ -53,17 +53,10 @@ def test_an_engine_process_gone_before_its_settings_is_reported_dead(tiny_model:
     spawned = spawn()
     spawned.proc.kill()
     spawned.proc.wait()
-    got: list[Signal] = []
-    final = threading.Event()
-
-    def emit(signals: list[Signal]) -> None:
-        got.extend(signals)
-        if any(isinstance(s, (Stopped, Dead)) for s in signals):
-            final.set()
-
+    emit = Recorded()
     handle = EngineProcess(str(tiny_model), None, emit, spawned=spawned)
     handle.start()
-    assert final.wait(60), got
+    assert emit.final.wait(60), emit.got
     handle.join(10)
-    assert [type(s) for s in got] == [Dead], got
-    assert "exited with code -9" in got[0].error
+    assert [type(s) for s in emit.got] == [Dead], emit.got
+    assert "exited with code -9" in emit.got[0].error
