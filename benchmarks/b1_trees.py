@@ -104,8 +104,7 @@ def main() -> int:
         lines.append(f"| {name} | {with_spread(statistics.median(xs), spread(xs), '.1f')} | {ratio} |")
     print("\n".join(lines))
     if args.out is not None:
-        meta: dict[str, Any] = {"model": args.model, "trees": {n: str(t) for n, t in trees.items()}, **vars(args)}
-        meta["out"] = str(args.out)
+        meta: dict[str, Any] = {**vars(args), "trees": {n: str(t) for n, t in trees.items()}}
         args.out.write_text(json.dumps({"meta": meta, "tok_s": samples}, indent=1, default=str))
         import matplotlib
 
