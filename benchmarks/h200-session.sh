@@ -105,8 +105,12 @@
 #   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
 # PART=imp: what a start spends before the engine loads: the front end's imports (with its model check's)
 #   and the engine process's
-#   (python -X importtime, the 15 slowest), whether importing mlx-lm brings in torch, then the 8B started
-#   twice with --prefix-cache-mb 0 (benchmarks/start_times.py: ready phases, spawn to ready).
+#   (python -X importtime, the 15 slowest), whether importing mlx-lm brings in torch, what MLX's first op on
+#   the device costs after its import (CUDA's start: a candidate for the engine process's wait), then the 8B started
+#   twice with --prefix-cache-mb 0 (benchmarks/start_times.py: ready phases, spawn to ready) on a cache folder of its
+#   own, empty at first (IMPCACHE=$WORK/mbc: the one earlier parts of the call filled, so both starts are later starts);
+#   with .mlx-cuda/base/tree.tgz carried (a git archive like ARM=before's), that tree's two starts and this tree's
+#   alternate, twice each (IMPARGS: their serve options, default --prefix-cache-mb 0).
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
@@ -280,8 +284,18 @@ elif [ "$PART" = imp ]; then
   python3 -X importtime -c "import scheduler.engine_child" 2> "$R/imp-engine.txt"
   for f in imp-front imp-check imp-engine; do echo "== $f"; sort -t'|' -k2 -n "$R/$f.txt" | tail -15; done
   python3 -c "import sys, time; t = time.perf_counter(); import mlx_lm.generate; print('mlx_lm.generate', round(time.perf_counter() - t, 2), 's; torch imported:', 'torch' in sys.modules)"
-  MLX_BATCHD_CACHE=$WORK/imp step starts 480 python3 benchmarks/start_times.py "$M" --prefix-cache-mb 0
-  grep -h 'ready in\|start:\|before ready\|front end on' "$R/starts.log" | cut -c1-300
+  for i in 1 2; do python3 -c "import time; import mlx.core as mx; t = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); a = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)) + 1); print('device start (first op)', round(a - t, 2), 's; a second op', round(time.perf_counter() - a, 3), 's')"; done
+  if [ -f .mlx-cuda/base/tree.tgz ]; then  # this tree's starts against the base tree's, alternating, on one cache
+    mkdir -p "$WORK/base" && [ -d "$WORK/base/scheduler" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"
+    for i in 1 2; do
+      (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts-base-$i 150 \
+        python3 "$OLDPWD/benchmarks/start_times.py" "$M" ${IMPARGS:---prefix-cache-mb 0})
+      MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts-here-$i 150 python3 benchmarks/start_times.py "$M" ${IMPARGS:---prefix-cache-mb 0}
+    done
+  else
+    MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts 480 python3 benchmarks/start_times.py "$M" --prefix-cache-mb 0
+  fi
+  grep 'start:' "$R"/starts*.log | cut -c1-300
 elif [ "$PART" = sm ]; then
   step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
     --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"
