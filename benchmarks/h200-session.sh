@@ -111,6 +111,9 @@
 #   own, empty at first (IMPCACHE=$WORK/mbc: the one earlier parts of the call filled, so both starts are later starts);
 #   with .mlx-cuda/base/tree.tgz carried (a git archive like ARM=before's), that tree's two starts and this tree's
 #   alternate, twice each (IMPARGS: their serve options, default --prefix-cache-mb 0).
+# PART=w4s: the w4a16 kernel at few rows (issue 54's B = 32 target): the 8B's 224 projections chained
+#   (w4a16_marlin_probe time --chained) at ROWS (16,32,64) for MLX's 4-bit, the native kernel with its plan and with
+#   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
@@ -296,6 +299,10 @@ elif [ "$PART" = imp ]; then
     MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts 480 python3 benchmarks/start_times.py "$M" --prefix-cache-mb 0
   fi
   grep 'start:' "$R"/starts*.log | cut -c1-300
+elif [ "$PART" = w4s ]; then
+  step w4s 520 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms mlx-4bit,native,bf16 --rows "${ROWS:-16,32,64}" \
+    --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
+    --out "$R/w4s.json"
 elif [ "$PART" = sm ]; then
   step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
     --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"
