@@ -36,18 +36,6 @@ ORPHAN_GRACE_S = 15.0
 FOLLOWER_STOP_GRACE_S = 60.0
 
 
-def start_device() -> None:
-    """Start MLX's default device (on CUDA: the context and its libraries) while the daemon still checks
-    its settings, so the engine's first op finds it started. Nothing is compiled and no model is read; an
-    error here is left to the engine's own start, which reports it."""
-    try:
-        import mlx.core as mx
-
-        mx.eval(mx.zeros((1,), dtype=mx.float32) + 1)
-    except Exception:  # reported by the engine's start, not by this early one
-        pass
-
-
 def child_main(argv: list[str] | None = None) -> int:
     """The engine process: load, serve commands, exit when the engine thread has stopped.
 
@@ -66,12 +54,7 @@ def child_main(argv: list[str] | None = None) -> int:
     sigterm_until_ready(ready)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when the engine stops
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = threading.Thread(target=start_device, name="mlx-batchd-device-start")
-    device.start()
     frame = sys.stdin.buffer.read()  # the settings: this process may have been started before they were known
-    # MLX from one thread at a time, and none left inside MLX when the process exits; pinning below
-    # covers the threads the device's start made.
-    device.join()
     if not frame:
         print("mlx-batchd engine: the daemon sent no settings; exiting", file=sys.stderr, flush=True)
         return 1

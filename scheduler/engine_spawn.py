@@ -2,8 +2,8 @@
 end checks its settings and binds, then reads its settings from stdin and loads.
 
 The daemon's command starts it first (``spawn``), before the front end's own imports; a start that is
-refused afterwards kills it (``Spawned.discard``), and it has done nothing but import and start the
-device by then: it reads no model, compiles nothing and writes nothing until its settings arrive.
+refused afterwards kills it (``Spawned.discard``), and it has done nothing but import by then: it
+reads no model, touches no device and writes nothing until its settings arrive.
 """
 
 from __future__ import annotations
