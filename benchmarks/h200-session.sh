@@ -105,8 +105,8 @@
 #   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
 # PART=imp: what a start spends before the engine loads: the front end's imports (with its model check's)
 #   and the engine process's
-#   (python -X importtime, the 15 slowest), whether importing mlx-lm brings in torch, what MLX's first op on
-#   the device costs after its import (CUDA's start: a candidate for the engine process's wait), then the 8B started
+#   (python -X importtime, the 15 slowest), mlx-lm imported without `keep_out` (whether it brings in torch: the cost lean_imports spares), what MLX's first op on
+#   the device costs after its import (CUDA's start: 0.08 s on the H100 of 2026-12-07), then the 8B started
 #   twice with --prefix-cache-mb 0 (benchmarks/start_times.py: ready phases, spawn to ready) on a cache folder of its
 #   own, empty at first (IMPCACHE=$WORK/mbc: the one earlier parts of the call filled, so both starts are later starts);
 #   with .mlx-cuda/base/tree.tgz carried (a git archive like ARM=before's), that tree's two starts and this tree's
@@ -282,9 +282,15 @@ elif [ "$PART" = b1t ]; then
 elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
 elif [ "$PART" = imp ]; then
+  for i in first again; do
+    for m in "scheduler.daemon" "scheduler.daemon; from scheduler.lean_imports import keep_out; keep_out(); from workers.models.loading import check_model" \
+      "scheduler.engine_child; from scheduler.lean_imports import keep_out; keep_out(); import workers.engine.loop"; do
+      python3 -c "import time; t = time.perf_counter(); import $m; print('$i', '$m', round(time.perf_counter() - t, 2), 's')"
+    done
+  done
   python3 -X importtime -c "import scheduler.daemon" 2> "$R/imp-front.txt"
-  python3 -X importtime -c "import scheduler.daemon; from workers.models.loading import check_model" 2> "$R/imp-check.txt"
-  python3 -X importtime -c "import scheduler.engine_child" 2> "$R/imp-engine.txt"
+  python3 -X importtime -c "import scheduler.daemon; from scheduler.lean_imports import keep_out; keep_out(); from workers.models.loading import check_model" 2> "$R/imp-check.txt"
+  python3 -X importtime -c "import scheduler.engine_child; from scheduler.lean_imports import keep_out; keep_out(); import workers.engine.loop" 2> "$R/imp-engine.txt"
   for f in imp-front imp-check imp-engine; do echo "== $f"; sort -t'|' -k2 -n "$R/$f.txt" | tail -15; done
   python3 -c "import sys, time; t = time.perf_counter(); import mlx_lm.generate; print('mlx_lm.generate', round(time.perf_counter() - t, 2), 's; torch imported:', 'torch' in sys.modules)"
   for i in 1 2; do python3 -c "import time; import mlx.core as mx; t = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); a = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)) + 1); print('device start (first op)', round(a - t, 2), 's; a second op', round(time.perf_counter() - a, 3), 's')"; done

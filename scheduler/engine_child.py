@@ -22,8 +22,8 @@ from scheduler.engine_lifetime import die_with_parent, sigterm_until_ready
 from scheduler.engine_outbox import SNAPSHOT_POLL_S, Outbox
 from scheduler.engine_process import unpack
 from scheduler.event_pipe import PipeWriter
+from scheduler.lean_imports import keep_out
 from workers.api import Dead, EngineSettings, Ready, Signal, Stopped, from_wire, to_wire
-from workers.engine.loop import EngineThread
 
 log = logging.getLogger("mlx_batchd")
 
@@ -47,7 +47,9 @@ def child_main(argv: list[str] | None = None) -> int:
     parent = int(args[0]) if args else os.getppid()
     if args[1:2] == ["1"]:
         die_with_parent(parent)
+    keep_out()  # before the engine's imports (mlx-lm's tokenizer imports transformers)
     from workers.dist import World
+    from workers.engine.loop import EngineThread
     from workers.models.loading import load
 
     ready = threading.Event()
@@ -119,7 +121,9 @@ def follower_main(
     SIGTERM does not end it at once: a launcher's group kill or a control-group stop signals every
     rank together, and rank 0's stop plan (after its drain) then ends every rank cleanly. A follower
     that gets no stop within ``stop_grace_s`` of its SIGTERM (it alone was signalled) exits 1."""
+    keep_out()
     from workers.dist import World, launched_rank
+    from workers.engine.loop import EngineThread
     from workers.models.loading import load
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when every rank stops

@@ -256,9 +256,11 @@ def run_daemon(args: argparse.Namespace) -> int:
         check_key_file(args.curve_secret, "--curve-secret", secret=True)
 
     from scheduler.engine_spawn import spawn
+    from scheduler.lean_imports import keep_out
 
     # The engine process imports the engine while this one imports the front end and checks the rest.
     spawned = spawn()
+    keep_out()  # before the model check's and the tokenizer's imports of mlx-lm
     try:
         from scheduler.http_limits import descriptor_limit_raised
 
