@@ -282,15 +282,18 @@ elif [ "$PART" = b1t ]; then
 elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
 elif [ "$PART" = imp ]; then
+  # What each process imports before the engine loads: the front end, its model check, the engine process.
+  FRONT="scheduler.daemon"
+  CHECK="scheduler.daemon; from scheduler.lean_imports import keep_out; keep_out(); from workers.models.loading import check_model"
+  ENGINE="scheduler.engine_child; from scheduler.lean_imports import keep_out; keep_out(); import workers.engine.loop"
   for i in first again; do
-    for m in "scheduler.daemon" "scheduler.daemon; from scheduler.lean_imports import keep_out; keep_out(); from workers.models.loading import check_model" \
-      "scheduler.engine_child; from scheduler.lean_imports import keep_out; keep_out(); import workers.engine.loop"; do
+    for m in "$FRONT" "$CHECK" "$ENGINE"; do
       python3 -c "import time; t = time.perf_counter(); import $m; print('$i', '$m', round(time.perf_counter() - t, 2), 's')"
     done
   done
-  python3 -X importtime -c "import scheduler.daemon" 2> "$R/imp-front.txt"
-  python3 -X importtime -c "import scheduler.daemon; from scheduler.lean_imports import keep_out; keep_out(); from workers.models.loading import check_model" 2> "$R/imp-check.txt"
-  python3 -X importtime -c "import scheduler.engine_child; from scheduler.lean_imports import keep_out; keep_out(); import workers.engine.loop" 2> "$R/imp-engine.txt"
+  python3 -X importtime -c "import $FRONT" 2> "$R/imp-front.txt"
+  python3 -X importtime -c "import $CHECK" 2> "$R/imp-check.txt"
+  python3 -X importtime -c "import $ENGINE" 2> "$R/imp-engine.txt"
   for f in imp-front imp-check imp-engine; do echo "== $f"; sort -t'|' -k2 -n "$R/$f.txt" | tail -15; done
   python3 -c "import sys, time; t = time.perf_counter(); import mlx_lm.generate; print('mlx_lm.generate', round(time.perf_counter() - t, 2), 's; torch imported:', 'torch' in sys.modules)"
   for i in 1 2; do python3 -c "import time; import mlx.core as mx; t = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); a = time.perf_counter(); mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)) + 1); print('device start (first op)', round(a - t, 2), 's; a second op', round(time.perf_counter() - a, 3), 's')"; done
@@ -302,7 +305,7 @@ elif [ "$PART" = imp ]; then
       MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts-here-$i 150 python3 benchmarks/start_times.py "$M" ${IMPARGS:---prefix-cache-mb 0}
     done
   else
-    MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts 480 python3 benchmarks/start_times.py "$M" --prefix-cache-mb 0
+    MLX_BATCHD_CACHE=${IMPCACHE:-$WORK/imp} step starts 480 python3 benchmarks/start_times.py "$M" ${IMPARGS:---prefix-cache-mb 0}
   fi
   grep 'start:' "$R"/starts*.log | cut -c1-300
 elif [ "$PART" = w4s ]; then

@@ -15,12 +15,12 @@ import sys
 UNUSED = ("torch", "sklearn")
 
 
-def keep_out(names: tuple[str, ...] = UNUSED) -> None:
-    """Mark ``names`` absent in this process (``None`` in ``sys.modules``: an import of one raises
+def keep_out() -> None:
+    """Mark ``UNUSED`` absent in this process (``None`` in ``sys.modules``: an import of one raises
     ``ImportError``, ``importlib.util.find_spec`` finds none). Nothing changes once transformers is
     imported (it may have found them already), nor for a package imported already."""
     if "transformers" in sys.modules:
         return
-    for name in names:
+    for name in UNUSED:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
