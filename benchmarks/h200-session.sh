@@ -277,7 +277,7 @@ elif [ "$PART" = b1 ]; then
   fi
 elif [ "$PART" = b1t ]; then
   mkdir -p "$WORK/before" && [ -d "$WORK/before/scheduler" ] || tar xzf .mlx-cuda/before/tree.tgz -C "$WORK/before"
-  step b1-trees 540 python3 benchmarks/b1_trees.py "$M" --tree before="$WORK/before" --tree after=. --tokens 128 \
+  step b1-trees 540 python3 benchmarks/b1_trees.py "$M" --tree before="$WORK/before" --tree after=. --tokens "${TOKENS:-128}" \
     --repeats "${REPEATS:-10}" --daemon-args="${DARGS:---prefix-cache-mb 0}" --out "$R/b1-trees.json"
 elif [ "$PART" = jit ]; then
   TAIL=30 step gpu-jit 900 python3 -m pytest -q -m gpu tests/gpu/test_jit_cache_gpu.py -p no:cacheprovider
