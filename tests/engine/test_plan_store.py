@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.fastpath import policy as policy
 from tests.helpers.units import run_units
-from workers.kernels import fastpath, plan_store, plan_timing, plan_units, qmv_launch
+from workers.kernels import fastpath, plan_store, plan_timing, plan_units, qmv_launch, w4a16_source
 
 SHAPES = ["Linear(32, 16)/None", "QuantizedLinear(64, 4)/4"]
 
@@ -190,3 +190,16 @@ def test_the_kernels_launch_settings_by_row_count_name_the_plans_they_were_timed
     before = qmv_launch.variant()
     monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {**qmv_launch.BLOCK_WARPS, 3: 16})
     assert qmv_launch.warps(3) == 16 and qmv_launch.variant() != before
+
+
+def test_the_w4a16_variant_line_changes_with_its_tiles_and_the_rows_they_are_timed_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plans stored before the tiles or the row count they are timed from moved are timed again."""
+    before = w4a16_source.variant()
+    monkeypatch.setattr(w4a16_source, "TILE_ROWS", w4a16_source.TILE_ROWS * 2)
+    assert w4a16_source.variant() != before
+    monkeypatch.undo()
+    assert w4a16_source.variant() == before
+    monkeypatch.setattr(w4a16_source, "TILES", w4a16_source.TILES[:-1])
+    assert w4a16_source.variant() != before

@@ -337,9 +337,10 @@ TILES: tuple[Tile, ...] = (
     Tile(mt=8, nb=1, reduce=False),
 )
 #: Row counts from which the calibration times every tile in ``TILES`` (below it, ``plan``'s own).
-TILE_ROWS = 64
+TILE_ROWS = 32
 
 
 def variant() -> str:
-    """A short hash of the kernel's text and tiles: stored plans that chose it are timed again when either changes."""
-    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE + repr(TILES)).encode()).hexdigest()[:16]
+    """A short hash of the kernel's text, its tiles and the rows they are timed from: stored plans that
+    chose it are timed again when any of them changes."""
+    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE + repr((TILES, TILE_ROWS))).encode()).hexdigest()[:16]
