@@ -99,8 +99,10 @@
 #   .mlx-cuda/before/tree.tgz (git archive of an earlier commit's scheduler, workers, clients, pyproject.toml):
 #   one arm a call (each calibrates its own kernel plans on a machine's first run: ~140 s on the H100).
 # PART=b1t: the same comparison in one run (benchmarks/b1_trees.py): a daemon of each tree, started one after the
-#   other, then B = 1 requests alternating between them, REPEATS (10) rounds. On a fresh machine the two starts
-#   (the before tree's plans before ready, this tree's after it) may take the whole call: run it twice.
+#   other, then B = 1 requests of TOKENS (128) alternating between them, REPEATS (10) rounds, each request's
+#   wall rate and decode rate. On a fresh machine the two starts (the before tree's plans before ready, this
+#   tree's after it) may take the whole call: run it twice, or carry .mlx-cuda/mbc/mbc.tgz (an earlier call's
+#   mbc.tgz from the same GPU model: both trees' plans and MLX's compiled kernels) and it takes ~105 s.
 # PART=jit: the project kernels in MLX's disk cache (pytest -m gpu tests/gpu/test_jit_cache_gpu.py: MLX loads a module at
 #   the name computed for it; a process served from the cache gives the bytes of one that compiled every kernel).
 # PART=imp: what a start spends before the engine loads: the front end's imports (with its model check's)
