@@ -83,7 +83,10 @@ def child_main(argv: list[str] | None = None) -> int:
         outbox.events(signals)
 
     engine = EngineThread(
-        lambda: load(spec["model"], spec["context_length"], holder[0].world), emit, settings, World.from_env
+        lambda: load(spec["model"], spec["context_length"], holder[0].world, widths=settings.may_pin),
+        emit,
+        settings,
+        World.from_env,
     )
     holder.append(engine)
     engine.start()
@@ -141,7 +144,9 @@ def follower_main(
             elif isinstance(sig, (Stopped, Dead)):
                 final.append(sig)
 
-    engine = EngineThread(lambda: load(model, context_length, holder[0].world), emit, settings, World.from_env)
+    engine = EngineThread(
+        lambda: load(model, context_length, holder[0].world, widths=settings.may_pin), emit, settings, World.from_env
+    )
     holder.append(engine)
     engine.start()
     rank = f"rank {launched_rank(os.environ)}"

@@ -12,8 +12,9 @@ import mlx.core as mx
 import pytest
 
 import workers.kernels.seam
-from workers.kernels import calibration, widths
+from workers.kernels import calibration, qmv_rows, widths
 from workers.models import load, width_store
+from workers.models.synthetic import llama_config, write_model
 
 
 @pytest.fixture
@@ -104,3 +105,23 @@ def test_under_the_test_seam_widths_are_neither_read_nor_kept(
     counted.clear()
     assert not load(str(tiny_model)).widths.stored and counted
     assert len(_files(tmp_path)) == 1
+
+
+def test_a_load_for_an_engine_that_never_pins_measures_and_stores_no_widths(tmp_path: Path, counted: list[int]) -> None:
+    """``load(widths=False)`` (an engine without a drafter or a probe): no forward, no width file, no
+    module with a width (above ``wide`` each would run one row a call); the projections' patches and
+    sibling groups, which batched decode uses, are installed as with the widths."""
+    model = write_model(tmp_path / "q4", llama_config(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, quant_bits=4))
+    loaded = load(str(model), widths=False)
+    assert loaded.widths.skipped and not loaded.widths.widths and not loaded.widths.stored
+    assert not counted and _files(tmp_path) == [] and _registered(loaded.model) == {}
+    attention = loaded.model.layers[0].self_attn  # type: ignore[attr-defined]
+    group = qmv_rows.siblings(attention.q_proj)
+    assert group is not None and [id(m) for m in group] == [
+        id(attention.q_proj),
+        id(attention.k_proj),
+        id(attention.v_proj),
+    ]
+    assert hasattr(type(attention.q_proj).__call__, "__wrapped__")  # the projections' patch
+    measured = load(str(model))
+    assert not measured.widths.skipped and counted and len(_files(tmp_path)) == 1

@@ -162,6 +162,12 @@ class EngineSettings:
     #: The front end's KV budget (``--kv-budget-mb``; 0: none), which ``dense_shadow`` ``auto`` leaves free.
     kv_budget_bytes: int = 0
 
+    @property
+    def may_pin(self) -> bool:
+        """Whether a forward of this engine may run above ``wide`` (a drafter's verify, the probe): only
+        then does the load measure the projections' row-exact widths (``load(widths=...)``)."""
+        return self.draft is not None or self.mtp is not None or self.probe_k is not None
+
 
 #: The salt of tenants marked shareable; per-tenant salts carry a prefix, so no tenant name equals it.
 SHARED_SALT = "shared"

@@ -31,6 +31,8 @@ class WidthReport:
     widths: dict[str, int] = field(default_factory=dict)
     #: Read from the width store, not measured in this process.
     stored: bool = False
+    #: Not measured: no forward of this process runs above ``wide``, where the widths are read.
+    skipped: bool = False
 
     def narrowest(self) -> int:
         return min(self.widths.values(), default=1)
@@ -78,14 +80,23 @@ class WidthLookup(Protocol):
 
 
 def measure_widths(
-    model: nn.Module, max_width: int = MAX_MEASURED_WIDTH, seed: int = 0, stored: WidthLookup | None = None
+    model: nn.Module,
+    max_width: int = MAX_MEASURED_WIDTH,
+    seed: int = 0,
+    stored: WidthLookup | None = None,
+    measure: bool = True,
 ) -> WidthReport:
     """Find, for each projection signature, the widest M whose M-row call is byte-equal to M
     single-row calls for every M up to it (W = 1 when M = 2 already differs), and register the
     width for every module with that signature. Runs at wide, outside any pin. With ``stored``, widths
-    it holds for exactly these signatures are registered without a forward, and measured ones kept there."""
+    it holds for exactly these signatures are registered without a forward, and measured ones kept there.
+    Without ``measure`` it only installs the projections' patches and sibling groups: a module with no
+    width runs one row a call above ``wide``, and on MLX CUDA the measurement's first compiles would
+    delay ``Ready`` for forwards that never come."""
     install()
     qmv_rows.register_siblings(model)
+    if not measure:
+        return WidthReport(skipped=True)
     by_sig: dict[str, list[int]] = {}
     probes: dict[str, tuple[Probe, int, mx.Dtype]] = {}
     for _, module in model.named_modules():

@@ -207,8 +207,11 @@ def check_sharding(spec: str, world_size: int) -> Mode:
     return plan_sharding(skeleton, config, world_size)
 
 
-def load(spec: str, context_length: int | None = None, world: World | None = None) -> LoadedModel:
+def load(spec: str, context_length: int | None = None, world: World | None = None, widths: bool = True) -> LoadedModel:
     """Load ``spec`` (a directory or ``demo``) with mlx-lm. Call it on the engine thread.
+
+    ``widths`` off skips the width measurement (``measure_widths``) for an engine that never pins
+    (``EngineSettings.may_pin``); across ranks every rank measures, as every rank makes its forwards.
 
     With ``world`` of several ranks the weights are loaded lazily, checked to be the same on every
     rank and split (``distributed.prepare``) before anything else touches them, so each rank reads
@@ -240,8 +243,9 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
     keep_leading_space(tokenizer)
     phases["weights"] = time.perf_counter() - tic
     tic = time.perf_counter()
-    stored = WidthStore(cache_dir() / "widths", path) if path.is_dir() else None
-    widths = measure_widths(model, stored=stored)  # also installs the kernel-level patches for this model family
+    measure = widths or sharded
+    stored = WidthStore(cache_dir() / "widths", path) if measure and path.is_dir() else None
+    report = measure_widths(model, stored=stored, measure=measure)  # and installs the kernel-level patches
     kv_bytes = kv_bytes_per_token(model)
     phases["widths"] = time.perf_counter() - tic
     info = ModelInfo(
@@ -255,5 +259,5 @@ def load(spec: str, context_length: int | None = None, world: World | None = Non
         kv_bytes_per_token=kv_bytes,
     )
     return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, info=info, widths=widths, shard=shard, phases=phases
+        model=model, tokenizer=tokenizer, config=config, info=info, widths=report, shard=shard, phases=phases
     )
