@@ -71,13 +71,14 @@ def start_daemon(
     *extra: str,
     address: str | None = None,
     client_kwargs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Daemon:
-    """Start ``mlx-batchd serve`` as a real process (an ipc socket unless ``address``) and wait for
-    the ready handshake."""
+    """Start ``mlx-batchd serve`` as a real process (an ipc socket unless ``address``; ``env`` on top of
+    this process's environment) and wait for the ready handshake."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "daemon.log"
     address = address or f"ipc://{workdir / 'daemon.sock'}"
-    process = DaemonProcess(model, address, *extra, log=log_path.open("w"), client_kwargs=client_kwargs)
+    process = DaemonProcess(model, address, *extra, log=log_path.open("w"), client_kwargs=client_kwargs, env=env)
     daemon = Daemon(process, log_path)
     try:
         process.wait_ready(timeout=120)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from clients.sync import Client
 from scheduler.lean_imports import UNUSED
-from scheduler.spawn import DaemonProcess
+from tests.conftest import start_daemon
+from tests.helpers.daemons import serve_once
 
 #: A stand-in package: it marks its import (package and process) and then fails it.
 STAND_IN = """import os
@@ -27,21 +27,12 @@ def test_a_daemon_serves_without_importing_torch_or_sklearn(tiny_model: Path, tm
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(STAND_IN)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    log = tmp_path / "daemon.log"
-    proc = DaemonProcess(
+    daemon = start_daemon(
         tiny_model,
-        f"ipc://{tmp_path / 'd.sock'}",
+        tmp_path / "d",
         "--prefix-cache-mb",
         "0",
-        log=log.open("w"),
         env={"PYTHONPATH": path, "LEAN_IMPORTS_MARKS": str(marks)},
     )
-    try:
-        proc.wait_ready(timeout=120)
-        with Client(proc.address, timeout=120) as client:
-            result = client.generate(tokens=[1, 2, 3], max_tokens=4)
-        assert len(result.tokens) == 4, log.read_text()
-    finally:
-        code = proc.stop()
-    assert sorted(p.name for p in marks.iterdir()) == [], log.read_text()
-    assert code == 0, log.read_text()
+    log = serve_once(daemon)
+    assert sorted(p.name for p in marks.iterdir()) == [], log

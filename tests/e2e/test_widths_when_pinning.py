@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.sync import Client
-from scheduler.spawn import DaemonProcess
+from tests.conftest import start_daemon
+from tests.helpers.daemons import serve_once
 
 
 @pytest.mark.parametrize(
@@ -20,22 +20,14 @@ from scheduler.spawn import DaemonProcess
 def test_a_daemon_measures_widths_only_with_a_drafter(
     tiny_model: Path, tmp_path: Path, model: str, extra: tuple[str, ...], files: int
 ) -> None:
-    cache, log = tmp_path / "cache", tmp_path / "daemon.log"
-    proc = DaemonProcess(
+    cache = tmp_path / "cache"
+    daemon = start_daemon(
         tiny_model if model == "tiny" else model,
-        f"ipc://{tmp_path / 'd.sock'}",
+        tmp_path / "d",
         "--prefix-cache-mb",
         "0",
         *extra,
-        log=log.open("w"),
         env={"MLX_BATCHD_CACHE": str(cache)},
     )
-    try:
-        proc.wait_ready(timeout=120)
-        with Client(proc.address, timeout=120) as client:
-            result = client.generate(tokens=[1, 2, 3], max_tokens=4)
-        assert len(result.tokens) == 4, log.read_text()
-    finally:
-        code = proc.stop()
-    assert code == 0, log.read_text()
-    assert len(list((cache / "widths").glob("*.json"))) == files, log.read_text()
+    log = serve_once(daemon)
+    assert len(list((cache / "widths").glob("*.json"))) == files, log

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from clients.sync import Client
 from tests.conftest import TEST_CONTEXT, Daemon, start_daemon
 
 
@@ -19,6 +20,18 @@ def served(daemon: Daemon) -> Iterator[Daemon]:
     module, then stopped, and it must exit 0."""
     yield daemon
     assert daemon.stop() == 0, daemon.log()
+
+
+def serve_once(daemon: Daemon) -> str:
+    """One 4-token request through ``daemon``, then its stop: it must answer in full and exit 0. Its log."""
+    try:
+        with Client(daemon.address, timeout=120) as client:
+            result = client.generate(tokens=[1, 2, 3], max_tokens=4)
+        assert len(result.tokens) == 4, daemon.log()
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
+    return daemon.log()
 
 
 def tenants_daemon(model: Path | str, keys: Path, workdir: Path, *extra: str) -> Daemon:
