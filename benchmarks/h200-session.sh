@@ -116,6 +116,11 @@
 # PART=w4s: the w4a16 kernel at few rows (issue 54's B = 32 target): the 8B's 224 projections chained
 #   (w4a16_marlin_probe time --chained) at ROWS (16,32,64) for MLX's 4-bit, the native kernel with its plan and with
 #   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
+# PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (error against float32 on
+#   every 8B and SmolLM2 shape, MLX's dequantize bit for bit, split-K determinism).
+# PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
+#   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
+#   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy.
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
@@ -314,6 +319,15 @@ elif [ "$PART" = w4s ]; then
   step w4s 520 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms mlx-4bit,native,bf16 --rows "${ROWS:-16,32,64}" \
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
+elif [ "$PART" = w4t ]; then
+  step w4t 300 python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py -k "bit_for_bit or deterministic or error_against"
+elif [ "$PART" = w4r ]; then
+  mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }
+  (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base 200 python3 benchmarks/w4a16_marlin_probe.py time \
+    --chained --arms native --rows "${ROWS:-16,32,128,256}" --repeats 5 --variants "reduce=0" --out "$R/w4r-base.json")
+  step w4r-here 400 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
+    --repeats 5 --out "$R/w4r.json" \
+    --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
 elif [ "$PART" = sm ]; then
   step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
     --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"

@@ -73,7 +73,7 @@ def plan(m: int, n: int, k: int, xbuf: int | None = None, **over: Any) -> Plan:
     p = w4a16.plan(m, n, k, **over)
     if xbuf is None:
         xbuf = 2 if Plan(p.mt, p.nb, p.warps, 1, xbuf=2).shared_bytes() <= w4a16.SHARED_LIMIT else 1
-    return Plan(p.mt, p.nb, p.warps, p.splits, p.reduce, p.stages, xbuf)
+    return Plan(p.mt, p.nb, p.warps, p.splits, p.reduce, p.stages, p.regs, xbuf=xbuf)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -195,11 +195,15 @@ def test_the_kernels_launch_settings_by_row_count_name_the_plans_they_were_timed
 def test_the_w4a16_variant_line_changes_with_its_tiles_and_the_rows_they_are_timed_from(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Plans stored before the tiles or the row count they are timed from moved are timed again."""
+    """Plans stored before the tiles, the row count they are timed from or the register caps moved are
+    timed again."""
     before = w4a16_source.variant()
     monkeypatch.setattr(w4a16_source, "TILE_ROWS", w4a16_source.TILE_ROWS * 2)
     assert w4a16_source.variant() != before
     monkeypatch.undo()
     assert w4a16_source.variant() == before
     monkeypatch.setattr(w4a16_source, "TILES", w4a16_source.TILES[:-1])
+    assert w4a16_source.variant() != before
+    monkeypatch.undo()
+    monkeypatch.setitem(w4a16_source.REGISTER_CAPS, (4, 2, 4), 128)
     assert w4a16_source.variant() != before

@@ -151,7 +151,7 @@ def test_each_new_variant_is_compiled_into_the_cache_once(monkeypatch: pytest.Mo
     process finding the file, compile nothing."""
     compiled: list[str] = []
 
-    def compile_module(tools: Any, kernel: str, text: str, module: str) -> tuple[bytes, str, str]:
+    def compile_module(tools: Any, kernel: str, text: str, module: str, extra: Any = ()) -> tuple[bytes, str, str]:
         compiled.append(kernel)
         return b"binary of " + kernel.encode(), "_Z" + kernel, ""
 
@@ -169,6 +169,28 @@ def test_each_new_variant_is_compiled_into_the_cache_once(monkeypatch: pytest.Mo
     )
     path = mlx_jit.module_file(tmp_path, "custom_kernel_k_bfloat16_t_2", text)
     assert path.read_bytes() == b"binary of custom_kernel_k_bfloat16_t_2"
+
+
+def test_a_register_cap_in_the_template_reaches_nvrtc_and_has_its_own_module_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``MAXREG`` (``jit_cache.REGISTER_CAP``) above 0 adds ``--maxrregcount`` to NVRTC's options; 0 adds
+    nothing; each cap is compiled into a file of its own (a cap never loads another cap's binary)."""
+    calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def compile_module(tools: Any, kernel: str, text: str, module: str, extra: Any = ()) -> tuple[bytes, str, str]:
+        calls.append((module, tuple(extra)))
+        return b"binary", "_Z" + kernel, ""
+
+    monkeypatch.setattr(jit_cache, "_state", {"tools": mlx_jit.Toolchain(None, {}, (), True), "cache": tmp_path})
+    monkeypatch.setattr(jit_cache, "enabled", lambda: True)
+    monkeypatch.setattr(mlx_jit, "compile_module", compile_module)
+    kernel = _kernel()
+    for cap in (0, 128, 168):
+        jit_cache.prime(kernel, [_Array()], [("M", 1), (jit_cache.REGISTER_CAP, cap)], ["bfloat16"])
+    assert [extra for _, extra in calls] == [(), ("--maxrregcount=128",), ("--maxrregcount=168",)]
+    assert len({module for module, _ in calls}) == 3
+    assert len(list(tmp_path.glob("*.ptx"))) == 3
 
 
 def test_nothing_is_written_where_the_cache_is_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -210,6 +210,23 @@ def test_native_emulated_kernel_matches_reference_for_forced_plans(fields: dict)
     _check_native(576, 1216, 64, 40, w4m.Plan(**fields))
 
 
+def test_a_tile_s_register_cap_is_its_plan_s_and_reaches_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``REGISTER_CAPS`` sets ``plan``'s ``regs`` for its tile only (a forced ``regs`` wins); the cap is a
+    template argument (``jit_cache.REGISTER_CAP``, so NVRTC gets it) and in the kernel's name."""
+    from workers.kernels import jit_cache, w4a16, w4a16_source
+
+    monkeypatch.setitem(w4a16_source.REGISTER_CAPS, (4, 2, 4), 128)
+    capped, other = w4a16.plan(256, 4096, 4096), w4a16.plan(16, 4096, 4096)
+    assert (capped.mt, capped.regs, other.mt, other.regs) == (4, 128, 1, 0)
+    assert w4a16.plan(256, 4096, 4096, regs=168).regs == 168
+    args = dict(w4a16.template(w4a16.NATIVE, capped, 64, True, True))
+    assert args[jit_cache.REGISTER_CAP] == 128
+    assert jit_cache.options(list(args.items())) == ("--maxrregcount=128",)
+    assert jit_cache.options(list(dict(w4a16.template(w4a16.NATIVE, other, 64, True, True)).items())) == ()
+    names = {w4a16.kernel_name(w4a16.NATIVE, p, 64, True, True) for p in (capped, w4a16.plan(256, 4096, 4096, regs=0))}
+    assert len(names) == 2
+
+
 def test_native_plans_fit_default_shared_memory() -> None:
     for m in (1, 16, 32, 64, 256):
         for nb in (1, 2, 4):

@@ -242,6 +242,29 @@ def project_cases():
                         ),
                     )
                 )
+    # w4a16: the native tiles (``w4a16.TILES``' shapes), split with and without the in-kernel reduction
+    from workers.kernels import w4a16_source
+
+    w_ins = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf), ("locks", 1, "int32")]
+    for mt, nb in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1)):
+        for gs in (32, 64):
+            for split, red in ((True, True), (True, False)):
+                stages = 4 if 4 * (mt * 16 * 128 + nb * 4 * 16 * 32) <= 48000 else 3
+                tmpl = [("T", bf), ("MT", mt), ("NB", nb), ("WARPS", 4), ("STAGES", stages), ("GS", gs)]
+                cases.append(
+                    (
+                        f"w4a16 MT={mt} NB={nb} GS={gs} REDUCE={int(red)}",
+                        dict(
+                            name="mlx_batchd_w4n",
+                            inputs=w_ins,
+                            output_names=w4a16_source.OUTPUT_NAMES,
+                            output_dtypes=[bf, "float32"],
+                            source=w4a16_source.NATIVE_SOURCE,
+                            header=w4a16_source.NATIVE_HEADER,
+                            template=[*tmpl, ("SPLIT", split), ("REDUCE", red)],
+                        ),
+                    )
+                )
     return cases
 
 

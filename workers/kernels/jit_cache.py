@@ -58,12 +58,23 @@ class KernelSpec:
             tools = _tools()
             if tools is None:
                 return None
-            binary, mangled, _ = mlx_jit.compile_module(tools, kernel, text, path.stem)
+            binary, mangled, _ = mlx_jit.compile_module(tools, kernel, text, path.stem, options(template))
             mlx_jit.write_module(path, kernel, binary, mangled)
             return path
         except Exception as exc:  # never in the way of MLX compiling it itself
             _disable(f"{self.name}: {exc}")
             return None
+
+
+#: A template argument of this name (an int above 0) caps the kernel's registers a thread where the
+#: project compiles it (NVRTC's ``--maxrregcount``); being in the template, it is in the kernel's text,
+#: so each cap has its own module file. MLX's own compile (the writing off) ignores it.
+REGISTER_CAP = "MAXREG"
+
+
+def options(template: Sequence[tuple[str, Any]]) -> tuple[str, ...]:
+    """NVRTC options a variant's template asks for beyond MLX's own (``REGISTER_CAP``)."""
+    return tuple(f"--maxrregcount={v}" for n, v in template if n == REGISTER_CAP and isinstance(v, int) and v > 0)
 
 
 #: Each kernel ``cuda_kernel`` made (kept alive here, so its id stays its own) and its spec.

@@ -221,9 +221,11 @@ def toolchain() -> Toolchain:
     return Toolchain(lib, headers, options, sass)
 
 
-def compile_module(tools: Toolchain, kernel: str, text: str, module: str) -> tuple[bytes, str, str]:
-    """NVRTC on ``text`` as MLX's ``compile``: (cubin or PTX, the kernel's lowered name, NVRTC's log);
-    ``RuntimeError`` with the log where it does not compile."""
+def compile_module(
+    tools: Toolchain, kernel: str, text: str, module: str, extra: Sequence[str] = ()
+) -> tuple[bytes, str, str]:
+    """NVRTC on ``text`` as MLX's ``compile`` (``extra``: options after MLX's own): (cubin or PTX, the
+    kernel's lowered name, NVRTC's log); ``RuntimeError`` with the log where it does not compile."""
     lib = tools.nvrtc
     names = [n.encode() for n in INCLUDE_NAMES]
     n = len(names)
@@ -242,7 +244,7 @@ def compile_module(tools: Toolchain, kernel: str, text: str, module: str) -> tup
     try:
         full = f"mlx::core::cu::{kernel}".encode()
         _check(lib, lib.nvrtcAddNameExpression(prog, full))
-        opts = [o.encode() for o in tools.options]
+        opts = [o.encode() for o in (*tools.options, *extra)]
         failed = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

@@ -38,6 +38,7 @@ from workers.kernels.w4a16_source import (
     NATIVE_INPUT_NAMES,
     NATIVE_SOURCE,
     OUTPUT_NAMES,
+    REGISTER_CAPS,
     TILES,
 )
 
@@ -66,7 +67,8 @@ def sms() -> int:
 class Plan:
     """One launch: ``mt`` 16-row tiles and ``nb`` 16-output blocks a warp, ``warps`` a CTA, ``splits`` K
     slices (their partials added by the last CTA of a tile when ``reduce``, else by an MLX sum after
-    it), ``stages`` k64 steps of cp.async in flight (2-4)."""
+    it), ``stages`` k64 steps of cp.async in flight (2-4), ``regs`` a thread's register cap (0: the
+    compiler's choice; a lower cap fits more CTAs on an SM)."""
 
     mt: int
     nb: int
@@ -74,6 +76,7 @@ class Plan:
     splits: int
     reduce: bool = True
     stages: int = 4
+    regs: int = 0
 
     def tiles(self, m: int, n: int) -> int:
         """CTAs a K slice (the counters the in-kernel reduction uses)."""
@@ -104,11 +107,12 @@ def plan(
     reduce: bool = True,
     stages: int | None = None,
     sm_count: int = DEFAULT_SMS,
+    regs: int | None = None,
 ) -> Plan:
     """The tile for ``m`` rows (any field may be forced): 16/32/64-row tiles, two 16-output blocks a
     warp, four warps, and as many K slices as it takes to give every SM about ``ctas_per_sm`` CTAs (4
     for 16-row tiles, 2 for larger), at least two k64 steps a slice; ``stages`` the deepest pipeline
-    that fits ``SHARED_LIMIT``."""
+    that fits ``SHARED_LIMIT``; ``regs`` the tile's cap in ``REGISTER_CAPS`` (none: 0)."""
     if mt is None:
         mt = 1 if m <= 16 else 2 if m <= 32 else 4
     nb = 2 if nb is None else nb
@@ -123,7 +127,8 @@ def plan(
     if stages is None:
         fits = (st for st in (4, 3) if Plan(mt, nb, warps, 1, stages=st).native_shared_bytes() <= SHARED_LIMIT)
         stages = next(fits, 2)
-    return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, max(2, stages))
+    regs = REGISTER_CAPS.get((mt, nb, warps), 0) if regs is None else regs
+    return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, max(2, stages), regs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -209,7 +214,7 @@ _kernels: dict[str, Any] = {}
 
 def kernel_name(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> str:
     """One name a variant (MLX caches compiled kernels by name)."""
-    return f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}"
+    return f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}_r{p.regs}"
 
 
 def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[tuple[str, Any]]:
@@ -223,6 +228,7 @@ def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[
         ("GS", gs),
         ("SPLIT", split),
         ("REDUCE", reduce),
+        (jit_cache.REGISTER_CAP, p.regs),
     ]
 
 

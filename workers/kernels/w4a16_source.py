@@ -338,9 +338,14 @@ TILES: tuple[Tile, ...] = (
 )
 #: Row counts from which the calibration times every tile in ``TILES`` (below it, ``plan``'s own).
 TILE_ROWS = 32
+#: A thread's register cap by (``mt``, ``nb``, warps) where the project compiles the kernel (absent: the
+#: compiler's choice). An SM holds 64K registers: four 128-thread CTAs fit at 128 a thread, three at 168.
+REGISTER_CAPS: dict[tuple[int, int, int], int] = {}
 
 
 def variant() -> str:
-    """A short hash of the kernel's text, its tiles and the rows they are timed from: stored plans that
-    chose it are timed again when any of them changes."""
-    return hashlib.sha256((NATIVE_HEADER + NATIVE_SOURCE + repr((TILES, TILE_ROWS))).encode()).hexdigest()[:16]
+    """A short hash of the kernel's text, its tiles, the rows they are timed from and its register caps:
+    stored plans that chose it are timed again when any of them changes."""
+    return hashlib.sha256(
+        (NATIVE_HEADER + NATIVE_SOURCE + repr((TILES, TILE_ROWS, sorted(REGISTER_CAPS.items())))).encode()
+    ).hexdigest()[:16]
