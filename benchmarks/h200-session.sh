@@ -320,12 +320,12 @@ elif [ "$PART" = w4s ]; then
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
-  step w4t 300 python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py -k "bit_for_bit or deterministic or error_against"
+  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py -k "${W4TK:-bit_for_bit or deterministic or error_against}"
 elif [ "$PART" = w4r ]; then
   mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }
-  (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base 200 python3 benchmarks/w4a16_marlin_probe.py time \
+  (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base "${W4RB:-200}" python3 benchmarks/w4a16_marlin_probe.py time \
     --chained --arms native --rows "${ROWS:-16,32,128,256}" --repeats 5 --variants "reduce=0" --out "$R/w4r-base.json")
-  step w4r-here 400 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
+  step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
     --repeats 5 --out "$R/w4r.json" \
     --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
 elif [ "$PART" = sm ]; then
