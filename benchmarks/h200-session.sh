@@ -121,6 +121,11 @@
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
 #   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy.
+# PART=bg: start BGCMD in the background on the warm machine and return at once (default: issue 54's whole bench,
+#   B = 1..256 with the kernel, without it (mlx-kernels) and with the bf16 shadow (dense), raw up to 64, Poisson
+#   4 req/s, the start times; longer than one call). Its output goes to $WORK/bg. PART=bgwait: wait for it
+#   within BUDGET (a call in flight keeps the machine held; call again within 30 s of the last), then bring back
+#   $WORK/bg when it has finished ("bg rc=N"); until then the log's tail.
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
 set -uo pipefail
@@ -328,6 +333,18 @@ elif [ "$PART" = w4r ]; then
   step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
     --repeats 5 --out "$R/w4r.json" \
     --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
+elif [ "$PART" = bg ]; then
+  mkdir -p "$WORK/bg" && rm -f "$WORK/bg/done"
+  BGCMD=${BGCMD:-python3 -m scheduler bench --model "$M" --batch-sizes 1,4,8,16,32,64,128,256 --tokens 128 \
+    --repeats 3 --raw-max-batch 64 --poisson-rate 4 --restart-times --daemon-args=\"--max-batch 256\" \
+    --env-arm mlx-kernels:MLX_BATCHD_W4A16=0 --env-arm dense:--dense-shadow=on --out "$WORK/bg/matrix"}
+  echo "$BGCMD" > "$WORK/bg/cmd"
+  (setsid nohup bash -c "$BGCMD > '$WORK/bg/log' 2>&1; echo \$? > '$WORK/bg/done'" > /dev/null 2>&1 < /dev/null &)
+  echo "bg started: $BGCMD"
+elif [ "$PART" = bgwait ]; then
+  while [ ! -f "$WORK/bg/done" ] && [ $((SECONDS - START)) -lt $((${BUDGET:-560} - 20)) ]; do sleep 5; done
+  tail -"${TAIL:-6}" "$WORK/bg/log"
+  if [ -f "$WORK/bg/done" ]; then echo "bg rc=$(cat "$WORK/bg/done")"; cp -r "$WORK/bg" "$R/"; else echo "bg running"; fi
 elif [ "$PART" = sm ]; then
   step smol 520 python3 -m scheduler bench --model "${SMOL:?the GGUF file}" --batch-sizes 1,8,32 --tokens 64 \
     --repeats 2 --prompts rewrite --drafters prompt-lookup --out "$R/smol"
