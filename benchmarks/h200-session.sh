@@ -121,6 +121,9 @@
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
 #   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy.
+# PART=w4p: Nsight Compute on the w4a16 kernel alone (benchmarks/w4a16_profile.py, tile 0, one launch after two):
+#   q/o (4096 x 4096) and gate/up (14336 x 4096) at ROWS (32,256), with the plan's registers and with REGS (128)
+#   as the cap; speed of light, occupancy, warp states, launch stats, one text file each (ncu-*.txt).
 # PART=bg: start BGCMD in the background on the warm machine and return at once (default: issue 54's whole bench,
 #   B = 1..256 with the kernel, without it (mlx-kernels) and with the bf16 shadow (dense), raw up to 64, Poisson
 #   4 req/s, the start times; longer than one call). Its output goes to $WORK/bg. PART=bgwait: wait for it
@@ -333,6 +336,13 @@ elif [ "$PART" = w4r ]; then
   step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
     --repeats 5 --out "$R/w4r.json" \
     --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
+elif [ "$PART" = w4p ]; then
+  ROWS=${ROWS:-32,256}
+  for rows in ${ROWS//,/ }; do for nk in "4096 4096" "14336 4096"; do set -- $nk; for regs in "" "${REGS:-128}"; do
+    step "ncu-$1-$rows${regs:+-r$regs}" 120 ncu --clock-control none -k regex:mlx_batchd_w4n --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      python3 benchmarks/w4a16_profile.py --n "$1" --k "$2" --rows "$rows" --tiles 0 --launches 3 ${regs:+--regs $regs}
+  done; done; done
 elif [ "$PART" = bg ]; then
   mkdir -p "$WORK/bg" && rm -f "$WORK/bg/done"
   BGCMD=${BGCMD:-python3 -m scheduler bench --model "$M" --batch-sizes 1,4,8,16,32,64,128,256 --tokens 128 \

@@ -3,12 +3,13 @@ launches for a profiler to read (MLX CUDA only).
 
     ncu --clock-control none -k regex:mlx_batchd_w4n --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section Occupancy \\
-        python3 benchmarks/w4a16_profile.py --n 14336 --k 4096 --rows 256 --tiles 0,1
+        python3 benchmarks/w4a16_profile.py --n 14336 --k 4096 --rows 256 --tiles 0,1 [--regs 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--tiles", default=",".join(str(i) for i in range(len(w4a16_source.TILES))))
     ap.add_argument("--launches", type=int, default=20, help="timed launches a tile (after 3 untimed)")
+    ap.add_argument("--regs", type=int, default=None, help="each tile's register cap instead of its plan's (0: none)")
     args = ap.parse_args()
     w = (mx.random.normal((args.n, args.k)) * 0.02).astype(mx.bfloat16)
     weight = w4a16.native(*mx.quantize(w, group_size=args.group_size, bits=4), args.group_size)
@@ -34,6 +36,8 @@ def main() -> None:
     flops = 2 * args.rows * args.n * args.k
     for tile in (int(t) for t in args.tiles.split(",")):
         p = w4a16.tile_plan(args.rows, args.n, args.k, tile)
+        if args.regs is not None:
+            p = dataclasses.replace(p, regs=args.regs)
         times = []
         for i in range(3 + args.launches):
             mx.synchronize()
