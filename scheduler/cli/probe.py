@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from scheduler.cli.errors import local_command
-from scheduler.cli.options import Parser, add_probe_policy, int_list, probe_policy
+from scheduler.cli.options import Parser, add_probe_policy, int_list, positive_int, probe_policy
 
 
 def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -32,6 +32,13 @@ def add_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--localize", action="store_true", help="name the first layer/op that diverges")
     p.add_argument("--force", action="store_true", help="re-probe even when a memoised verdict exists")
     p.add_argument("--no-store", action="store_true", help="neither read nor write memoised verdicts")
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=32,
+        help="serve's --max-batch: the kernel plans are timed for steps of up to that many sequences, as the "
+        "daemon's are (part of the verdict's fingerprint)",
+    )
     add_probe_policy(p)
     p.set_defaults(func=local_command("probe", run))
 
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load(args.model)
     # The kernel plans serving runs with (kept per machine): wide's batched forwards run by them,
     # so they are part of the verdict's fingerprint and of what the probe measures.
-    plan_units.calibrate(loaded.model, cache_dir() / "kernel-plans")
+    plan_units.calibrate(loaded.model, cache_dir() / "kernel-plans", max_batch=args.max_batch)
     # Classic decode as serving runs it (compiled where the policy compiles it): the same chain,
     # the same fingerprint, so the verdict stored here is the one a daemon reads.
     compiled_layers.install(loaded.model)

@@ -88,7 +88,7 @@ def test_an_engine_with_stored_plans_installs_them_at_once_and_queues_nothing(
     timed = _engine(loaded, "now")  # times and stores them
     assert timed.kernel_plans and not timed.starting
 
-    def no_timing(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
+    def no_timing(m: Any, n: int, large: Any = None) -> Generator[str, None, dict[int, int]]:
         raise AssertionError("timed again although the plans were stored")
         yield ""  # a generator, as the one it replaces
 
@@ -171,11 +171,11 @@ def test_a_request_is_served_between_units_before_the_calibration_ends(
     real = plan_timing.time_plan_steps
     calls: list[int] = []
 
-    def held(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
+    def held(m: Any, n: int, large: tuple[int, ...] | None = None) -> Generator[str, None, dict[int, int]]:
         calls.append(n)
         if len(calls) == 1:
             assert submitted.wait(30)
-        return (yield from real(m, n))
+        return (yield from real(m, n, large))
 
     monkeypatch.setattr(plan_timing, "time_plan_steps", held)
     recorded = Recorded(tiny_model, admit_idle_window_s=0.0)
@@ -201,9 +201,9 @@ def test_a_busy_engine_still_finishes_its_calibration_within_its_share(
     submitted = threading.Event()
     real = plan_timing.time_plan_steps
 
-    def held(m: Any, n: int) -> Generator[str, None, dict[int, int]]:
+    def held(m: Any, n: int, large: tuple[int, ...] | None = None) -> Generator[str, None, dict[int, int]]:
         assert submitted.wait(30)
-        return (yield from real(m, n))
+        return (yield from real(m, n, large))
 
     monkeypatch.setattr(plan_timing, "time_plan_steps", held)
     monkeypatch.setattr(loop, "START_UP_SHARE", 1.0)  # a unit every few steps: a short request suffices

@@ -108,6 +108,38 @@ def test_calibration_plans_the_kernel_where_cheapest_and_times_the_large_row_cou
     assert summary.startswith("2:m 3:m ") and summary.endswith(f"256:m{len(w4a16_source.TILES) - 1}")
 
 
+def test_only_the_large_row_counts_a_step_of_max_batch_sequences_can_reach_are_timed() -> None:
+    assert fastpath.large_rows() == fastpath.large_rows(None) == (32, 64, 128, 256)
+    assert fastpath.large_rows(1) == fastpath.large_rows(32) == (32,)
+    assert fastpath.large_rows(33) == (32, 64)
+    assert fastpath.large_rows(100) == (32, 64, 128)
+    assert fastpath.large_rows(256) == fastpath.large_rows(4096) == (32, 64, 128, 256)
+
+
+def test_an_engine_times_and_stores_plans_for_the_row_counts_its_max_batch_reaches(
+    launches: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An engine of ``max_batch`` sequences times no large row count its steps cannot reach, keeps its
+    plans under a key of their own (a larger ``max_batch`` times the rest), and a step beyond the largest
+    timed count (none can come) would take that count's plan."""
+    monkeypatch.setenv("MLX_BATCHD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan_timing, "_ms", _last_way_cheapest)
+    monkeypatch.setattr(plan_timing, "forward_ms", _plans_kept)
+    monkeypatch.setattr(fastpath, "LARGE_ROWS", (16, 32, 64))  # fewer forwards: this CPU's are slow
+    fastpath.set_active(fastpath.FastPath("calibrating", flatten=True, calibrate_rows=4))
+    model = _llama(tmp_path)
+    seen: dict[int, set[int]] = {}
+    for max_batch in (16, 20):
+        engine = Engine(model, eos_token_ids=(), vocab_size=256, calibration="now", max_batch=max_batch)
+        assert engine.kernel_plans
+        quantized = [m for m, shape in fastpath._projections(model) if "Quantized" in shape]
+        seen[max_batch] = {r for m in quantized for r in fastpath._plans[id(m)]}
+        if max_batch == 16:
+            assert {fastpath.planned(id(m), 40) for m in quantized} == {MMA}  # the 16-row count's plan
+    assert seen[16] == {2, 3, 4, 16} and seen[20] == {2, 3, 4, 16, 32}
+    assert len(list((tmp_path / "cache" / "kernel-plans").glob("*[0-9a-f].json"))) == 2
+
+
 def test_a_plan_s_tile_reaches_the_launch(launches: list[Any], tmp_path: Path) -> None:
     """Each plan value at or below ``MMA`` launches the kernel with its tile of ``TILES`` forced."""
     fastpath.set_active(fastpath.CUDA)

@@ -32,7 +32,7 @@ def test_a_second_calibration_reads_the_first_ones_plans_and_installs_them(
     first = plan_units.calibrate(_model(), tmp_path)
     assert sorted(first) == SHAPES and len(list(tmp_path.glob("*.json"))) == 1
 
-    def no_timing(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]]:
+    def no_timing(m: nn.Module, n: int, large: object = None) -> Generator[str, None, dict[int, int]]:
         raise AssertionError("timed again although the plans were stored")
         yield ""  # a generator, as the one it replaces
 

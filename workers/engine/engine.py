@@ -130,15 +130,17 @@ class Engine(Parking, Holdings, BatchStep):
         self.compiled_layers = 0 if lockstep else compiled_layers.install(model)
 
     def _plan(self, model: Any, calibration: Calibration) -> None:
-        """Install the kernel plans: the stored ones, else timed now (``now``) or between steps
-        (``background``: until they are, every projection runs as mlx-lm calls it)."""
+        """Install the kernel plans (for steps of up to ``max_batch`` sequences): the stored ones, else
+        timed now (``now``) or between steps (``background``: until they are, every projection runs as
+        mlx-lm calls it)."""
         store = cache_dir() / "kernel-plans"
         if calibration == "now":
-            self.kernel_plans = fastpath.plans_summary(plan_units.calibrate(model, store))
+            self.kernel_plans = fastpath.plans_summary(plan_units.calibrate(model, store, max_batch=self.max_batch))
             return
-        plans = plan_units.stored_plans(model, store)
+        plans = plan_units.stored_plans(model, store, self.max_batch)
         if plans is None:
-            self.background.add("kernel plans", plan_units.calibration_steps(model, store), self._calibrated)
+            steps = plan_units.calibration_steps(model, store, self.max_batch)
+            self.background.add("kernel plans", steps, self._calibrated)
         elif plan_units.warm_rows(model, plans):
             # Their kernels compile (and the row kernel checks its shapes) between steps too.
             self.background.add("kernel plans", plan_units.warming_steps(model, plans), self._calibrated)

@@ -136,6 +136,17 @@ def tile(to: int) -> int | None:
 #: the plan of the next one up (the largest one's beyond it). Their plans are ``MMA``, ``DENSE`` or the
 #: row count (flattened).
 LARGE_ROWS = (32, 64, 128, 256)
+
+
+def large_rows(max_batch: int | None = None) -> tuple[int, ...]:
+    """The ``LARGE_ROWS`` a decode step of at most ``max_batch`` sequences can reach: those below it and
+    the first at or above it (``None``: all). A daemon of 32 sequences times no plan for 64-256 rows."""
+    if max_batch is None:
+        return LARGE_ROWS
+    below = tuple(r for r in LARGE_ROWS if r < max_batch)
+    return below + tuple(r for r in LARGE_ROWS if r >= max_batch)[:1]
+
+
 #: Projection modules (by id) whose one-row calls (classic B = 1 decode) are planned to ``KERNEL``.
 one_row: set[int] = set()
 #: Counts ``install`` calls: what was derived from the plans (``projections.together``) is stale once it moves.

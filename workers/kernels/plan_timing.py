@@ -132,17 +132,18 @@ def mma_ways(rows: int) -> list[int]:
     return [fastpath.MMA - t for t in range(tiles)]
 
 
-def time_plan(m: nn.Module, n: int) -> dict[int, int]:
+def time_plan(m: nn.Module, n: int, large: tuple[int, ...] | None = None) -> dict[int, int]:
     """``time_plan_steps`` run to its end."""
-    plan: dict[int, int] = drive(time_plan_steps(m, n))
+    plan: dict[int, int] = drive(time_plan_steps(m, n, large))
     return plan
 
 
-def time_plan_steps(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]]:
+def time_plan_steps(m: nn.Module, n: int, large: tuple[int, ...] | None = None) -> Generator[str, None, dict[int, int]]:
     """Row count -> the cheapest way to call ``m`` on it: 0 (as mlx-lm calls it, ``(rows, 1, D)``),
     flattened to ``(rows, D)``, flattened and padded to a size in ``fastpath.PADS``,
     ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or the w4a16 kernel's tiles (``mma_ways``,
-    where it takes ``m``; then ``fastpath.LARGE_ROWS`` are timed too, flattened against it), and from
+    where it takes ``m``; then ``large`` (default ``fastpath.LARGE_ROWS``) are timed too, flattened
+    against it), and from
     ``dense_shadow.MIN_ROWS`` rows ``fastpath.DENSE`` where ``m`` has a shadow (the large rows too).
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
     is timed as mlx-lm calls it against the row kernel only, where that takes ``m``.
@@ -157,7 +158,7 @@ def time_plan_steps(m: nn.Module, n: int) -> Generator[str, None, dict[int, int]
     mma = mma_kernel(m)
     dense = dense_kernel(m)
     plan: dict[int, int] = {}
-    large = fastpath.LARGE_ROWS if mma is not None or dense is not None else ()
+    large = (fastpath.LARGE_ROWS if large is None else large) if mma is not None or dense is not None else ()
     for rows in [*range(1 if kernel else 2, n + 1), *(r for r in large if r > n)]:
         if rows > n:
             ways = [rows]
@@ -322,10 +323,11 @@ def forward_check_steps(
     with each row count's ways replaced by the uniform way whose decode forward is cheaper by
     ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for 2..``n`` rows
     (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
-    (``mma_shapes``) or a shape has a shadow (``dense_shapes``), ``fastpath.LARGE_ROWS``. ``report`` (when given) gets each row count's forward
+    (``mma_shapes``) or a shape has a shadow (``dense_shapes``), the large row counts ``plans`` hold
+    (``time_plan_steps``' ``large``). ``report`` (when given) gets each row count's forward
     milliseconds by candidate and the one kept. A unit leaves its row count's kept way installed;
     the next unit installs what it times itself, so the caller may install other plans in between."""
-    large = [r for r in fastpath.LARGE_ROWS if r > n] if mma_shapes or dense_shapes else []
+    large = sorted({r for plan in plans.values() for r in plan if r > n}) if mma_shapes or dense_shapes else []
     for rows in [*range(1 if kernel_shapes else 2, n + 1), *large]:
         options = candidates(plans, kernel_shapes, rows, mma_shapes, n, dense_shapes)
         if len(options) < 2:

@@ -51,8 +51,9 @@ class Shapes:
         )
 
 
-def shapes_of(model: nn.Module) -> Shapes | None:
-    """``model``'s shapes to calibrate, or ``None`` where the active policy does not calibrate."""
+def shapes_of(model: nn.Module, max_batch: int | None = None) -> Shapes | None:
+    """``model``'s shapes to calibrate for decode steps of at most ``max_batch`` sequences (``None``:
+    every ``fastpath.LARGE_ROWS``), or ``None`` where the active policy does not calibrate."""
     n = fastpath.active().calibrate_rows
     if not n:
         return None
@@ -60,7 +61,7 @@ def shapes_of(model: nn.Module) -> Shapes | None:
     first = {shape: m for m, shape in reversed(fastpath._projections(model))}
     mma = any(w4a16.takes(m) for m in first.values())
     dense = any(dense_shadow.has(m) for m in first.values())
-    return Shapes(first, n, fastpath.LARGE_ROWS if mma or dense else (), dense)
+    return Shapes(first, n, fastpath.large_rows(max_batch) if mma or dense else (), dense)
 
 
 def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]) -> Generator[str, None, Plans]:
@@ -70,7 +71,7 @@ def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]
     names = sh.names
     plans: Plans = {}
     for i, shape in enumerate(names, 1):
-        plans[shape] = yield from plan_timing.time_plan_steps(sh.first[shape], sh.n)
+        plans[shape] = yield from plan_timing.time_plan_steps(sh.first[shape], sh.n, sh.large)
         yield f"{i}/{len(names)} shapes timed"
     if not plan_timing.decodes(model):
         return plans
@@ -87,7 +88,10 @@ def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]
 
 
 def calibrate(
-    model: nn.Module, store: Path | None = None, report: dict[int, dict[str, Any]] | None = None
+    model: nn.Module,
+    store: Path | None = None,
+    report: dict[int, dict[str, Any]] | None = None,
+    max_batch: int | None = None,
 ) -> dict[str, dict[int, int]]:
     """Plan every distinct projection shape of ``model`` for 2..``calibrate_rows`` rows (and one row,
     where the project's kernel takes the shape), check each row count's plans on the model's decode
@@ -96,8 +100,9 @@ def calibrate(
     machine and kept there, so every process serving the model runs the same kernels. ``report``
     (when timed here) gets the forward check's milliseconds, which the store also keeps beside the
     plans (``plan_store.keep_check``). All before returning: ``calibration_steps`` is the same work
-    in units, for an engine that serves meanwhile."""
-    sh = shapes_of(model)
+    in units, for an engine that serves meanwhile. ``max_batch`` bounds the large row counts timed
+    (``fastpath.large_rows``)."""
+    sh = shapes_of(model, max_batch)
     if sh is None:
         return {}
     report = {} if report is None else report
@@ -119,10 +124,10 @@ def _not_stored() -> Plans:
     raise _NotStored
 
 
-def stored_plans(model: nn.Module, store: Path | None) -> Plans | None:
+def stored_plans(model: nn.Module, store: Path | None, max_batch: int | None = None) -> Plans | None:
     """The plans the store holds for ``model`` (not installed), ``{}`` where the policy does not
     calibrate, ``None`` where the store holds none (``calibration_steps`` then times them)."""
-    sh = shapes_of(model)
+    sh = shapes_of(model, max_batch)
     if sh is None:
         return {}
     try:
@@ -133,21 +138,23 @@ def stored_plans(model: nn.Module, store: Path | None) -> Plans | None:
     return by_shape
 
 
-def install_stored(model: nn.Module, store: Path | None) -> Plans | None:
+def install_stored(model: nn.Module, store: Path | None, max_batch: int | None = None) -> Plans | None:
     """``stored_plans`` installed, their kernels warmed, before returning."""
-    by_shape = stored_plans(model, store)
+    by_shape = stored_plans(model, store, max_batch)
     if by_shape:
         plan_timing.drive(warming_steps(model, by_shape))
     return by_shape
 
 
-def calibration_steps(model: nn.Module, store: Path | None) -> Generator[str, None, Plans]:
+def calibration_steps(
+    model: nn.Module, store: Path | None, max_batch: int | None = None
+) -> Generator[str, None, Plans]:
     """``calibrate`` as units, for an engine that serves between them: one shape's timing, one row
     count's forward check, one row count's kernel warm-up (each yields what it did). Between units
     ``model`` runs with no plans installed (as mlx-lm calls every projection), whatever a unit
     installed to time it; at the end the plans are stored (another process's, stored meanwhile, win:
     every process on the machine runs the same kernels) and installed, and returned."""
-    sh = shapes_of(model)
+    sh = shapes_of(model, max_batch)
     if sh is None:
         return {}
     report: dict[int, dict[str, Any]] = {}
