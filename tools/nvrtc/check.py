@@ -242,26 +242,30 @@ def project_cases():
                         ),
                     )
                 )
-    # w4a16: the native tiles (``w4a16.TILES``' shapes), split with and without the in-kernel reduction
-    from workers.kernels import w4a16_source
+    # w4a16: the native tiles (``w4a16.TILES``' shapes), split with and without the in-kernel reduction,
+    # built as ``w4a16.launch`` builds them (name, template, pipeline depth from ``w4a16.plan``)
+    from workers.kernels import w4a16
 
+    kern = w4a16.NATIVE
     w_ins = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf), ("locks", 1, "int32")]
     for mt, nb in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1)):
+        p = w4a16.plan(16 * mt, 4096, 4096, mt=mt, nb=nb, splits=2)
         for gs in (32, 64):
-            for split, red in ((True, True), (True, False)):
-                stages = 4 if 4 * (mt * 16 * 128 + nb * 4 * 16 * 32) <= 48000 else 3
-                tmpl = [("T", bf), ("MT", mt), ("NB", nb), ("WARPS", 4), ("STAGES", stages), ("GS", gs)]
+            for red in (True, False):
                 cases.append(
                     (
                         f"w4a16 MT={mt} NB={nb} GS={gs} REDUCE={int(red)}",
                         dict(
-                            name="mlx_batchd_w4n",
+                            name=w4a16.kernel_name(kern, p, gs, True, red),
                             inputs=w_ins,
-                            output_names=w4a16_source.OUTPUT_NAMES,
+                            output_names=w4a16.OUTPUT_NAMES,
                             output_dtypes=[bf, "float32"],
-                            source=w4a16_source.NATIVE_SOURCE,
-                            header=w4a16_source.NATIVE_HEADER,
-                            template=[*tmpl, ("SPLIT", split), ("REDUCE", red)],
+                            source=kern.source,
+                            header=kern.header,
+                            template=[  # dtypes by name: the cases cross to worker processes
+                                (k, v if isinstance(v, (bool, int)) else dtype_name(v))
+                                for k, v in w4a16.template(kern, p, gs, True, red)
+                            ],
                         ),
                     )
                 )

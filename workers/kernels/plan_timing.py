@@ -132,9 +132,9 @@ def mma_ways(rows: int) -> list[int]:
     return [fastpath.MMA - t for t in range(tiles)]
 
 
-def time_plan(m: nn.Module, n: int, large: tuple[int, ...] | None = None) -> dict[int, int]:
+def time_plan(m: nn.Module, n: int) -> dict[int, int]:
     """``time_plan_steps`` run to its end."""
-    plan: dict[int, int] = drive(time_plan_steps(m, n, large))
+    plan: dict[int, int] = drive(time_plan_steps(m, n))
     return plan
 
 

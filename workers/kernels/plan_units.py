@@ -117,7 +117,7 @@ def calibrate(
 
 
 class _NotStored(Exception):
-    """The store holds no plans for these shapes (``install_stored``'s stand-in for timing them)."""
+    """The store holds no plans for these shapes (``stored_plans``' stand-in for timing them)."""
 
 
 def _not_stored() -> Plans:
@@ -135,14 +135,6 @@ def stored_plans(model: nn.Module, store: Path | None, max_batch: int | None = N
     except _NotStored:
         return None
     log.info("kernel plans for %d projection shapes read from the store", len(sh.first))
-    return by_shape
-
-
-def install_stored(model: nn.Module, store: Path | None, max_batch: int | None = None) -> Plans | None:
-    """``stored_plans`` installed, their kernels warmed, before returning."""
-    by_shape = stored_plans(model, store, max_batch)
-    if by_shape:
-        plan_timing.drive(warming_steps(model, by_shape))
     return by_shape
 
 
