@@ -125,7 +125,8 @@
 #   q/o (4096 x 4096) and gate/up (14336 x 4096) at ROWS (32,256), with the plan's registers and with REGS (128)
 #   as the cap; speed of light, occupancy, warp states, launch stats, one text file each (ncu-*.txt).
 # PART=bg: start BGCMD in the background on the warm machine and return at once (default: issue 54's whole bench,
-#   B = 1..256 with the kernel, without it (mlx-kernels) and with the bf16 shadow (dense), raw up to 64, Poisson
+#   B = 1..256 with the kernel and the transient dequantized weights, without both (mlx-kernels) and with the bf16
+#   shadow (dense), raw up to 64, Poisson
 #   4 req/s, the start times; longer than one call). Its output goes to $WORK/bg. PART=bgwait: wait for it
 #   within BUDGET (a call in flight keeps the machine held; call again within 30 s of the last), then bring back
 #   $WORK/bg when it has finished ("bg rc=N"); until then the log's tail.
@@ -324,7 +325,7 @@ elif [ "$PART" = imp ]; then
   fi
   grep 'start:' "$R"/starts*.log | cut -c1-300
 elif [ "$PART" = w4s ]; then
-  step w4s 520 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms mlx-4bit,native,bf16 --rows "${ROWS:-16,32,64}" \
+  step w4s 520 python3 benchmarks/w4a16_marlin_probe.py time --chained --arms "${ARMS:-mlx-4bit,native,bf16}" --rows "${ROWS:-16,32,64}" \
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
@@ -347,7 +348,7 @@ elif [ "$PART" = bg ]; then
   mkdir -p "$WORK/bg" && rm -f "$WORK/bg/done"
   BGCMD=${BGCMD:-python3 -m scheduler bench --model "$M" --batch-sizes 1,4,8,16,32,64,128,256 --tokens 128 \
     --repeats 3 --raw-max-batch 64 --poisson-rate 4 --restart-times --daemon-args=\"--max-batch 256\" \
-    --env-arm mlx-kernels:MLX_BATCHD_W4A16=0 --env-arm dense:--dense-shadow=on --out "$WORK/bg/matrix"}
+    --env-arm mlx-kernels:MLX_BATCHD_W4A16=0,MLX_BATCHD_DEQUANT=0 --env-arm dense:--dense-shadow=on --out "$WORK/bg/matrix"}
   echo "$BGCMD" > "$WORK/bg/cmd"
   (setsid nohup bash -c "$BGCMD > '$WORK/bg/log' 2>&1; echo \$? > '$WORK/bg/done'" > /dev/null 2>&1 < /dev/null &)
   echo "bg started: $BGCMD"

@@ -10,7 +10,9 @@ and a bf16 copy.
 * ``time`` (CUDA): the projections of 32 distinct layers of the 8B shapes (q, k, v, o, gate, up, down)
   at each row count as one graph a repeat, for MLX's 4-bit quantized matmul, the repacked kernel
   (``marlin``), the native kernel (MLX's arrays as they are), each with the default plan and any
-  ``--variants``, and bf16 weights through MLX's dense matmul. Unchained, the projections are
+  ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
+  (``dequant``: a transient bf16 copy, one projection at a time), and bf16 weights through MLX's dense
+  matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
   Prints the median ms of running the graph (``mx.eval``) over ``--repeats`` with the min-max, the
@@ -159,7 +161,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
 
 
 VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs")
-ARMS = ("mlx-4bit", "marlin", "native", "bf16")
+ARMS = ("mlx-4bit", "marlin", "native", "dequant", "bf16")
 
 
 def _variant(spec: str) -> dict[str, float]:
@@ -277,6 +279,10 @@ def timing(
         def bf16_dense(i: int, x: mx.array) -> mx.array:
             return x @ dense[i].T
 
+        def dequant(i: int, x: mx.array) -> mx.array:
+            q, s, b = mats[i]
+            return x @ mx.dequantize(q, s, b, group_size=gs, bits=4).T
+
         arms: dict[str, tuple[Callable[[int, mx.array], mx.array], str]] = {}
         if "mlx-4bit" in arms_wanted:
             arms["mlx-4bit"] = (mlx_4bit, "")
@@ -287,6 +293,8 @@ def timing(
             for spec in variants:
                 over = _variant(spec)
                 arms[f"{kern} {spec}"] = (functools.partial(kfn, over=over), _plan_note(m, over))
+        if "dequant" in arms_wanted:
+            arms["dequant"] = (dequant, "")
         if "bf16" in arms_wanted:
             arms["bf16 dense"] = (bf16_dense, "")
         for name, (proj, note) in arms.items():

@@ -40,6 +40,9 @@ ROWKERNEL = EnvVar("MLX_BATCHD_ROWKERNEL", "", ("", "off", "reference", "cuda"))
 #: The w4a16 tensor-core kernel for batched decode's 4-bit projections (``workers.kernels.w4a16``): offered
 #: to the plans on MLX CUDA unless ``0`` (calibration still picks it only where it is faster).
 W4A16 = EnvVar("MLX_BATCHD_W4A16", "", ("", "0", "1"))
+#: Large batches through a transient dequantized weight (``workers.kernels.dequant_matmul``): offered to the
+#: plans on MLX CUDA unless ``0`` (calibration still picks it only where it is faster).
+DEQUANT = EnvVar("MLX_BATCHD_DEQUANT", "", ("", "0", "1"))
 #: ``0``: the project's CUDA kernels are not written to MLX's disk cache of compiled kernels
 #: (``workers.kernels.jit_cache``), so each process compiles them again, as MLX alone does.
 KERNEL_CACHE = EnvVar("MLX_BATCHD_KERNEL_CACHE", "", ("", "0", "1"))
@@ -51,7 +54,18 @@ TEST_FAULTS = EnvVar("MLX_BATCHD_TEST_FAULTS", "")
 #: scoped pins replace. Only the bench sets it, for its arm that shows what scoping saves.
 BENCH_PROCESS_PIN = EnvVar("MLX_BATCHD_BENCH_PROCESS_PIN", "", ("", "0", "1"))
 
-ALL = (CACHE, FASTPATH, COMPILED_LAYERS, ROWKERNEL, W4A16, KERNEL_CACHE, PROFILE_DIR, TEST_FAULTS, BENCH_PROCESS_PIN)
+ALL = (
+    CACHE,
+    FASTPATH,
+    COMPILED_LAYERS,
+    ROWKERNEL,
+    W4A16,
+    DEQUANT,
+    KERNEL_CACHE,
+    PROFILE_DIR,
+    TEST_FAULTS,
+    BENCH_PROCESS_PIN,
+)
 
 
 def read(var: EnvVar) -> str:

@@ -124,6 +124,9 @@ MMA = -2
 #: A plan's value for "through the dequantized shadow" (``dense_shadow``, ``serve --dense-shadow``):
 #: ``x @ w_dense.T``, planned only where the plans were timed with the shadow (below every w4a16 tile).
 DENSE = -100
+#: A plan's value for "through a transient dequantized weight" (``dequant_matmul``): ``x @ dequantize(w).T``,
+#: one projection at a time, planned from ``dequant_matmul.MIN_ROWS`` rows where it measured cheaper.
+DEQUANT = -200
 
 
 def tile(to: int) -> int | None:
@@ -132,9 +135,9 @@ def tile(to: int) -> int | None:
     return MMA - to if DENSE < to <= MMA else None
 
 
-#: Row counts above ``calibrate_rows`` timed for ``MMA`` (and ``DENSE``); a row count between them takes
-#: the plan of the next one up (the largest one's beyond it). Their plans are ``MMA``, ``DENSE`` or the
-#: row count (flattened).
+#: Row counts above ``calibrate_rows`` timed for ``MMA`` (and ``DENSE``, ``DEQUANT``); a row count between
+#: them takes the plan of the next one up (the largest one's beyond it). Their plans are one of those or
+#: the row count (flattened).
 LARGE_ROWS = (32, 64, 128, 256)
 
 
@@ -159,7 +162,8 @@ TileKernel = Callable[[mx.array, int], "mx.array | None"]
 
 def lookup(plan: dict[int, int], rows: int) -> int:
     """The rows of the kernel call for ``rows`` rows under ``plan``: its own entry, else the plan of the
-    next ``LARGE_ROWS`` count up (the largest one's beyond them): ``MMA``, ``DENSE`` or the rows flattened."""
+    next ``LARGE_ROWS`` count up (the largest one's beyond them): ``MMA``, ``DENSE``, ``DEQUANT`` or the rows
+    flattened."""
     to = plan.get(rows)
     if to is not None:
         return to
@@ -167,7 +171,8 @@ def lookup(plan: dict[int, int], rows: int) -> int:
     if not large or rows == 1:  # a plan holds every other row count up to the calibrated ones
         return rows
     bucket = next((r for r in large if r >= rows), large[-1])
-    return plan[bucket] if tile(plan[bucket]) is not None or plan[bucket] == DENSE else rows
+    to = plan[bucket]
+    return to if tile(to) is not None or to in (DENSE, DEQUANT) else rows
 
 
 def project(
@@ -178,6 +183,7 @@ def project(
     kernel: RowKernel | None = None,
     mma: TileKernel | None = None,
     dense: RowKernel | None = None,
+    dequant: RowKernel | None = None,
 ) -> tuple[mx.array, int]:
     """``call(x)`` through the batched path; returns the output and the rows of the kernel call.
 
@@ -187,14 +193,16 @@ def project(
     calls each projection once, which the kernel's per-weight counters need). A single row (classic
     B = 1 decode) is left exactly as mlx-lm calls it unless its plan is ``KERNEL``. ``dense`` computes
     flattened rows through the dequantized shadow where the plan says ``DENSE`` (decode steps and
-    prefill alike: a plain matmul); where it does not take them, the rows run flattened.
+    prefill alike: a plain matmul); ``dequant`` likewise through a transient dequantized weight where it
+    says ``DEQUANT``; where they do not take them, the rows run flattened.
     """
     if x.ndim < 2 or not active().flatten:
         return call(x), rows
     plan = _plans.get(key)
     to = rows if plan is None else lookup(plan, rows)
-    if to == DENSE:
-        out = None if dense is None else dense(x.reshape(rows, x.shape[-1]))
+    if to in (DENSE, DEQUANT):
+        way = dense if to == DENSE else dequant
+        out = None if way is None else way(x.reshape(rows, x.shape[-1]))
         if out is not None:
             return out.reshape(*x.shape[:-1], out.shape[-1]), rows
         to = rows
@@ -295,13 +303,13 @@ def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
     """``calibrate``'s plans as one line per shape, for stats and benchmark records: each row count
     with the rows its kernel call runs on (``0``: as mlx-lm calls it; ``k``: the project's multi-row
     kernel; ``m``: the w4a16 tensor-core kernel, ``m1``, ``m2``...: with that tile of ``w4a16.TILES``;
-    ``d``: the dequantized shadow),
-    e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:m1"``."""
+    ``d``: the dequantized shadow, ``q``: a transient dequantized weight),
+    e.g. ``"1:k 2:k 3:0 ... 9:16 ... 16:m 32:m ... 256:q"``."""
 
     def name(to: int) -> str:
         t = tile(to)
-        if to == DENSE:
-            return "d"
+        if to in (DENSE, DEQUANT):
+            return "d" if to == DENSE else "q"
         return "k" if to == KERNEL else str(to) if t is None else f"m{t or ''}"
 
     return {

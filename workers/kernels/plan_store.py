@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.kernels import dense_shadow, fastpath, qmv_launch, w4a16_source
+from workers import envs
+from workers.kernels import dense_shadow, dequant_matmul, fastpath, qmv_launch, w4a16_source
 from workers.kernels.backend import backend_fingerprint
 
 log = logging.getLogger("mlx_batchd")
 
 #: Bump when the timing method changes, so stored plans are timed again.
-PLAN_VERSION = 7
+PLAN_VERSION = 8
 
 #: The longest a process waits for another to finish timing (timing takes seconds).
 LOCK_WAIT_S = 120.0
@@ -54,9 +55,16 @@ def plan_key(
         "kernel": qmv_launch.variant(),
         "large": list(large),
         "w4a16": w4a16_source.variant() if large else "",
+        "offered": offered() if large else [],
         **({"dense_shadow": True} if dense else {}),  # absent when off: plans timed without it keep their key
     }
     return hashlib.sha256(json.dumps({**body, "version": PLAN_VERSION}, sort_keys=True).encode()).hexdigest()
+
+
+def offered() -> list[str]:
+    """The large-row ways this process's switches leave to the timing (``MLX_BATCHD_W4A16``,
+    ``MLX_BATCHD_DEQUANT``): plans timed without one are kept apart from plans timed with it."""
+    return [name for name, var in (("w4a16", envs.W4A16), ("dequant", envs.DEQUANT)) if envs.switch(var) is not False]
 
 
 def valid(
@@ -72,7 +80,8 @@ def valid(
     one row and some of the ``large`` row counts), each planned to 0 (as called), to a call of at
     least its rows (itself or a pad size), to the project's kernel (``-1``, up to ``kernel_rows``
     rows) or, with ``large``, to the w4a16 kernel (``-2``, or below it for its other tiles) or, with
-    ``dense`` (timed with the shadow), from ``dense_shadow.MIN_ROWS`` rows to it (``fastpath.DENSE``); one row
+    ``dense`` (timed with the shadow), from ``dense_shadow.MIN_ROWS`` rows to it (``fastpath.DENSE``), or with
+    ``large``, from ``dequant_matmul.MIN_ROWS`` rows to a transient dequantized weight (``fastpath.DEQUANT``); one row
     only as called (1) or to the kernel; a large row count only flattened or to either kernel."""
     if not isinstance(plans, dict) or set(plans) != set(shapes):
         raise ValueError("the file holds plans for other shapes")
@@ -88,6 +97,7 @@ def valid(
             tile = fastpath.tile(to)
             mma = tile is not None and tile < len(w4a16_source.TILES) and bool(large) and rows > 1
             mma = mma or (to == fastpath.DENSE and dense and rows >= dense_shadow.MIN_ROWS)
+            mma = mma or (to == fastpath.DEQUANT and bool(large) and rows >= dequant_matmul.MIN_ROWS)
             if rows == 1 and not (to == 1 or kernel):
                 raise ValueError(f"{shape}: one row planned to {to}")
             if rows > max_rows and not (mma or to == rows):

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from workers.kernels import dense_shadow, fastpath, qmv_rows, w4a16, w4a16_source
+from workers.kernels import dense_shadow, dequant_matmul, fastpath, qmv_rows, w4a16, w4a16_source
 
 log = logging.getLogger("mlx_batchd")
 
@@ -125,6 +125,11 @@ def dense_kernel(m: nn.Module) -> fastpath.RowKernel | None:
     return (lambda x: dense_shadow.project(m, x)) if dense_shadow.has(m) else None
 
 
+def dequant_kernel(m: nn.Module) -> fastpath.RowKernel | None:
+    """``m`` through a transient dequantized weight (``dequant_matmul``) where it takes it here, else ``None``."""
+    return (lambda x: dequant_matmul.project(m, x)) if dequant_matmul.takes(m) else None
+
+
 def mma_ways(rows: int) -> list[int]:
     """The plan values timed for the w4a16 kernel on ``rows`` rows: ``fastpath.MMA``, and from
     ``w4a16_source.TILE_ROWS`` rows one more for each other tile of ``w4a16_source.TILES``."""
@@ -144,7 +149,8 @@ def time_plan_steps(m: nn.Module, n: int, large: tuple[int, ...] | None = None) 
     ``fastpath.KERNEL`` (up to its rows, where it takes ``m``) or the w4a16 kernel's tiles (``mma_ways``,
     where it takes ``m``; then ``large`` (default ``fastpath.LARGE_ROWS``) are timed too, flattened
     against it), and from
-    ``dense_shadow.MIN_ROWS`` rows ``fastpath.DENSE`` where ``m`` has a shadow (the large rows too).
+    ``dense_shadow.MIN_ROWS`` rows ``fastpath.DENSE`` where ``m`` has a shadow (the large rows too), from
+    ``dequant_matmul.MIN_ROWS`` rows ``fastpath.DEQUANT`` where that takes ``m`` (likewise).
     Flattened-unpadded is kept unless another way is cheaper by ``MARGIN``. One row (classic decode)
     is timed as mlx-lm calls it against the row kernel only, where that takes ``m``.
 
@@ -157,8 +163,10 @@ def time_plan_steps(m: nn.Module, n: int, large: tuple[int, ...] | None = None) 
     kernel = row_kernel(m)
     mma = mma_kernel(m)
     dense = dense_kernel(m)
+    dequant = dequant_kernel(m)
     plan: dict[int, int] = {}
-    large = (fastpath.LARGE_ROWS if large is None else large) if mma is not None or dense is not None else ()
+    timed_large = mma is not None or dense is not None or dequant is not None
+    large = (fastpath.LARGE_ROWS if large is None else large) if timed_large else ()
     for rows in [*range(1 if kernel else 2, n + 1), *(r for r in large if r > n)]:
         if rows > n:
             ways = [rows]
@@ -170,11 +178,15 @@ def time_plan_steps(m: nn.Module, n: int, large: tuple[int, ...] | None = None) 
             ways += mma_ways(rows)
         if dense is not None and rows >= dense_shadow.MIN_ROWS:
             ways.append(fastpath.DENSE)
+        if dequant is not None and rows >= dequant_matmul.MIN_ROWS:
+            ways.append(fastpath.DEQUANT)
         calls = [
             _kernel_way(kernel)
             if to == fastpath.KERNEL and kernel is not None
             else _kernel_way(dense)
             if to == fastpath.DENSE and dense is not None
+            else _kernel_way(dequant)
+            if to == fastpath.DEQUANT and dequant is not None
             else _tile_way(mma, tile)
             if (tile := fastpath.tile(to)) is not None and mma is not None
             else _way(original, m, to)
@@ -265,12 +277,14 @@ def candidates(
     mma_shapes: set[str] | None = None,
     n: int = 0,
     dense_shapes: set[str] | None = None,
+    dequant_shapes: set[str] | None = None,
 ) -> list[tuple[str, dict[str, int]]]:
     """Ways to run every projection on ``rows`` rows, by name: the per-shape plans first, then each
     uniform way (a kernel where it takes the shape, the plan elsewhere); duplicates dropped. One row
     concerns only the shapes the row kernel takes (elsewhere it is always as mlx-lm calls it); rows
     above ``n`` (``fastpath.LARGE_ROWS``) are flattened or through the w4a16 kernel (``mma_shapes``) or
-    the dequantized shadow (``dense_shapes``, from ``dense_shadow.MIN_ROWS`` rows)."""
+    the dequantized shadow (``dense_shapes``, from ``dense_shadow.MIN_ROWS`` rows) or a transient
+    dequantized weight (``dequant_shapes``, from ``dequant_matmul.MIN_ROWS`` rows)."""
     mma_shapes = mma_shapes or set()
     shapes = sorted(kernel_shapes) if rows == 1 else sorted(plans)
     planned = {shape: plans[shape].get(rows, rows) for shape in shapes}
@@ -286,6 +300,8 @@ def candidates(
         out.append(("w4a16", {s: fastpath.MMA if s in mma_shapes else v for s, v in planned.items()}))
     if dense_shapes and rows >= dense_shadow.MIN_ROWS:
         out.append(("dense", {s: fastpath.DENSE if s in dense_shapes else v for s, v in planned.items()}))
+    if dequant_shapes and rows >= dequant_matmul.MIN_ROWS:
+        out.append(("dequant", {s: fastpath.DEQUANT if s in dequant_shapes else v for s, v in planned.items()}))
     if kernel_shapes and rows <= qmv_rows.MAX_ROWS:
         out.append(("kernel", {s: fastpath.KERNEL if s in kernel_shapes else v for s, v in planned.items()}))
     unique: list[tuple[str, dict[str, int]]] = []
@@ -303,10 +319,13 @@ def forward_checked(
     report: dict[int, dict[str, Any]] | None = None,
     mma_shapes: set[str] | None = None,
     dense_shapes: set[str] | None = None,
+    dequant_shapes: set[str] | None = None,
 ) -> Plans:
     """``plans`` with each row count's ways replaced by the uniform way whose decode forward is
     cheaper by ``MARGIN`` (``forward_check_steps`` run to its end)."""
-    result: Plans = drive(forward_check_steps(model, plans, kernel_shapes, n, report, mma_shapes, dense_shapes))
+    result: Plans = drive(
+        forward_check_steps(model, plans, kernel_shapes, n, report, mma_shapes, dense_shapes, dequant_shapes)
+    )
     return result
 
 
@@ -318,18 +337,21 @@ def forward_check_steps(
     report: dict[int, dict[str, Any]] | None = None,
     mma_shapes: set[str] | None = None,
     dense_shapes: set[str] | None = None,
+    dequant_shapes: set[str] | None = None,
 ) -> Generator[str, None, Plans]:
     """The forward check as units, one row count each (yielding what it checked), ending in ``plans``
     with each row count's ways replaced by the uniform way whose decode forward is cheaper by
     ``MARGIN`` (``candidates``; the plans are installed on ``model`` meanwhile), for 2..``n`` rows
     (one too where the row kernel takes a shape) and, where the w4a16 kernel takes one
-    (``mma_shapes``) or a shape has a shadow (``dense_shapes``), the large row counts ``plans`` hold
+    (``mma_shapes``), a shape has a shadow (``dense_shapes``) or a transient dequantized weight
+    (``dequant_shapes``), the large row counts ``plans`` hold
     (``time_plan_steps``' ``large``). ``report`` (when given) gets each row count's forward
     milliseconds by candidate and the one kept. A unit leaves its row count's kept way installed;
     the next unit installs what it times itself, so the caller may install other plans in between."""
-    large = sorted({r for plan in plans.values() for r in plan if r > n}) if mma_shapes or dense_shapes else []
+    timed_large = mma_shapes or dense_shapes or dequant_shapes
+    large = sorted({r for plan in plans.values() for r in plan if r > n}) if timed_large else []
     for rows in [*range(1 if kernel_shapes else 2, n + 1), *large]:
-        options = candidates(plans, kernel_shapes, rows, mma_shapes, n, dense_shapes)
+        options = candidates(plans, kernel_shapes, rows, mma_shapes, n, dense_shapes, dequant_shapes)
         if len(options) < 2:
             continue
 

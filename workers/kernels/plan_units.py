@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers.kernels import dense_shadow, fastpath, plan_store, plan_timing, qmv_rows, w4a16
+from workers.kernels import dense_shadow, dequant_matmul, fastpath, plan_store, plan_timing, qmv_rows, w4a16
 from workers.kernels.plan_timing import Plans
 
 log = logging.getLogger("mlx_batchd")
@@ -32,8 +32,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Shapes:
     """What calibrating a model covers: its distinct projection shapes (each timed on its first
-    module), the policy's row range, the large row counts (where the w4a16 kernel takes a shape or
-    one has a dequantized shadow) and whether a shape has the shadow (``dense_shadow``)."""
+    module), the policy's row range, the large row counts (where the w4a16 kernel or a transient
+    dequantized weight takes a shape, or one has a dequantized shadow) and whether a shape has the shadow (``dense_shadow``)."""
 
     first: dict[str, nn.Module]
     n: int
@@ -59,7 +59,7 @@ def shapes_of(model: nn.Module, max_batch: int | None = None) -> Shapes | None:
         return None
     qmv_rows.register_siblings(model)  # siblings all planned to the kernel share its calls
     first = {shape: m for m, shape in reversed(fastpath._projections(model))}
-    mma = any(w4a16.takes(m) for m in first.values())
+    mma = any(w4a16.takes(m) or dequant_matmul.takes(m) for m in first.values())
     dense = any(dense_shadow.has(m) for m in first.values())
     return Shapes(first, n, fastpath.large_rows(max_batch) if mma or dense else (), dense)
 
@@ -78,9 +78,12 @@ def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]
     kernel_shapes = {shape for shape in names if 1 in plans[shape]}  # one row is timed where the kernel takes it
     mma_shapes = {shape for shape in names if w4a16.takes(sh.first[shape])}
     dense_shapes = {shape for shape in names if dense_shadow.has(sh.first[shape])}
+    dequant_shapes = {shape for shape in names if dequant_matmul.takes(sh.first[shape])}
     checked = {shape: dict(plan) for shape, plan in plans.items()}
     try:
-        steps = plan_timing.forward_check_steps(model, checked, kernel_shapes, sh.n, report, mma_shapes, dense_shapes)
+        steps = plan_timing.forward_check_steps(
+            model, checked, kernel_shapes, sh.n, report, mma_shapes, dense_shapes, dequant_shapes
+        )
         return (yield from steps)
     except Exception:  # a model whose decode forward this check cannot run keeps the per-shape plans
         log.warning("kernel plans: the whole-forward check failed; keeping the per-shape plans", exc_info=True)

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import Level
-from workers.kernels import dense_shadow, fastpath, gemv_rows, qmv_rows, rowkernel, seam, w4a16
+from workers.kernels import dense_shadow, dequant_matmul, fastpath, gemv_rows, qmv_rows, rowkernel, seam, w4a16
 from workers.kernels.levels import current_level
 from workers.kernels.widths import chunk_widths
 
@@ -197,6 +197,7 @@ def pinnable(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 lambda xs: qmv_rows.project(self, original, xs, source),
                 lambda xs, tile: w4a16.project(self, xs, tile),
                 lambda xs: dense_shadow.project(self, xs),
+                lambda xs: dequant_matmul.project(self, xs),
             )
             return out if seam.divergence_seam is None else seam.apply("projection", out, kernel_rows, self, x)
         if level is Level.ROWWISE or (level is Level.MIRRORED and rows > 1):
