@@ -11,7 +11,8 @@ and a bf16 copy.
   at each row count as one graph a repeat, for MLX's 4-bit quantized matmul, the repacked kernel
   (``marlin``), the native kernel (MLX's arrays as they are), each with the default plan and any
   ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
-  (``dequant``: a transient bf16 copy, one projection at a time), and bf16 weights through MLX's dense
+  (a transient bf16 copy, one projection at a time: ``dequant`` with the project's dequantize kernel,
+  ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense
   matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
@@ -45,6 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import w4a16_marlin as w4m  # noqa: E402
+
+from workers.kernels import dequant_kernel  # noqa: E402
 
 LLAMA_8B = {
     "q": (4096, 4096),
@@ -161,7 +164,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
 
 
 VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs")
-ARMS = ("mlx-4bit", "marlin", "native", "dequant", "bf16")
+ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
 
 
 def _variant(spec: str) -> dict[str, float]:
@@ -281,6 +284,10 @@ def timing(
 
         def dequant(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
+            return x @ dequant_kernel.dequantize(q, s, b, gs, 4).T
+
+        def dequant_mlx(i: int, x: mx.array) -> mx.array:
+            q, s, b = mats[i]
             return x @ mx.dequantize(q, s, b, group_size=gs, bits=4).T
 
         arms: dict[str, tuple[Callable[[int, mx.array], mx.array], str]] = {}
@@ -295,6 +302,8 @@ def timing(
                 arms[f"{kern} {spec}"] = (functools.partial(kfn, over=over), _plan_note(m, over))
         if "dequant" in arms_wanted:
             arms["dequant"] = (dequant, "")
+        if "dequant-mlx" in arms_wanted:
+            arms["dequant-mlx"] = (dequant_mlx, "")
         if "bf16" in arms_wanted:
             arms["bf16 dense"] = (bf16_dense, "")
         for name, (proj, note) in arms.items():

@@ -269,6 +269,24 @@ def project_cases():
                         ),
                     )
                 )
+    # the dequantize kernel (``dequant_kernel``), each group size
+    from workers.kernels import dequant_kernel
+
+    for gs in (32, 64, 128):
+        cases.append(
+            (
+                f"dequant GS={gs}",
+                dict(
+                    name="mlx_batchd_dequant4",
+                    inputs=[("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf)],
+                    output_names=["out"],
+                    output_dtypes=[bf],
+                    source=dequant_kernel.SOURCE,
+                    header=dequant_kernel.HEADER,
+                    template=[("GS", gs)],
+                ),
+            )
+        )
     return cases
 
 

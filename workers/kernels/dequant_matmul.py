@@ -5,7 +5,8 @@ MLX CUDA) runs it several times faster than a quantized matmul. Dequantizing a p
 just before its product adds one pass over its bf16 bytes and keeps nothing: resident memory stays
 the 4-bit weights (vLLM's AWQ path does the same from 256 tokens). A weight whose bf16 copy would
 exceed ``CHUNK_BYTES`` is dequantized and multiplied in slices of outputs, so the transient memory
-stays bounded (a vocabulary head's bf16 copy is a gigabyte on an 8B model).
+stays bounded (a vocabulary head's bf16 copy is a gigabyte on an 8B model). The dequantization is
+``dequant_kernel``'s on MLX CUDA (MLX's own dequantize runs far below the memory's speed there).
 
 It is one more way the calibration times (``fastpath.DEQUANT``) from ``MIN_ROWS`` rows, so it runs only
 at the shapes and row counts where it measured cheaper; the arithmetic is the dense shadow's
@@ -19,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import envs
+from workers.kernels import dequant_kernel
 
 #: Row counts from which calibration times it (below, the weights' bf16 bytes cost more than the product).
 MIN_ROWS = 32
@@ -65,7 +67,7 @@ def project(m: nn.Module, x: mx.array) -> mx.array | None:
     k = m.weight.shape[1] * 32 // m.bits
     parts = []
     for lo, hi in slices(n, k, dtype.size):
-        w = mx.dequantize(m.weight[lo:hi], m.scales[lo:hi], m.biases[lo:hi], m.group_size, m.bits)
+        w = dequant_kernel.dequantize(m.weight[lo:hi], m.scales[lo:hi], m.biases[lo:hi], m.group_size, m.bits)
         w = w if w.dtype == dtype else w.astype(dtype)
         parts.append(mx.addmm(m.bias[lo:hi], xs, w.T) if "bias" in m else xs @ w.T)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
