@@ -117,10 +117,10 @@
 #   (w4a16_marlin_probe time --chained) at ROWS (16,32,64) for MLX's 4-bit, the native kernel with its plan and with
 #   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
 # PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (error against float32 on
-#   every 8B and SmolLM2 shape, MLX's dequantize bit for bit, split-K determinism).
+#   every 8B and SmolLM2 shape, MLX's dequantize bit for bit, split-K determinism) and the dequantize kernel's.
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
-#   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy.
+#   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy (W4RARMS: this tree's arms).
 # PART=w4p: Nsight Compute on the w4a16 kernel alone (benchmarks/w4a16_profile.py, tile 0, one launch after two):
 #   SHAPES (NxK words; default q/o 4096x4096 and gate/up 14336x4096) at W4PROWS or ROWS (32,256), with the plan's registers
 #   and with each cap in REGS (e.g. REGS=128); speed of light, occupancy, warp states, launch stats, memory
@@ -330,12 +330,13 @@ elif [ "$PART" = w4s ]; then
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
-  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py -k "${W4TK:-bit_for_bit or deterministic or error_against}"
+  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py tests/gpu/test_dequant_gpu.py \
+    -k "${W4TK:-bit_for_bit or byte_for_byte or deterministic or error_against}"
 elif [ "$PART" = w4r ]; then
   mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }
   (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base "${W4RB:-200}" python3 benchmarks/w4a16_marlin_probe.py time \
     --chained --arms native --rows "${ROWS:-16,32,128,256}" --repeats 5 --variants "reduce=0" --out "$R/w4r-base.json")
-  step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms native,bf16 --rows "${ROWS:-16,32,128,256}" \
+  step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms "${W4RARMS:-native,bf16}" --rows "${ROWS:-16,32,128,256}" \
     --repeats 5 --out "$R/w4r.json" \
     --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
 elif [ "$PART" = w4p ]; then
