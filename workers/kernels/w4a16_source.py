@@ -119,46 +119,20 @@ EPILOGUE = r"""
     __syncthreads();
     if (!w4m_last) return;
     __threadfence();
-    // Each thread sums RU column pairs at once, ZU slices' loads in flight before their adds (the L2's
-    // latency paid once a batch, not once a slice); the adds stay in slice order.
     constexpr int CTA_PAIRS = WARPS * NB * 8;   // column pairs of the CTA's outputs
-    constexpr int RU = 2;
-    constexpr int ZU = 4;
     const int n_lo = blockIdx.y * WARPS * NB * 16;
-    const size_t plane = (size_t)M * N;
-    for (int i0 = threadIdx.x; i0 < ROWS * CTA_PAIRS; i0 += RU * WARPS * 32) {
-      bool ok[RU];
-      size_t at[RU];
-      float2 v[RU];
-#pragma unroll
-      for (int u = 0; u < RU; ++u) {
-        const int i = i0 + u * WARPS * 32;
-        const int r = m0 + i / CTA_PAIRS;
-        const int n = n_lo + 2 * (i % CTA_PAIRS);
-        ok[u] = i < ROWS * CTA_PAIRS && r < M && n < N;
-        at[u] = (size_t)r * N + n;
-        v[u] = make_float2(0.f, 0.f);
+    for (int i = threadIdx.x; i < ROWS * CTA_PAIRS; i += WARPS * 32) {
+      const int r = m0 + i / CTA_PAIRS;
+      const int n = n_lo + 2 * (i % CTA_PAIRS);
+      if (r < M && n < N) {
+        float2 v = make_float2(0.f, 0.f);
+        for (int zz = 0; zz < S; ++zz) {
+          const float2 p = __ldcg(reinterpret_cast<const float2*>(ws + ((size_t)zz * M + r) * N + n));
+          v.x += p.x;
+          v.y += p.y;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * N + n) = __floats2bfloat162_rn(v.x, v.y);
       }
-      for (int z0 = 0; z0 < S; z0 += ZU) {
-        float2 p[RU][ZU];
-#pragma unroll
-        for (int u = 0; u < RU; ++u)
-#pragma unroll
-          for (int zz = 0; zz < ZU; ++zz)
-            p[u][zz] = ok[u] && z0 + zz < S ? __ldcg(reinterpret_cast<const float2*>(ws + (z0 + zz) * plane + at[u]))
-                                            : make_float2(0.f, 0.f);
-#pragma unroll
-        for (int u = 0; u < RU; ++u)
-#pragma unroll
-          for (int zz = 0; zz < ZU; ++zz)
-            if (z0 + zz < S) {
-              v[u].x += p[u][zz].x;
-              v[u].y += p[u][zz].y;
-            }
-      }
-#pragma unroll
-      for (int u = 0; u < RU; ++u)
-        if (ok[u]) *reinterpret_cast<__nv_bfloat162*>(out + at[u]) = __floats2bfloat162_rn(v[u].x, v[u].y);
     }
     if (threadIdx.x == 0) lk[tile] = 0;
   }

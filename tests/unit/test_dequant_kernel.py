@@ -1,0 +1,109 @@
+"""The dequantize kernel's per-thread index math (``workers.kernels.dequant_kernel``), checked on the CPU.
+
+A numpy replay of what each thread does (its 16 bytes of packed words, its group's scale and bias, ``dq2``
+on ``w >> 0/4/8/12``, the four ``__byte_perm`` pairs and the 64 bytes it stores) must give MLX CUDA's
+dequantize bit for bit (``scale * q + bias`` as one bf16 FMA) on every projection shape at groups 32, 64
+and 128. The kernel itself runs on the device (``tests/gpu/test_dequant_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from workers.kernels import dequant_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import w4a16_marlin_emulate as emu  # noqa: E402
+
+SHAPES = [(4096, 4096), (1024, 4096), (4096, 14336), (576, 576), (192, 576), (1536, 576), (576, 1536)]
+
+
+def _bits(v: np.ndarray) -> np.ndarray:
+    """bf16 values held as float32 -> their 16 bits."""
+    return (v.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint32)
+
+
+def _byte_perm(x: np.ndarray, y: np.ndarray, sel: int) -> np.ndarray:
+    """CUDA's ``__byte_perm(x, y, sel)``: byte i of the result is byte ``(sel >> 4 i) & 7`` of (y:x)."""
+    both = (y.astype(np.uint64) << np.uint64(32)) | x.astype(np.uint64)
+    out = np.zeros_like(x, dtype=np.uint32)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        out |= (((both >> np.uint64(8 * src)) & np.uint64(0xFF)).astype(np.uint32)) << np.uint32(8 * i)
+    return out
+
+
+def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
+    """The kernel's output (bf16 bits, [N, K]) as its threads compute it."""
+    n, kw = q.shape
+    qpr = kw // 4
+    g = kw * 8 // gs
+    t = np.arange(n * qpr)
+    row, c = t // qpr, t % qpr
+    quads = q.reshape(-1, 4)  # reinterpret_cast<const uint4*>(w)[t]
+    gi = row * g + (c * 32) // gs
+    s = scales.reshape(-1)[gi].astype(np.float32)
+    b = biases.reshape(-1)[gi].astype(np.float32)
+    out = np.zeros((n * qpr, 4, 4), dtype=np.uint32)  # (thread, o[i], word of the uint4)
+    for i in range(4):
+        word = quads[:, i]
+        r = []
+        for shift in (0, 4, 8, 12):
+            lo, hi = emu._dq2(word >> np.uint32(shift), s, b)
+            r.append(_bits(lo) | (_bits(hi) << np.uint32(16)))
+        out[:, i] = np.stack(
+            [
+                _byte_perm(r[0], r[1], 0x5410),
+                _byte_perm(r[2], r[3], 0x5410),
+                _byte_perm(r[0], r[1], 0x7632),
+                _byte_perm(r[2], r[3], 0x7632),
+            ],
+            axis=1,
+        )
+    return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)  # little-endian: low half first
+
+
+def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
+    s = mx.array(rng.normal(0.0, 0.01, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
+    b = mx.array(rng.normal(0.0, 0.05, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
+    return q, s, b
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
+    if k % gs:
+        pytest.skip("K not a multiple of the group")
+    q, s, b = _weights(n, k, gs, seed=n + k + gs)
+    got = emulate(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
+    want = _bits(emu.cuda_dequantize(q, s, b, gs)).astype(np.uint16)
+    assert np.array_equal(got, want)
+
+
+def test_the_source_holds_the_emulated_index_math() -> None:
+    for expr in (
+        "const int QPR = KW / 4;",
+        "reinterpret_cast<const uint4*>(w)[t]",
+        "(size_t)row * G + (size_t)(c * 32 / GS)",
+        "w4m::dq2(words[i] >> 4, s2, b2)",
+        "w4m::dq2(words[i] >> 8, s2, b2)",
+        "w4m::dq2(words[i] >> 12, s2, b2)",
+        "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410)",
+        "__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632)",
+        "reinterpret_cast<uint4*>(out) + t * 4",
+    ):
+        assert expr in dequant_kernel.SOURCE, expr
+
+
+def test_it_is_mlx_s_dequantize_where_the_kernel_does_not_run() -> None:
+    q, s, b = _weights(64, 256, 64, seed=1)
+    assert not dequant_kernel.takes(q, s, 4, 64)  # this CPU
+    assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), mx.dequantize(q, s, b, group_size=64, bits=4))
