@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Split the MLX CUDA wheel set (from the shared prepare script) into three device calls: the
 # repository's files (~20 MB) plus one part must stay under the 64 MiB a call carries. Also fetches the
-# daemon's wheels a device machine lacks (starlette, uvicorn, sse-starlette, h11, click, llguidance).
+# daemon's wheels a device machine lacks (starlette, uvicorn, sse-starlette, h11, click, llguidance, and
+# pyelftools, without which the project's compiled kernels are not written to MLX's disk cache).
 # Calls 1 and 2 carry .mlx-cuda/part1 and .mlx-cuda/part1b and run
 # `mkdir -p ~/mlx-stage && cp .mlx-cuda/part1*/* ~/mlx-stage/`; call 3 carries .mlx-cuda/part2 and runs
 # `bash .mlx-cuda/part2/install-on-device.sh` before the work (make each call within the machine's
@@ -18,7 +19,7 @@ if [ ! -f part1/w.a ]; then
 fi
 "$root/.venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any -d part1b \
-  starlette uvicorn sse-starlette h11 click "llguidance>=1.9,<2"
+  starlette uvicorn sse-starlette h11 click "llguidance>=1.9,<2" "pyelftools>=0.31"
 cat > part2/install-on-device.sh <<'INNER'
 #!/usr/bin/env bash
 set -euo pipefail
@@ -34,7 +35,7 @@ if [ ! -f "$site/.installed" ]; then
     "$stage"/*.whl
   touch "$site/.installed"
 fi
-PYTHONPATH=$site python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); import zmq, uvicorn, llguidance; print('mlx', mx.__version__, mx.default_device(), 'pyzmq', zmq.__version__)"
+PYTHONPATH=$site python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); import zmq, uvicorn, llguidance, elftools; print('mlx', mx.__version__, mx.default_device(), 'pyzmq', zmq.__version__)"
 INNER
 chmod +x part2/install-on-device.sh
 du -sh part1 part1b part2
