@@ -163,7 +163,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
     return statistics.median(runs), min(runs), max(runs), statistics.median(builds)
 
 
-VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs")
+VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs", "min_steps")
 ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
 
 
@@ -183,7 +183,11 @@ def _variant(spec: str) -> dict[str, float]:
 
 
 def _plan_for(m: int, n: int, k: int, over: dict[str, float]) -> w4m.Plan:
-    ints = {key: int(v) for key, v in over.items() if key in ("mt", "nb", "warps", "splits", "xbuf", "stages", "regs")}
+    ints = {
+        key: int(v)
+        for key, v in over.items()
+        if key in ("mt", "nb", "warps", "splits", "xbuf", "stages", "regs", "min_steps")
+    }
     return w4m.plan(m, n, k, ctas_per_sm=over.get("ctas_per_sm"), reduce=bool(over.get("reduce", 1)), **ints)
 
 

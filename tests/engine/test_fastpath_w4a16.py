@@ -281,3 +281,16 @@ def test_stored_plans_are_warmed_between_steps_before_they_are_installed(
         launches.clear()
     assert warmed == rows  # the kernel runs decode steps only: each row count's one-token forward
     assert fastpath.installed(model) == fastpath.plans_summary(stored) and engine.kernel_plans
+
+
+def test_a_tile_with_more_steps_a_slice_caps_the_k_slices_of_narrow_outputs() -> None:
+    """``Tile.min_steps``: at 32 rows k/v (1024 outputs, K 4096) gets 32 slices of two k64 steps from the
+    default tile and at most 64 / 8 from the capped ones; wide outputs, already split little, keep theirs."""
+    capped = [i for i, t in enumerate(w4a16_source.TILES) if t.min_steps > 2]
+    assert capped
+    assert w4a16.tile_plan(32, 1024, 4096, 0).splits == 32
+    for i in capped:
+        t = w4a16_source.TILES[i]
+        assert w4a16.tile_plan(32, 1024, 4096, i).splits <= 64 // t.min_steps
+        assert w4a16.tile_plan(32, 14336, 4096, i).splits <= w4a16.tile_plan(32, 14336, 4096, 0).splits
+    assert w4a16.plan(32, 1024, 4096, min_steps=64).splits == 1

@@ -248,7 +248,7 @@ def project_cases():
 
     kern = w4a16.NATIVE
     w_ins = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf), ("locks", 1, "int32")]
-    for mt, nb in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1)):
+    for mt, nb in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1), (2, 1), (4, 1)):
         p = w4a16.plan(16 * mt, 4096, 4096, mt=mt, nb=nb, splits=2)
         for gs in (32, 64):
             for red in (True, False):

@@ -108,10 +108,11 @@ def plan(
     stages: int | None = None,
     sm_count: int = DEFAULT_SMS,
     regs: int | None = None,
+    min_steps: int = 2,
 ) -> Plan:
     """The tile for ``m`` rows (any field may be forced): 16/32/64-row tiles, two 16-output blocks a
     warp, four warps, and as many K slices as it takes to give every SM about ``ctas_per_sm`` CTAs (4
-    for 16-row tiles, 2 for larger), at least two k64 steps a slice; ``stages`` the deepest pipeline
+    for 16-row tiles, 2 for larger), at least ``min_steps`` k64 steps a slice; ``stages`` the deepest pipeline
     that fits ``SHARED_LIMIT``; ``regs`` the tile's cap in ``REGISTER_CAPS`` (none: 0)."""
     if mt is None:
         mt = 1 if m <= 16 else 2 if m <= 32 else 4
@@ -123,7 +124,7 @@ def plan(
         ctas = -(-m // (16 * mt)) * -(-(n // 16) // (nb * warps))
         target = ctas_per_sm * sm_count
         splits = 1 if ctas >= target / 2 else math.ceil(target / ctas)
-        splits = max(1, min(splits, k // 64 // 2, 64))
+        splits = max(1, min(splits, k // 64 // max(1, min_steps), 64))
     if stages is None:
         fits = (st for st in (4, 3) if Plan(mt, nb, warps, 1, stages=st).native_shared_bytes() <= SHARED_LIMIT)
         stages = next(fits, 2)
@@ -135,7 +136,7 @@ def plan(
 def tile_plan(m: int, n: int, k: int, tile: int = 0) -> Plan:
     """``plan`` for ``m`` rows on this device with ``TILES[tile]``'s fields forced."""
     t = TILES[tile]
-    return plan(m, n, k, mt=t.mt, nb=t.nb, reduce=t.reduce, sm_count=sms())
+    return plan(m, n, k, mt=t.mt, nb=t.nb, reduce=t.reduce, sm_count=sms(), min_steps=t.min_steps)
 
 
 def check_shapes(n: int, k: int, group_size: int) -> None:

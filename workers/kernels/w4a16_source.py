@@ -322,12 +322,17 @@ class Tile(NamedTuple):
     mt: int | None = None
     nb: int | None = None
     reduce: bool = True
+    #: The fewest k64 steps a K slice: more means fewer slices, and less for the reduction to add.
+    min_steps: int = 2
 
 
 #: Tiles the calibration times against each other at ``TILE_ROWS`` rows and more: the fields each
 #: forces on ``w4a16.plan`` (the first is ``plan``'s own). A 128-row tile (``mt`` 8) dequantizes each
 #: weight once for twice the rows of a 64-row one; one 16-output block a warp (``nb`` 1) halves its
-#: registers; ``reduce`` off adds the K slices with an MLX sum instead of the tile's last CTA.
+#: registers; ``reduce`` off adds the K slices with an MLX sum instead of the tile's last CTA; ``min_steps``
+#: 8 caps the K slices where outputs are few (at 32 rows k/v's 32 slices of two steps each left one CTA a
+#: tile adding 512 KB of partials: Nsight Compute timed the launch longer than q/o's, at a quarter of the
+#: weights).
 TILES: tuple[Tile, ...] = (
     Tile(),
     Tile(mt=8),
@@ -335,6 +340,8 @@ TILES: tuple[Tile, ...] = (
     Tile(reduce=False),
     Tile(mt=8, reduce=False),
     Tile(mt=8, nb=1, reduce=False),
+    Tile(min_steps=8),
+    Tile(nb=1, min_steps=8),
 )
 #: Row counts from which the calibration times every tile in ``TILES`` (below it, ``plan``'s own).
 TILE_ROWS = 32
