@@ -12,7 +12,7 @@ and a bf16 copy.
   (``marlin``), the native kernel (MLX's arrays as they are), each with the default plan and any
   ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
   (a transient bf16 copy, one projection at a time: ``dequant`` with the project's dequantize kernel,
-  ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense
+  ``dequant-lines`` with its warp-line store pattern, ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense
   matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
@@ -164,7 +164,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
 
 
 VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs", "min_steps")
-ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
+ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-lines", "dequant-mlx", "bf16")
 
 
 def _variant(spec: str) -> dict[str, float]:
@@ -290,6 +290,10 @@ def timing(
             q, s, b = mats[i]
             return x @ dequant_kernel.dequantize(q, s, b, gs, 4).T
 
+        def dequant_lines(i: int, x: mx.array) -> mx.array:
+            q, s, b = mats[i]
+            return x @ dequant_kernel.dequantize(q, s, b, gs, 4, lines=True).T
+
         def dequant_mlx(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
             return x @ mx.dequantize(q, s, b, group_size=gs, bits=4).T
@@ -306,6 +310,8 @@ def timing(
                 arms[f"{kern} {spec}"] = (functools.partial(kfn, over=over), _plan_note(m, over))
         if "dequant" in arms_wanted:
             arms["dequant"] = (dequant, "")
+        if "dequant-lines" in arms_wanted:
+            arms["dequant-lines"] = (dequant_lines, "")
         if "dequant-mlx" in arms_wanted:
             arms["dequant-mlx"] = (dequant_mlx, "")
         if "bf16" in arms_wanted:

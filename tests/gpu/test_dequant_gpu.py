@@ -29,15 +29,17 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
+@pytest.mark.parametrize("lines", [False, True])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
+def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int, lines: bool) -> None:
     if k % gs:
         pytest.skip("K not a multiple of the group")
     w = mx.random.normal((n, k), key=mx.random.key(n + k + gs)).astype(mx.bfloat16) * 0.02
     q, s, b = mx.quantize(w, group_size=gs, bits=4)
     assert dequant_kernel.takes(q, s, 4, gs)
-    assert _same_bits(dequant_kernel.dequantize(q, s, b, gs, 4), mx.dequantize(q, s, b, group_size=gs, bits=4))
+    got = dequant_kernel.dequantize(q, s, b, gs, 4, lines=lines)
+    assert _same_bits(got, mx.dequantize(q, s, b, group_size=gs, bits=4))
 
 
 @pytest.mark.parametrize("rows", [32, 256])

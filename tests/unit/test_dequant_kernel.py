@@ -39,6 +39,40 @@ def _byte_perm(x: np.ndarray, y: np.ndarray, sel: int) -> np.ndarray:
     return out
 
 
+def _pairs(word: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One word's 16 output bytes as four uint32 (``dq2`` on ``w >> 0/4/8/12``, then the four pairs)."""
+    r = []
+    for shift in (0, 4, 8, 12):
+        lo, hi = emu._dq2(word >> np.uint32(shift), s, b)
+        r.append(_bits(lo) | (_bits(hi) << np.uint32(16)))
+    return np.stack(
+        [
+            _byte_perm(r[0], r[1], 0x5410),
+            _byte_perm(r[2], r[3], 0x5410),
+            _byte_perm(r[0], r[1], 0x7632),
+            _byte_perm(r[2], r[3], 0x7632),
+        ],
+        axis=1,
+    )
+
+
+def emulate_lines(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
+    """``LINES``: thread t's i-th word is ``(t >> 5) * 128 + (t & 31) + 32 i``, its 16 bytes at that word's place."""
+    n, kw = q.shape
+    g = kw * 8 // gs
+    t = np.arange(n * kw // 4)
+    out = np.full((n * kw, 4), 0xFFFFFFFF, dtype=np.uint32)
+    flat = q.reshape(-1)
+    for i in range(4):
+        wi = (t >> 5) * 128 + (t & 31) + i * 32
+        row, c = wi // kw, wi % kw
+        gi = row * g + (c * 8) // gs
+        s = scales.reshape(-1)[gi].astype(np.float32)
+        b = biases.reshape(-1)[gi].astype(np.float32)
+        out[wi] = _pairs(flat[wi], s, b)
+    return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)
+
+
 def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
     """The kernel's output (bf16 bits, [N, K]) as its threads compute it."""
     n, kw = q.shape
@@ -52,20 +86,7 @@ def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> n
     b = biases.reshape(-1)[gi].astype(np.float32)
     out = np.zeros((n * qpr, 4, 4), dtype=np.uint32)  # (thread, o[i], word of the uint4)
     for i in range(4):
-        word = quads[:, i]
-        r = []
-        for shift in (0, 4, 8, 12):
-            lo, hi = emu._dq2(word >> np.uint32(shift), s, b)
-            r.append(_bits(lo) | (_bits(hi) << np.uint32(16)))
-        out[:, i] = np.stack(
-            [
-                _byte_perm(r[0], r[1], 0x5410),
-                _byte_perm(r[2], r[3], 0x5410),
-                _byte_perm(r[0], r[1], 0x7632),
-                _byte_perm(r[2], r[3], 0x7632),
-            ],
-            axis=1,
-        )
+        out[:, i] = _pairs(quads[:, i], s, b)
     return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)  # little-endian: low half first
 
 
@@ -77,13 +98,15 @@ def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx
     return q, s, b
 
 
+@pytest.mark.parametrize("lines", [False, True])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
+def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int, lines: bool) -> None:
     if k % gs:
         pytest.skip("K not a multiple of the group")
     q, s, b = _weights(n, k, gs, seed=n + k + gs)
-    got = emulate(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
+    run = emulate_lines if lines else emulate
+    got = run(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
     want = _bits(emu.cuda_dequantize(q, s, b, gs)).astype(np.uint16)
     assert np.array_equal(got, want)
 
@@ -99,6 +122,10 @@ def test_the_source_holds_the_emulated_index_math() -> None:
         "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410)",
         "__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632)",
         "reinterpret_cast<uint4*>(out) + t * 4",
+        "const long long base = (t >> 5) * 128 + (t & 31);",
+        "const long long wi = base + i * 32;",
+        "(size_t)row * G + (size_t)(c * 8 / GS)",
+        "reinterpret_cast<uint4*>(out)[wi]",
     ):
         assert expr in dequant_kernel.SOURCE, expr
 

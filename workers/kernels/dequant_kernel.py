@@ -2,10 +2,10 @@
 
 ``dequant_matmul`` writes a projection's bf16 weight before each large-batch product, so this pass is
 paid every step; it moves about four times the 4-bit bytes and should run at the memory's speed. Each
-thread reads 16 bytes of packed words (32 weights of one group) and that group's scale and bias, and
-writes 64 bytes: ``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's
-dequantize bit for bit (``tests/gpu``). Elsewhere, and for what it does not take (8 bits, scales
-other than bf16), ``mx.dequantize``.
+thread dequantizes four packed words (32 weights; ``LINES`` picks which four) with ``w4a16``'s
+one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's dequantize bit for bit
+(``tests/gpu``). Elsewhere, and for what it does not take (8 bits, scales other than bf16),
+``mx.dequantize``.
 """
 
 from __future__ import annotations
@@ -23,28 +23,53 @@ THREADS = 256
 SOURCE = r"""
   const int N = w_shape[0];
   const int KW = w_shape[1];               // packed words a row
-  const int QPR = KW / 4;                  // 16-byte quads a row: 32 weights each, within one group
   const int G = KW * 8 / GS;
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= (long long)N * QPR) return;
-  const int row = (int)(t / QPR);
-  const int c = (int)(t % QPR);
-  const uint4 q = reinterpret_cast<const uint4*>(w)[t];
-  const size_t gi = (size_t)row * G + (size_t)(c * 32 / GS);
-  const uint32_t s = reinterpret_cast<const unsigned short*>(scales)[gi];
-  const uint32_t b = reinterpret_cast<const unsigned short*>(biases)[gi];
-  const uint32_t s2 = s | (s << 16);
-  const uint32_t b2 = b | (b << 16);
-  uint4* o = reinterpret_cast<uint4*>(out) + t * 4;
-  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  if constexpr (LINES) {
+    // A warp's 128 consecutive words, word i * 32 + lane for the lane's i-th: each store is 512
+    // contiguous bytes a warp.
+    const long long base = (t >> 5) * 128 + (t & 31);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t r0 = w4m::dq2(words[i], s2, b2);         // weights 0 and 4 of the word
-    const uint32_t r1 = w4m::dq2(words[i] >> 4, s2, b2);    // 1 and 5
-    const uint32_t r2 = w4m::dq2(words[i] >> 8, s2, b2);    // 2 and 6
-    const uint32_t r3 = w4m::dq2(words[i] >> 12, s2, b2);   // 3 and 7
-    o[i] = make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410),
-                      __byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+    for (int i = 0; i < 4; ++i) {
+      const long long wi = base + i * 32;
+      if (wi >= (long long)N * KW) return;
+      const int row = (int)(wi / KW);
+      const int c = (int)(wi % KW);
+      const size_t gi = (size_t)row * G + (size_t)(c * 8 / GS);
+      const uint32_t s = reinterpret_cast<const unsigned short*>(scales)[gi];
+      const uint32_t b = reinterpret_cast<const unsigned short*>(biases)[gi];
+      const uint32_t s2 = s | (s << 16);
+      const uint32_t b2 = b | (b << 16);
+      const uint32_t word = w[wi];
+      const uint32_t r0 = w4m::dq2(word, s2, b2);
+      const uint32_t r1 = w4m::dq2(word >> 4, s2, b2);
+      const uint32_t r2 = w4m::dq2(word >> 8, s2, b2);
+      const uint32_t r3 = w4m::dq2(word >> 12, s2, b2);
+      reinterpret_cast<uint4*>(out)[wi] = make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410),
+                                                     __byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+    }
+  } else {
+    const int QPR = KW / 4;                // 16-byte quads a row: 32 weights each, within one group
+    if (t >= (long long)N * QPR) return;
+    const int row = (int)(t / QPR);
+    const int c = (int)(t % QPR);
+    const uint4 q = reinterpret_cast<const uint4*>(w)[t];
+    const size_t gi = (size_t)row * G + (size_t)(c * 32 / GS);
+    const uint32_t s = reinterpret_cast<const unsigned short*>(scales)[gi];
+    const uint32_t b = reinterpret_cast<const unsigned short*>(biases)[gi];
+    const uint32_t s2 = s | (s << 16);
+    const uint32_t b2 = b | (b << 16);
+    uint4* o = reinterpret_cast<uint4*>(out) + t * 4;
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t r0 = w4m::dq2(words[i], s2, b2);         // weights 0 and 4 of the word
+      const uint32_t r1 = w4m::dq2(words[i] >> 4, s2, b2);    // 1 and 5
+      const uint32_t r2 = w4m::dq2(words[i] >> 8, s2, b2);    // 2 and 6
+      const uint32_t r3 = w4m::dq2(words[i] >> 12, s2, b2);   // 3 and 7
+      o[i] = make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410),
+                        __byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+    }
   }
 """
 
@@ -66,9 +91,16 @@ def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
     )
 
 
-def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+#: The store pattern: each thread's 16 bytes of words in a row (64 contiguous bytes stored a thread), or
+#: (``True``) a warp's 128 consecutive words four at a lane's stride (512 contiguous bytes a warp store).
+LINES = False
+
+
+def dequantize(
+    w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, lines: bool | None = None
+) -> mx.array:
     """``mx.dequantize(w, scales, biases, group_size, bits)``: through the kernel where it ``takes`` the
-    weight, else MLX's own."""
+    weight (``lines``: its store pattern, default ``LINES``), else MLX's own."""
     if not takes(w, scales, bits, group_size):
         return mx.dequantize(w, scales, biases, group_size, bits)
     if not _kernel:
@@ -83,9 +115,9 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
         )
     kernel = _kernel[0]
     n, kw = w.shape
-    template = [("GS", group_size)]
+    template = [("GS", group_size), ("LINES", LINES if lines is None else lines)]
     jit_cache.prime(kernel, [w, scales, biases], template, [mx.bfloat16])
-    threads = n * (kw // 4)
+    threads = n * (kw // 4)  # four words a thread either way
     return kernel(
         inputs=[w, scales, biases],
         template=template,
