@@ -308,11 +308,11 @@ def timing(
 
         def dequant(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
-            return x @ dequant_kernel.dequantize(q, s, b, gs, 4).T
+            return x @ dequant_kernel.launch(q, s, b, gs, False).T
 
         def dequant_lines(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
-            return x @ dequant_kernel.dequantize(q, s, b, gs, 4, lines=True).T
+            return x @ dequant_kernel.launch(q, s, b, gs, True).T
 
         def dequant_mlx(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]

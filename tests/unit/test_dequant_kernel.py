@@ -134,3 +134,35 @@ def test_it_is_mlx_s_dequantize_where_the_kernel_does_not_run() -> None:
     q, s, b = _weights(64, 256, 64, seed=1)
     assert not dequant_kernel.takes(q, s, 4, 64)  # this CPU
     assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), mx.dequantize(q, s, b, group_size=64, bits=4))
+
+
+def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fail closed: the first call on a shape compares the kernel's bits with ``mx.dequantize``'s. The launch
+    is replaced by stand-ins (named as such: the CUDA kernel cannot run here), one exact, one off by a bit."""
+    q, s, b = _weights(64, 256, 64, seed=2)
+    want = mx.dequantize(q, s, b, group_size=64, bits=4)
+    calls: list[str] = []
+
+    def exact_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int, lines: bool) -> mx.array:
+        calls.append("exact")
+        return mx.dequantize(w, sc, bi, group_size=gs, bits=4)
+
+    def off_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int, lines: bool) -> mx.array:
+        calls.append("off")
+        out = mx.dequantize(w, sc, bi, group_size=gs, bits=4)
+        return (out.view(mx.uint16) ^ 1).view(mx.bfloat16)
+
+    monkeypatch.setattr(dequant_kernel, "_checked", {})
+    monkeypatch.setattr(dequant_kernel, "launch_seam", exact_stand_in)
+    assert dequant_kernel.takes(q, s, 4, 64)
+    for _ in range(2):
+        assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), want)
+    assert calls == ["exact", "exact"] and dequant_kernel._checked == {(64, 32, 64, False): True}
+    monkeypatch.setattr(dequant_kernel, "launch_seam", off_stand_in)
+    calls.clear()
+    for lines in (True, True):  # another store pattern: checked on its own
+        got = dequant_kernel.dequantize(q, s, b, 64, 4, lines=lines)
+        assert got.view(mx.uint16).tolist() == want.view(mx.uint16).tolist()
+    assert calls == ["off"] and dequant_kernel._checked[(64, 32, 64, True)] is False

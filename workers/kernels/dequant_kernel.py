@@ -10,12 +10,16 @@ one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's dequantize 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from workers.kernels import jit_cache
 from workers.kernels.w4a16_source import HEADER
+
+log = logging.getLogger("mlx_batchd")
 
 #: Threads a block.
 THREADS = 256
@@ -77,17 +81,16 @@ _kernel: list[Any] = []
 
 
 def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
-    """Whether the kernel runs this weight here: MLX CUDA, 4 bits, bf16 scales, groups of 32-128, rows
-    of whole 16-byte quads."""
-    return (
+    """Whether the kernel runs this weight here: MLX CUDA (or ``launch_seam`` set), 4 bits, bf16 scales,
+    groups of 32-128, rows of whole 16-byte quads."""
+    here = launch_seam is not None or (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    return here and (
         bits == 4
         and scales.dtype == mx.bfloat16
         and group_size in (32, 64, 128)
         and w.ndim == 2
         and w.shape[1] % 4 == 0
         and (w.shape[1] * 8) % group_size == 0
-        and mx.default_device() == mx.gpu
-        and mx.cuda.is_available()
     )
 
 
@@ -96,13 +99,47 @@ def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
 LINES = False
 
 
+#: (rows, packed words a row, group size, store pattern) -> whether the kernel gave ``mx.dequantize``'s bits
+#: at its first call on that shape in this process (checked on the weight it was called with).
+_checked: dict[tuple[int, int, int, bool], bool] = {}
+
+
 def dequantize(
     w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, lines: bool | None = None
 ) -> mx.array:
     """``mx.dequantize(w, scales, biases, group_size, bits)``: through the kernel where it ``takes`` the
-    weight (``lines``: its store pattern, default ``LINES``), else MLX's own."""
+    weight (``lines``: its store pattern, default ``LINES``) and its first call on the weight's shape gave
+    ``mx.dequantize``'s bits, else MLX's own (fail closed: a shape that differed, or could not be checked,
+    keeps MLX's)."""
+    pattern = LINES if lines is None else lines
     if not takes(w, scales, bits, group_size):
         return mx.dequantize(w, scales, biases, group_size, bits)
+    key = (w.shape[0], w.shape[1], group_size, pattern)
+    ok = _checked.get(key)
+    if ok is False:
+        return mx.dequantize(w, scales, biases, group_size, bits)
+    out = launch(w, scales, biases, group_size, pattern)
+    if ok is None:
+        want = mx.dequantize(w, scales, biases, group_size, bits)
+        try:
+            ok = bool(mx.array_equal(out.view(mx.uint16), want.view(mx.uint16)).item())
+        except Exception:  # evaluated where a value cannot be read (a compiled graph): check another time
+            return want
+        _checked[key] = ok
+        if not ok:
+            log.warning("dequantize kernel: differs from mx.dequantize at %s; MLX's is used there", key)
+            return want
+    return out
+
+
+#: Test seam: when set, runs in place of the CUDA launch (``(w, scales, biases, group_size, lines) -> out``).
+launch_seam: Callable[[mx.array, mx.array, mx.array, int, bool], mx.array] | None = None
+
+
+def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, lines: bool) -> mx.array:
+    """The kernel on ``w`` (``takes`` it): bf16 [N, K]."""
+    if launch_seam is not None:
+        return launch_seam(w, scales, biases, group_size, lines)
     if not _kernel:
         _kernel.append(
             jit_cache.cuda_kernel(
@@ -115,7 +152,7 @@ def dequantize(
         )
     kernel = _kernel[0]
     n, kw = w.shape
-    template = [("GS", group_size), ("LINES", LINES if lines is None else lines)]
+    template = [("GS", group_size), ("LINES", lines)]
     jit_cache.prime(kernel, [w, scales, biases], template, [mx.bfloat16])
     threads = n * (kw // 4)  # four words a thread either way
     return kernel(
