@@ -116,8 +116,9 @@
 # PART=w4s: the w4a16 kernel at few rows (issue 54's B = 32 target): the 8B's 224 projections chained
 #   (w4a16_marlin_probe time --chained) at ROWS (16,32,64) for MLX's 4-bit, the native kernel with its plan and with
 #   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
-# PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (error against float32 on
-#   every 8B and SmolLM2 shape, MLX's dequantize bit for bit, split-K determinism) and the dequantize kernel's.
+# PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (by default: error against
+#   float32 on the 8B's shapes, packed scales, MLX's dequantize bit for bit, split-K determinism) and the
+#   dequantize kernel's; W4TK overrides the -k filter (every shape and tile took over 200 s on the H100).
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
 #   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy (W4RARMS: this tree's arms).
@@ -331,7 +332,7 @@ elif [ "$PART" = w4s ]; then
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
   step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py tests/gpu/test_dequant_gpu.py \
-    -k "${W4TK:-bit_for_bit or byte_for_byte or deterministic or error_against}"
+    -k "${W4TK:-test_dequant_gpu or packed or bit_for_bit or deterministic or (error_against and 8b)}"
 elif [ "$PART" = w4r ]; then
   mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }
   (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base "${W4RB:-200}" python3 benchmarks/w4a16_marlin_probe.py time \
