@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.helpers.packed import random_packed
 from workers.kernels import dequant_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -90,21 +91,13 @@ def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> n
     return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)  # little-endian: low half first
 
 
-def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    rng = np.random.default_rng(seed)
-    q = mx.array(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
-    s = mx.array(rng.normal(0.0, 0.01, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
-    b = mx.array(rng.normal(0.0, 0.05, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
-    return q, s, b
-
-
 @pytest.mark.parametrize("lines", [False, True])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int, lines: bool) -> None:
     if k % gs:
         pytest.skip("K not a multiple of the group")
-    q, s, b = _weights(n, k, gs, seed=n + k + gs)
+    q, s, b = random_packed(n, k, gs, seed=n + k + gs)
     run = emulate_lines if lines else emulate
     got = run(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
     want = _bits(emu.cuda_dequantize(q, s, b, gs)).astype(np.uint16)
@@ -112,26 +105,30 @@ def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: 
 
 
 def test_the_source_holds_the_emulated_index_math() -> None:
+    text = dequant_kernel.HEADER + dequant_kernel.SOURCE
     for expr in (
         "const int QPR = KW / 4;",
         "reinterpret_cast<const uint4*>(w)[t]",
         "(size_t)row * G + (size_t)(c * 32 / GS)",
-        "w4m::dq2(words[i] >> 4, s2, b2)",
-        "w4m::dq2(words[i] >> 8, s2, b2)",
-        "w4m::dq2(words[i] >> 12, s2, b2)",
-        "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410)",
-        "__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632)",
+        "w4m::dq2(w >> 4, s2, b2)",
+        "w4m::dq2(w >> 8, s2, b2)",
+        "w4m::dq2(w >> 12, s2, b2)",
+        "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),",
+        "__byte_perm(r2, r3, 0x7632)",
+        "v | (v << 16)",
         "reinterpret_cast<uint4*>(out) + t * 4",
+        "o[1] = w4d::word8(q.y, s2, b2);",
+        "o[3] = w4d::word8(q.w, s2, b2);",
         "const long long base = (t >> 5) * 128 + (t & 31);",
         "const long long wi = base + i * 32;",
         "(size_t)row * G + (size_t)(c * 8 / GS)",
-        "reinterpret_cast<uint4*>(out)[wi]",
+        "reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi]",
     ):
-        assert expr in dequant_kernel.SOURCE, expr
+        assert expr in text, expr
 
 
 def test_it_is_mlx_s_dequantize_where_the_kernel_does_not_run() -> None:
-    q, s, b = _weights(64, 256, 64, seed=1)
+    q, s, b = random_packed(64, 256, 64, seed=1)
     assert not dequant_kernel.takes(q, s, 4, 64)  # this CPU
     assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), mx.dequantize(q, s, b, group_size=64, bits=4))
 
@@ -141,7 +138,7 @@ def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_sh
 ) -> None:
     """Fail closed: the first call on a shape compares the kernel's bits with ``mx.dequantize``'s. The launch
     is replaced by stand-ins (named as such: the CUDA kernel cannot run here), one exact, one off by a bit."""
-    q, s, b = _weights(64, 256, 64, seed=2)
+    q, s, b = random_packed(64, 256, 64, seed=2)
     want = mx.dequantize(q, s, b, group_size=64, bits=4)
     calls: list[str] = []
 

@@ -17,12 +17,37 @@ from typing import Any
 import mlx.core as mx
 
 from workers.kernels import jit_cache
-from workers.kernels.w4a16_source import HEADER
+from workers.kernels.w4a16_source import HEADER as W4M_HEADER
 
 log = logging.getLogger("mlx_batchd")
 
 #: Threads a block.
 THREADS = 256
+
+HEADER = (
+    W4M_HEADER
+    + r"""
+namespace w4d {
+
+// One packed word's eight bf16 weights in order (16 bytes): dq2 gives weights (j, j + 4) of w >> 4j.
+__device__ __forceinline__ uint4 word8(uint32_t w, uint32_t s2, uint32_t b2) {
+  const uint32_t r0 = w4m::dq2(w, s2, b2);
+  const uint32_t r1 = w4m::dq2(w >> 4, s2, b2);
+  const uint32_t r2 = w4m::dq2(w >> 8, s2, b2);
+  const uint32_t r3 = w4m::dq2(w >> 12, s2, b2);
+  return make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),
+                    __byte_perm(r2, r3, 0x7632));
+}
+
+// A group's scale or bias in both halves of a register.
+__device__ __forceinline__ uint32_t both(const void* a, size_t i) {
+  const uint32_t v = reinterpret_cast<const unsigned short*>(a)[i];
+  return v | (v << 16);
+}
+
+}  // namespace w4d
+"""
+)
 
 SOURCE = r"""
   const int N = w_shape[0];
@@ -40,17 +65,7 @@ SOURCE = r"""
       const int row = (int)(wi / KW);
       const int c = (int)(wi % KW);
       const size_t gi = (size_t)row * G + (size_t)(c * 8 / GS);
-      const uint32_t s = reinterpret_cast<const unsigned short*>(scales)[gi];
-      const uint32_t b = reinterpret_cast<const unsigned short*>(biases)[gi];
-      const uint32_t s2 = s | (s << 16);
-      const uint32_t b2 = b | (b << 16);
-      const uint32_t word = w[wi];
-      const uint32_t r0 = w4m::dq2(word, s2, b2);
-      const uint32_t r1 = w4m::dq2(word >> 4, s2, b2);
-      const uint32_t r2 = w4m::dq2(word >> 8, s2, b2);
-      const uint32_t r3 = w4m::dq2(word >> 12, s2, b2);
-      reinterpret_cast<uint4*>(out)[wi] = make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410),
-                                                     __byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+      reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi], w4d::both(scales, gi), w4d::both(biases, gi));
     }
   } else {
     const int QPR = KW / 4;                // 16-byte quads a row: 32 weights each, within one group
@@ -59,21 +74,13 @@ SOURCE = r"""
     const int c = (int)(t % QPR);
     const uint4 q = reinterpret_cast<const uint4*>(w)[t];
     const size_t gi = (size_t)row * G + (size_t)(c * 32 / GS);
-    const uint32_t s = reinterpret_cast<const unsigned short*>(scales)[gi];
-    const uint32_t b = reinterpret_cast<const unsigned short*>(biases)[gi];
-    const uint32_t s2 = s | (s << 16);
-    const uint32_t b2 = b | (b << 16);
+    const uint32_t s2 = w4d::both(scales, gi);
+    const uint32_t b2 = w4d::both(biases, gi);
     uint4* o = reinterpret_cast<uint4*>(out) + t * 4;
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t r0 = w4m::dq2(words[i], s2, b2);         // weights 0 and 4 of the word
-      const uint32_t r1 = w4m::dq2(words[i] >> 4, s2, b2);    // 1 and 5
-      const uint32_t r2 = w4m::dq2(words[i] >> 8, s2, b2);    // 2 and 6
-      const uint32_t r3 = w4m::dq2(words[i] >> 12, s2, b2);   // 3 and 7
-      o[i] = make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410),
-                        __byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
-    }
+    o[0] = w4d::word8(q.x, s2, b2);
+    o[1] = w4d::word8(q.y, s2, b2);
+    o[2] = w4d::word8(q.z, s2, b2);
+    o[3] = w4d::word8(q.w, s2, b2);
   }
 """
 
