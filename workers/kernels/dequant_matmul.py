@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from workers import envs
-from workers.kernels import dequant_kernel
+from workers.kernels import dense_shadow, dequant_kernel
 
 #: Row counts from which calibration times it (below, the weights' bf16 bytes cost more than the product).
 MIN_ROWS = 32
@@ -31,16 +31,9 @@ anywhere = False
 
 
 def takes(m: nn.Module) -> bool:
-    """Whether ``m`` can run this way here: a plain affine 4- or 8-bit ``QuantizedLinear`` with biases,
+    """Whether ``m`` can run this way here: a projection the dense shadow would copy (``dense_shadow.eligible``),
     on MLX CUDA (or anywhere with ``anywhere`` set), unless ``MLX_BATCHD_DEQUANT=0``."""
-    if envs.switch(envs.DEQUANT) is False:
-        return False
-    if not (
-        type(m) is nn.QuantizedLinear
-        and m.bits in (4, 8)
-        and getattr(m, "mode", "affine") == "affine"
-        and getattr(m, "biases", None) is not None
-    ):
+    if envs.switch(envs.DEQUANT) is False or not dense_shadow.eligible(m):
         return False
     return anywhere or (mx.default_device() == mx.gpu and mx.cuda.is_available())
 

@@ -308,9 +308,9 @@ def plans_summary(by_shape: dict[str, dict[int, int]]) -> dict[str, str]:
 
     def name(to: int) -> str:
         t = tile(to)
-        if to in (DENSE, DEQUANT):
-            return "d" if to == DENSE else "q"
-        return "k" if to == KERNEL else str(to) if t is None else f"m{t or ''}"
+        if t is not None:
+            return f"m{t or ''}"
+        return {KERNEL: "k", DENSE: "d", DEQUANT: "q"}.get(to, str(to))
 
     return {
         shape: " ".join(f"{rows}:{name(to)}" for rows, to in sorted(plan.items())) for shape, plan in by_shape.items()

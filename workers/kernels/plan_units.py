@@ -59,9 +59,9 @@ def shapes_of(model: nn.Module, max_batch: int | None = None) -> Shapes | None:
         return None
     qmv_rows.register_siblings(model)  # siblings all planned to the kernel share its calls
     first = {shape: m for m, shape in reversed(fastpath._projections(model))}
-    mma = any(w4a16.takes(m) or dequant_matmul.takes(m) for m in first.values())
+    large_ways = any(w4a16.takes(m) or dequant_matmul.takes(m) for m in first.values())
     dense = any(dense_shadow.has(m) for m in first.values())
-    return Shapes(first, n, fastpath.large_rows(max_batch) if mma or dense else (), dense)
+    return Shapes(first, n, fastpath.large_rows(max_batch) if large_ways or dense else (), dense)
 
 
 def timing_steps(model: nn.Module, sh: Shapes, report: dict[int, dict[str, Any]]) -> Generator[str, None, Plans]:
