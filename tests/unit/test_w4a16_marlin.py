@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.helpers.packed import random_packed
+
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "w4a16_marlin.py"
 
 
@@ -38,15 +40,6 @@ LLAMA_8B = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOLLM2 = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 
 
-def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Random packed words (every nibble value) and bf16 scales/biases of both signs."""
-    rng = np.random.default_rng(seed)
-    q = mx.array(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
-    s = mx.array(rng.normal(0.0, 0.01, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
-    b = mx.array(rng.normal(0.0, 0.05, size=(n, k // gs)).astype(np.float32)).astype(mx.bfloat16)
-    return q, s, b
-
-
 def _x(m: int, k: int, seed: int) -> mx.array:
     return (mx.random.normal((m, k), key=mx.random.key(seed)) * 0.5).astype(mx.bfloat16)
 
@@ -59,7 +52,7 @@ def _ref(x: mx.array, q: mx.array, s: mx.array, b: mx.array, gs: int) -> np.ndar
 def test_cuda_dequantize_rounds_once_where_the_cpu_rounds_twice() -> None:
     """The kernels' target: ``bf16(s q + b)``. MLX's CPU ``mx.dequantize`` gives ``bf16(bf16(s q) + b)``,
     a rounding of ``s q`` away at some weights; the two agree everywhere else."""
-    q, s, b = _weights(576, 1536, 64, seed=9)
+    q, s, b = random_packed(576, 1536, 64, seed=9)
     fused = w4m.cuda_dequantize(q, s, b, 64)
     cpu = np.array(mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32))
     differ = fused != cpu
@@ -72,7 +65,7 @@ def test_cuda_dequantize_rounds_once_where_the_cpu_rounds_twice() -> None:
     [(n, k, 64) for n, k in LLAMA_8B] + [(n, k, gs) for n, k in SMOLLM2 for gs in (32, 64)] + [(256, 1024, 128)],
 )
 def test_repack_round_trips_bit_for_bit_at_mlx_size(n: int, k: int, gs: int) -> None:
-    q, s, b = _weights(n, k, gs, seed=n + k + gs)
+    q, s, b = random_packed(n, k, gs, seed=n + k + gs)
     packed = w4m.pack(q, s, b, gs)
     assert packed.wq.shape == (n // 16, 2 * k) and packed.wq.dtype == mx.uint32
     back = w4m.unrepack(packed.wq, packed.sb, gs)
@@ -85,7 +78,7 @@ def test_repack_round_trips_bit_for_bit_at_mlx_size(n: int, k: int, gs: int) -> 
 @pytest.mark.parametrize("n,k,gs", [(192, 576, 32), (576, 576, 64), (256, 1024, 128)])
 def test_emulated_weights_are_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
     """x = I: the emulated kernel's output is the dequantized weight it builds in registers."""
-    q, s, b = _weights(n, k, gs, seed=3)
+    q, s, b = random_packed(n, k, gs, seed=3)
     packed = w4m.pack(q, s, b, gs)
     eye = mx.eye(k, dtype=mx.bfloat16)
     got = w4m.emulate(eye, packed, w4m.plan(k, n, k))
@@ -93,7 +86,7 @@ def test_emulated_weights_are_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs
 
 
 def _check(n: int, k: int, gs: int, m: int, p: object = None) -> None:
-    q, s, b = _weights(n, k, gs, seed=n * 3 + k + m)
+    q, s, b = random_packed(n, k, gs, seed=n * 3 + k + m)
     x = _x(m, k, seed=m + n)
     plan = p if p is not None else w4m.plan(m, n, k)
     got = w4m.emulate(x, w4m.pack(q, s, b, gs), plan)
@@ -146,10 +139,10 @@ def test_plan_fills_the_gpu_and_splits_small_outputs() -> None:
 
 
 def test_bad_shapes_are_refused() -> None:
-    q, s, b = _weights(200, 576, 64, seed=1)  # N % 16 != 0
+    q, s, b = random_packed(200, 576, 64, seed=1)  # N % 16 != 0
     with pytest.raises(ValueError, match="w4a16: needs N % 16"):
         w4m.pack(q, s, b, 64)
-    q, s, b = _weights(192, 576, 96, seed=1)
+    q, s, b = random_packed(192, 576, 96, seed=1)
     with pytest.raises(ValueError, match="w4a16: needs N % 16"):
         w4m.pack(q, s, b, 96)
 
@@ -158,7 +151,7 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def _check_native(n: int, k: int, gs: int, m: int, p: object = None) -> None:
-    q, s, b = _weights(n, k, gs, seed=n * 5 + k + m)
+    q, s, b = random_packed(n, k, gs, seed=n * 5 + k + m)
     x = _x(m, k, seed=m + n + 1)
     plan = p if p is not None else w4m.plan(m, n, k)
     got = w4m.emulate_native(x, w4m.native(q, s, b, gs), plan)
@@ -169,7 +162,7 @@ def _check_native(n: int, k: int, gs: int, m: int, p: object = None) -> None:
 
 
 def test_native_reads_mlx_arrays_without_a_copy() -> None:
-    q, s, b = _weights(576, 1536, 64, seed=2)
+    q, s, b = random_packed(576, 1536, 64, seed=2)
     nw = w4m.native(q, s, b, 64)
     assert nw.w is q and nw.scales is s and nw.biases is b
     assert nw.nbytes <= 1.15 * (q.nbytes + s.nbytes + b.nbytes)
@@ -180,7 +173,7 @@ def test_native_reads_mlx_arrays_without_a_copy() -> None:
 @pytest.mark.parametrize("n,k,gs", [(192, 576, 32), (576, 576, 64), (256, 1024, 128)])
 def test_native_emulated_weights_are_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
     """x = I: the emulated native kernel's output is the dequantized weight it builds in registers."""
-    q, s, b = _weights(n, k, gs, seed=4)
+    q, s, b = random_packed(n, k, gs, seed=4)
     got = w4m.emulate_native(mx.eye(k, dtype=mx.bfloat16), w4m.native(q, s, b, gs), w4m.plan(k, n, k))
     assert np.array_equal(got.T, w4m.cuda_dequantize(q, s, b, gs))
 
