@@ -1,4 +1,4 @@
-"""MLX's 4-bit affine dequantize at memory speed on MLX CUDA, bit for bit ``mx.dequantize``.
+"""MLX's 4-bit affine dequantize as a project kernel on MLX CUDA, bit for bit ``mx.dequantize``.
 
 ``dequant_matmul`` writes a projection's bf16 weight before each large-batch product, so this pass is
 paid every step; it moves about four times the 4-bit bytes and should run at the memory's speed. Each
