@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.helpers.fastpath import policy as policy
+from tests.helpers.fastpath import recorded_rows
 from tests.reference import load_measured
 from workers.api import Level
 from workers.engine.engine import Engine
@@ -39,17 +40,7 @@ def dense_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     monkeypatch.setattr(fastpath, "one_row", set())
     monkeypatch.setattr(dense_shadow, "_dense", {})
     monkeypatch.setattr(dense_shadow, "_chosen", {})
-    seen: list[int] = []
-    real = dense_shadow.project
-
-    def counted(m: nn.Module, x: mx.array) -> mx.array | None:
-        out = real(m, x)
-        if out is not None:
-            seen.append(x.shape[0])
-        return out
-
-    monkeypatch.setattr(dense_shadow, "project", counted)
-    yield seen
+    yield recorded_rows(monkeypatch, dense_shadow)
 
 
 def _last_way_cheapest(calls: list[Any], *_: Any) -> list[float]:

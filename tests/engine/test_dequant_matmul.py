@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.fastpath import policy as policy
+from tests.helpers.fastpath import recorded_rows
 from tests.reference import load_measured
 from workers.kernels import dense_shadow, dequant_matmul, fastpath, plan_store, plan_timing, plan_units
 from workers.models.synthetic import llama_config, write_model
@@ -35,17 +36,7 @@ def offered(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     monkeypatch.setattr(dequant_matmul, "anywhere", True)
     monkeypatch.setattr(fastpath, "_plans", {})
     monkeypatch.setattr(fastpath, "one_row", set())
-    seen: list[int] = []
-    real = dequant_matmul.project
-
-    def recording(m: nn.Module, x: mx.array) -> mx.array | None:
-        out = real(m, x)
-        if out is not None:
-            seen.append(x.shape[0])
-        return out
-
-    monkeypatch.setattr(dequant_matmul, "project", recording)
-    yield seen
+    yield recorded_rows(monkeypatch, dequant_matmul)
 
 
 def _q(d_in: int, d_out: int, bits: int = 4, bias: bool = False) -> nn.QuantizedLinear:

@@ -3,7 +3,9 @@ tokens through an engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -28,3 +30,19 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> 
             if isinstance(e, Tokens):
                 out[e.seq] += e.tokens
     return out
+
+
+def recorded_rows(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str = "project") -> list[int]:
+    """Wrap ``module.name`` (a way's ``(m, x) -> out | None``): the rows of each call that it took (returned
+    an output) are appended to the list returned; the real function still computes them."""
+    seen: list[int] = []
+    real: Callable[..., Any] = getattr(module, name)
+
+    def recording(m: Any, x: Any) -> Any:
+        out = real(m, x)
+        if out is not None:
+            seen.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(module, name, recording)
+    return seen
