@@ -62,7 +62,7 @@ def _marker() -> None:
     mx.synchronize()
 
 
-def run(model_path: str, steps: int, warm: int, batch: int) -> dict[str, Any]:
+def run(model_path: str, steps: int, warm: int, batch: int, calibration: str) -> dict[str, Any]:
     import mlx.core as mx
 
     from workers.api import Job
@@ -72,7 +72,9 @@ def run(model_path: str, steps: int, warm: int, batch: int) -> dict[str, Any]:
 
     install()
     loaded = load(model_path)
-    engine = Engine(loaded.model, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=batch)
+    engine = Engine(
+        loaded.model, calibration=calibration, eos_token_ids=(), vocab_size=loaded.info.vocab_size, max_batch=batch
+    )
     for i in range(batch):
         prompt = [(5 * j + 7 * i) % 1000 + 3 for j in range(32)]
         engine.submit(Job(seq=i, prompt=prompt, max_tokens=warm + 3 * steps + 16))
@@ -96,6 +98,7 @@ def run(model_path: str, steps: int, warm: int, batch: int) -> dict[str, Any]:
     engine.cancel_all("cancelled")
     report = {
         "batch": batch,
+        "kernel_plans": engine.kernel_plans,
         "steps": steps,
         "step_ms_median": round(statistics.median(walls), 3),
         "step_ms": [round(w, 3) for w in walls],
@@ -162,10 +165,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warm", type=int, default=40)
     ap.add_argument("--batch", type=int, default=1, help="decoding sequences (the probe's name is for its first use)")
+    ap.add_argument(
+        "--calibration",
+        choices=("now", "background"),
+        default="now",
+        help="background: the stored kernel plans or none (projections as mlx-lm calls them), nothing timed",
+    )
     ap.add_argument("--summarize", help="an nsys cuda_gpu_trace CSV or an ncu --csv file")
     ap.add_argument("--out")
     a = ap.parse_args()
-    report = summarize(a.summarize, a.steps) if a.summarize else run(a.model, a.steps, a.warm, a.batch)
+    report = summarize(a.summarize, a.steps) if a.summarize else run(a.model, a.steps, a.warm, a.batch, a.calibration)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -133,7 +133,7 @@
 #   within BUDGET (a call in flight keeps the machine held; call again within 30 s of the last), then bring back
 #   $WORK/bg when it has finished ("bg rc=N"); until then the log's tail.
 # PART=b1k: the kernels of B = 1 decode steps against the step's wall (benchmarks/b1_kernels.py under
-#   Nsight Systems, else Nsight Compute; B1KSTEPS steps, B1KB sequences): whether the device or the host sets
+#   Nsight Systems, else Nsight Compute; B1KSTEPS steps, B1KB sequences, B1KCAL=background: no plans timed): whether the device or the host sets
 #   a step, and which kernels take the device's time.
 # PART=sm: SmolLM2-135M from its GGUF file ($SMOL) through the bench: batched B = 1, 8, 32 and prompt lookup on
 #   the rewrite chats at B = 1, 64 tokens.
@@ -355,12 +355,12 @@ elif [ "$PART" = b1k ]; then
   # it (kernels inside MLX's CUDA graphs, one by one), else Nsight Compute's duration of each kernel.
   if command -v nsys >/dev/null; then
     step b1k-nsys 300 nsys profile -t cuda --cuda-graph-trace=node -o "$WORK/b1k" --force-overwrite true \
-      python3 benchmarks/b1_kernels.py --model "$M" --steps "${B1KSTEPS:-5}" --batch "${B1KB:-1}" --out "$R/b1k-run-${B1KB:-1}.json"
+      python3 benchmarks/b1_kernels.py --model "$M" --steps "${B1KSTEPS:-5}" --batch "${B1KB:-1}" --calibration "${B1KCAL:-now}" --out "$R/b1k-run-${B1KB:-1}.json"
     step b1k-stats 120 nsys stats -r cuda_gpu_trace -f csv -o "$WORK/b1k" "$WORK/b1k.nsys-rep"
     TAIL=50 step b1k 60 python3 benchmarks/b1_kernels.py --summarize "$WORK/b1k_cuda_gpu_trace.csv" --steps "${B1KSTEPS:-5}" --out "$R/b1k-${B1KB:-1}.json"
   else
     step b1k-ncu 400 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file "$R/b1k-ncu-${B1KB:-1}.csv" \
-      python3 benchmarks/b1_kernels.py --model "$M" --steps "${B1KSTEPS:-2}" --batch "${B1KB:-1}" --out "$R/b1k-run-${B1KB:-1}.json"
+      python3 benchmarks/b1_kernels.py --model "$M" --steps "${B1KSTEPS:-2}" --batch "${B1KB:-1}" --calibration "${B1KCAL:-now}" --out "$R/b1k-run-${B1KB:-1}.json"
     TAIL=50 step b1k 60 python3 benchmarks/b1_kernels.py --summarize "$R/b1k-ncu-${B1KB:-1}.csv" --steps "${B1KSTEPS:-2}" --out "$R/b1k-${B1KB:-1}.json"
   fi
 elif [ "$PART" = bg ]; then
