@@ -334,7 +334,7 @@ elif [ "$PART" = w4s ]; then
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
-  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x tests/gpu/test_w4a16_gpu.py tests/gpu/test_dequant_gpu.py \
+  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x -rP tests/gpu/test_w4a16_gpu.py tests/gpu/test_dequant_gpu.py \
     -k "${W4TK:-test_dequant_gpu or packed or bit_for_bit or deterministic or (error_against and 8b)}"
 elif [ "$PART" = w4r ]; then
   mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }

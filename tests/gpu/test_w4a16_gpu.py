@@ -21,7 +21,7 @@ import pytest
 from tests.helpers.fastpath import greedy_tokens
 from tests.helpers.fastpath import policy as policy
 from workers.engine.engine import Engine
-from workers.kernels import dense_shadow, fastpath, w4a16, w4a16_source
+from workers.kernels import dense_shadow, dequant_matmul, fastpath, w4a16, w4a16_source
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("policy")]
@@ -152,6 +152,8 @@ def _greedy_agreement(tmp_path: Path, to: int, what: str) -> None:
     model = load(str(write_model(tmp_path / "m", config, seed=7)))[0]
     if to == fastpath.DENSE:
         assert dense_shadow.configure(model, "on", 0).on
+    elif to == fastpath.DEQUANT:
+        assert any(dequant_matmul.takes(m) for m, _ in fastpath._projections(model))
     else:
         assert any(w4a16.takes(m) for m, _ in fastpath._projections(model))
     prompts = [[(7 * i + j) % 200 + 1 for j in range(8)] for i in range(32)]
@@ -188,3 +190,9 @@ def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
 def test_engine_greedy_tokens_through_the_dense_shadow_agree_with_mlx_s_path(tmp_path: Path) -> None:
     """The same with every projection through the dequantized bf16 shadow (``serve --dense-shadow``)."""
     _greedy_agreement(tmp_path, fastpath.DENSE, "dense shadow")
+
+
+def test_engine_greedy_tokens_through_the_transient_weight_agree_with_mlx_s_path(tmp_path: Path) -> None:
+    """The same with every projection through a transient dequantized weight (``fastpath.DEQUANT``,
+    the project's dequantize kernel then a dense product)."""
+    _greedy_agreement(tmp_path, fastpath.DEQUANT, "transient weight")
