@@ -117,8 +117,9 @@
 #   (w4a16_marlin_probe time --chained) at ROWS (16,32,64) for MLX's 4-bit, the native kernel with its plan and with
 #   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
 # PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (by default: error against
-#   float32 on the 8B's shapes, packed scales, MLX's dequantize bit for bit, split-K determinism) and the
-#   dequantize kernel's; W4TK overrides the -k filter (every shape and tile took over 200 s on the H100).
+#   float32 on the 8B's shapes, MLX's dequantize bit for bit, split-K determinism), the dequantize kernel's,
+#   and the greedy agreement on SmolLM2 (staged: calls carrying .mlx-cuda/smol1 and smol2 run
+#   `cp .mlx-cuda/smolN/* ~/mlx-stage/`); W4TK overrides the -k filter (every shape and tile took over 200 s).
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
 #   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy (W4RARMS: this tree's arms).
@@ -334,8 +335,8 @@ elif [ "$PART" = w4s ]; then
     --repeats 5 --variants "${VARIANTS:-reduce=0;nb=1;nb=1,reduce=0;ctas_per_sm=1;ctas_per_sm=3;ctas_per_sm=4;stages=2}" \
     --out "$R/w4s.json"
 elif [ "$PART" = w4t ]; then
-  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x -rP tests/gpu/test_w4a16_gpu.py tests/gpu/test_dequant_gpu.py \
-    -k "${W4TK:-test_dequant_gpu or packed or bit_for_bit or deterministic or (error_against and 8b)}"
+  step w4t "${W4TS:-300}" python3 -m pytest -m gpu -q -x -rP tests/gpu/test_dequant_gpu.py tests/gpu/test_w4a16_gpu.py \
+    -k "${W4TK:-test_dequant_gpu or bit_for_bit or deterministic or (error_against and 8b) or greedy}"
 elif [ "$PART" = w4r ]; then
   mkdir -p "$WORK/base" && { [ -d "$WORK/base/workers" ] || tar xzf .mlx-cuda/base/tree.tgz -C "$WORK/base"; }
   (cd "$WORK/base" && PYTHONPATH=$SITE:$WORK/base step w4r-base "${W4RB:-200}" python3 benchmarks/w4a16_marlin_probe.py time \
@@ -359,7 +360,7 @@ elif [ "$PART" = b1k ]; then
     step b1k-stats 120 nsys stats -r cuda_gpu_trace -f csv -o "$WORK/b1k" "$WORK/b1k.nsys-rep"
     TAIL=50 step b1k 60 python3 benchmarks/b1_kernels.py --summarize "$WORK/b1k_cuda_gpu_trace.csv" --steps "${B1KSTEPS:-5}" --out "$R/b1k-${B1KB:-1}.json"
   else
-    step b1k-ncu 400 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file "$R/b1k-ncu-${B1KB:-1}.csv" \
+    step b1k-ncu 400 ncu --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file "$R/b1k-ncu-${B1KB:-1}.csv" \
       python3 benchmarks/b1_kernels.py --model "$M" --steps "${B1KSTEPS:-2}" --batch "${B1KB:-1}" --calibration "${B1KCAL:-now}" --out "$R/b1k-run-${B1KB:-1}.json"
     TAIL=50 step b1k 60 python3 benchmarks/b1_kernels.py --summarize "$R/b1k-ncu-${B1KB:-1}.csv" --steps "${B1KSTEPS:-2}" --out "$R/b1k-${B1KB:-1}.json"
   fi

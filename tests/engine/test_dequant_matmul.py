@@ -17,10 +17,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tests.helpers.fastpath import greedy_agreement, recorded_rows, topic_prompts
 from tests.helpers.fastpath import policy as policy
-from tests.helpers.fastpath import recorded_rows
 from tests.reference import load_measured
 from workers.kernels import dense_shadow, dequant_matmul, fastpath, plan_store, plan_timing, plan_units
+from workers.models.loading import load
 from workers.models.synthetic import llama_config, write_model
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_state", "policy")
@@ -162,6 +163,20 @@ def test_decode_and_prefill_rows_planned_to_it_reach_it_and_match_the_reference(
     assert np.abs(np.array(got.reshape(32, -1).astype(mx.float32)) - ref).max() <= 2.0 ** (
         np.floor(np.log2(np.abs(ref).max())) - 7
     )
+
+
+def test_greedy_tokens_of_a_real_model_through_it_agree_with_mlx_s_kernels(
+    offered: list[int], smollm2_dir: Path
+) -> None:
+    """The agreement the GPU tests report (``greedy_agreement``), here on the CPU with the real instruct
+    model: every decode row count planned to the transient weight reaches it, and the greedy tokens
+    stay MLX's (a wrong product, its outputs permuted, left 0 of 128 equal)."""
+    fastpath.set_active(fastpath.CUDA)
+    loaded = load(str(smollm2_dir), widths=False)
+    prompts = topic_prompts(loaded.tokenizer, 8)
+    agreed, total = greedy_agreement(loaded.model, loaded.info.vocab_size, prompts, 12, DEQUANT, offered)
+    assert total == 96 and agreed >= 0.9 * total
+    assert 8 in offered  # the decode steps' 8 rows went through it
 
 
 def test_the_store_keeps_it_from_its_first_row_count_and_apart_from_plans_timed_without_it(
