@@ -12,8 +12,7 @@ and a bf16 copy.
   (``marlin``), the native kernel (MLX's arrays as they are), each with the default plan and any
   ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
   (a transient bf16 copy, one projection at a time: ``dequant`` with the project's dequantize kernel,
-  ``dequant-lines`` with its warp-line store pattern, ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense
-  matmul. Unchained, the projections are
+  ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
   Prints the median ms of running the graph (``mx.eval``) over ``--repeats`` with the min-max, the
@@ -176,7 +175,7 @@ VARIANT_FIELDS = (
     "min_steps",
     "packed",
 )
-ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-lines", "dequant-mlx", "bf16")
+ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
 
 
 def _variant(spec: str) -> dict[str, float]:
@@ -308,11 +307,7 @@ def timing(
 
         def dequant(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
-            return x @ dequant_kernel.launch(q, s, b, gs, False).T
-
-        def dequant_lines(i: int, x: mx.array) -> mx.array:
-            q, s, b = mats[i]
-            return x @ dequant_kernel.launch(q, s, b, gs, True).T
+            return x @ dequant_kernel.launch(q, s, b, gs).T
 
         def dequant_mlx(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
@@ -330,8 +325,6 @@ def timing(
                 arms[f"{kern} {spec}"] = (functools.partial(kfn, over=over), _plan_note(m, over))
         if "dequant" in arms_wanted:
             arms["dequant"] = (dequant, "")
-        if "dequant-lines" in arms_wanted:
-            arms["dequant-lines"] = (dequant_lines, "")
         if "dequant-mlx" in arms_wanted:
             arms["dequant-mlx"] = (dequant_mlx, "")
         if "bf16" in arms_wanted:

@@ -30,16 +30,15 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
-@pytest.mark.parametrize("lines", [False, True])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int, lines: bool) -> None:
+def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
     if k % gs:
         pytest.skip("K not a multiple of the group")
     w = mx.random.normal((n, k), key=mx.random.key(n + k + gs)).astype(mx.bfloat16) * 0.02
     q, s, b = mx.quantize(w, group_size=gs, bits=4)
     assert dequant_kernel.takes(q, s, 4, gs)
-    got = dequant_kernel.launch(q, s, b, gs, lines)  # the kernel itself, not its checked wrapper
+    got = dequant_kernel.launch(q, s, b, gs)  # the kernel itself, not its checked wrapper
     assert _same_bits(got, mx.dequantize(q, s, b, group_size=gs, bits=4))
 
 
@@ -52,4 +51,4 @@ def test_a_large_batch_through_it_is_mlx_s_dense_product_byte_for_byte(rows: int
     want = x @ mx.dequantize(m.weight, m.scales, m.biases, group_size=64, bits=4).T
     got = dequant_matmul.project(m, x)
     assert got is not None and _same_bits(got, want)
-    assert dequant_kernel._checked[(14336, 512, 64, dequant_kernel.LINES)] is True
+    assert dequant_kernel._checked[(14336, 512, 64)] is True

@@ -57,8 +57,9 @@ def _pairs(word: np.ndarray, s: np.ndarray, b: np.ndarray) -> np.ndarray:
     )
 
 
-def emulate_lines(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
-    """``LINES``: thread t's i-th word is ``(t >> 5) * 128 + (t & 31) + 32 i``, its 16 bytes at that word's place."""
+def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
+    """The kernel's output (bf16 bits, [N, K]) as its threads compute it: thread t's i-th word is
+    ``(t >> 5) * 128 + (t & 31) + 32 i``, its 16 bytes at that word's place."""
     n, kw = q.shape
     g = kw * 8 // gs
     t = np.arange(n * kw // 4)
@@ -74,32 +75,13 @@ def emulate_lines(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int
     return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)
 
 
-def emulate(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, gs: int) -> np.ndarray:
-    """The kernel's output (bf16 bits, [N, K]) as its threads compute it."""
-    n, kw = q.shape
-    qpr = kw // 4
-    g = kw * 8 // gs
-    t = np.arange(n * qpr)
-    row, c = t // qpr, t % qpr
-    quads = q.reshape(-1, 4)  # reinterpret_cast<const uint4*>(w)[t]
-    gi = row * g + (c * 32) // gs
-    s = scales.reshape(-1)[gi].astype(np.float32)
-    b = biases.reshape(-1)[gi].astype(np.float32)
-    out = np.zeros((n * qpr, 4, 4), dtype=np.uint32)  # (thread, o[i], word of the uint4)
-    for i in range(4):
-        out[:, i] = _pairs(quads[:, i], s, b)
-    return out.reshape(-1).view(np.uint16).reshape(n, kw * 8)  # little-endian: low half first
-
-
-@pytest.mark.parametrize("lines", [False, True])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int, lines: bool) -> None:
+def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
     if k % gs:
         pytest.skip("K not a multiple of the group")
     q, s, b = random_packed(n, k, gs, seed=n + k + gs)
-    run = emulate_lines if lines else emulate
-    got = run(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
+    got = emulate(np.array(q), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), gs)
     want = _bits(emu.cuda_dequantize(q, s, b, gs)).astype(np.uint16)
     assert np.array_equal(got, want)
 
@@ -107,18 +89,12 @@ def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: 
 def test_the_source_holds_the_emulated_index_math() -> None:
     text = dequant_kernel.HEADER + dequant_kernel.SOURCE
     for expr in (
-        "const int QPR = KW / 4;",
-        "reinterpret_cast<const uint4*>(w)[t]",
-        "(size_t)row * G + (size_t)(c * 32 / GS)",
         "w4m::dq2(w >> 4, s2, b2)",
         "w4m::dq2(w >> 8, s2, b2)",
         "w4m::dq2(w >> 12, s2, b2)",
         "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),",
         "__byte_perm(r2, r3, 0x7632)",
         "v | (v << 16)",
-        "reinterpret_cast<uint4*>(out) + t * 4",
-        "o[1] = w4d::word8(q.y, s2, b2);",
-        "o[3] = w4d::word8(q.w, s2, b2);",
         "const long long base = (t >> 5) * 128 + (t & 31);",
         "const long long wi = base + i * 32;",
         "(size_t)row * G + (size_t)(c * 8 / GS)",
@@ -142,11 +118,11 @@ def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_sh
     want = mx.dequantize(q, s, b, group_size=64, bits=4)
     calls: list[str] = []
 
-    def exact_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int, lines: bool) -> mx.array:
+    def exact_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int) -> mx.array:
         calls.append("exact")
         return mx.dequantize(w, sc, bi, group_size=gs, bits=4)
 
-    def off_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int, lines: bool) -> mx.array:
+    def off_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int) -> mx.array:
         calls.append("off")
         out = mx.dequantize(w, sc, bi, group_size=gs, bits=4)
         return (out.view(mx.uint16) ^ 1).view(mx.bfloat16)
@@ -156,10 +132,11 @@ def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_sh
     assert dequant_kernel.takes(q, s, 4, 64)
     for _ in range(2):
         assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), want)
-    assert calls == ["exact", "exact"] and dequant_kernel._checked == {(64, 32, 64, False): True}
+    assert calls == ["exact", "exact"] and dequant_kernel._checked == {(64, 32, 64): True}
     monkeypatch.setattr(dequant_kernel, "launch_seam", off_stand_in)
+    monkeypatch.setattr(dequant_kernel, "_checked", {})
     calls.clear()
-    for lines in (True, True):  # another store pattern: checked on its own
-        got = dequant_kernel.dequantize(q, s, b, 64, 4, lines=lines)
+    for _ in range(2):
+        got = dequant_kernel.dequantize(q, s, b, 64, 4)
         assert got.view(mx.uint16).tolist() == want.view(mx.uint16).tolist()
-    assert calls == ["off"] and dequant_kernel._checked[(64, 32, 64, True)] is False
+    assert calls == ["off"] and dequant_kernel._checked == {(64, 32, 64): False}

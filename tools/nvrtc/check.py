@@ -285,10 +285,10 @@ def project_cases():
     # the dequantize kernel (``dequant_kernel``), each group size
     from workers.kernels import dequant_kernel
 
-    for gs, lines in ((32, False), (64, False), (128, False), (32, True), (64, True), (128, True)):
+    for gs in (32, 64, 128):
         cases.append(
             (
-                f"dequant GS={gs} LINES={int(lines)}",
+                f"dequant GS={gs}",
                 dict(
                     name="mlx_batchd_dequant4",
                     inputs=[("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf)],
@@ -296,7 +296,7 @@ def project_cases():
                     output_dtypes=[bf],
                     source=dequant_kernel.SOURCE,
                     header=dequant_kernel.HEADER,
-                    template=[("GS", gs), ("LINES", lines)],
+                    template=[("GS", gs)],
                 ),
             )
         )

@@ -1,9 +1,9 @@
 """MLX's 4-bit affine dequantize as a project kernel on MLX CUDA, bit for bit ``mx.dequantize``.
 
 ``dequant_matmul`` writes a projection's bf16 weight before each large-batch product, so this pass is
-paid every step; it moves about four times the 4-bit bytes and should run at the memory's speed. Each
-thread dequantizes four packed words (32 weights; ``LINES`` picks which four) with ``w4a16``'s
-one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's dequantize bit for bit
+paid every step; it moves about four times the 4-bit bytes. Each thread dequantizes four packed words
+(32 weights), a warp 128 consecutive words, so that each store is 512 contiguous bytes a warp, with
+``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's dequantize bit for bit
 (``tests/gpu``). Elsewhere, and for what it does not take (8 bits, scales other than bf16),
 ``mx.dequantize``.
 """
@@ -54,33 +54,16 @@ SOURCE = r"""
   const int KW = w_shape[1];               // packed words a row
   const int G = KW * 8 / GS;
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if constexpr (LINES) {
-    // A warp's 128 consecutive words, word i * 32 + lane for the lane's i-th: each store is 512
-    // contiguous bytes a warp.
-    const long long base = (t >> 5) * 128 + (t & 31);
+  // A warp's 128 consecutive words, word i * 32 + lane for the lane's i-th.
+  const long long base = (t >> 5) * 128 + (t & 31);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const long long wi = base + i * 32;
-      if (wi >= (long long)N * KW) return;
-      const int row = (int)(wi / KW);
-      const int c = (int)(wi % KW);
-      const size_t gi = (size_t)row * G + (size_t)(c * 8 / GS);
-      reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi], w4d::both(scales, gi), w4d::both(biases, gi));
-    }
-  } else {
-    const int QPR = KW / 4;                // 16-byte quads a row: 32 weights each, within one group
-    if (t >= (long long)N * QPR) return;
-    const int row = (int)(t / QPR);
-    const int c = (int)(t % QPR);
-    const uint4 q = reinterpret_cast<const uint4*>(w)[t];
-    const size_t gi = (size_t)row * G + (size_t)(c * 32 / GS);
-    const uint32_t s2 = w4d::both(scales, gi);
-    const uint32_t b2 = w4d::both(biases, gi);
-    uint4* o = reinterpret_cast<uint4*>(out) + t * 4;
-    o[0] = w4d::word8(q.x, s2, b2);
-    o[1] = w4d::word8(q.y, s2, b2);
-    o[2] = w4d::word8(q.z, s2, b2);
-    o[3] = w4d::word8(q.w, s2, b2);
+  for (int i = 0; i < 4; ++i) {
+    const long long wi = base + i * 32;
+    if (wi >= (long long)N * KW) return;
+    const int row = (int)(wi / KW);
+    const int c = (int)(wi % KW);
+    const size_t gi = (size_t)row * G + (size_t)(c * 8 / GS);
+    reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi], w4d::both(scales, gi), w4d::both(biases, gi));
   }
 """
 
@@ -101,31 +84,22 @@ def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
     )
 
 
-#: The store pattern: each thread's 16 bytes of words in a row (64 contiguous bytes stored a thread), or
-#: (``True``) a warp's 128 consecutive words four at a lane's stride (512 contiguous bytes a warp store).
-LINES = False
-
-
-#: (rows, packed words a row, group size, store pattern) -> whether the kernel gave ``mx.dequantize``'s bits
+#: (rows, packed words a row, group size) -> whether the kernel gave ``mx.dequantize``'s bits
 #: at its first call on that shape in this process (checked on the weight it was called with).
-_checked: dict[tuple[int, int, int, bool], bool] = {}
+_checked: dict[tuple[int, int, int], bool] = {}
 
 
-def dequantize(
-    w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, lines: bool | None = None
-) -> mx.array:
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """``mx.dequantize(w, scales, biases, group_size, bits)``: through the kernel where it ``takes`` the
-    weight (``lines``: its store pattern, default ``LINES``) and its first call on the weight's shape gave
-    ``mx.dequantize``'s bits, else MLX's own (fail closed: a shape that differed, or could not be checked,
-    keeps MLX's)."""
-    pattern = LINES if lines is None else lines
+    weight and its first call on the weight's shape gave ``mx.dequantize``'s bits, else MLX's own (fail
+    closed: a shape that differed, or could not be checked, keeps MLX's)."""
     if not takes(w, scales, bits, group_size):
         return mx.dequantize(w, scales, biases, group_size, bits)
-    key = (w.shape[0], w.shape[1], group_size, pattern)
+    key = (w.shape[0], w.shape[1], group_size)
     ok = _checked.get(key)
     if ok is False:
         return mx.dequantize(w, scales, biases, group_size, bits)
-    out = launch(w, scales, biases, group_size, pattern)
+    out = launch(w, scales, biases, group_size)
     if ok is None:
         want = mx.dequantize(w, scales, biases, group_size, bits)
         try:
@@ -139,14 +113,14 @@ def dequantize(
     return out
 
 
-#: Test seam: when set, runs in place of the CUDA launch (``(w, scales, biases, group_size, lines) -> out``).
-launch_seam: Callable[[mx.array, mx.array, mx.array, int, bool], mx.array] | None = None
+#: Test seam: when set, runs in place of the CUDA launch (``(w, scales, biases, group_size) -> out``).
+launch_seam: Callable[[mx.array, mx.array, mx.array, int], mx.array] | None = None
 
 
-def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, lines: bool) -> mx.array:
+def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """The kernel on ``w`` (``takes`` it): bf16 [N, K]."""
     if launch_seam is not None:
-        return launch_seam(w, scales, biases, group_size, lines)
+        return launch_seam(w, scales, biases, group_size)
     if not _kernel:
         _kernel.append(
             jit_cache.cuda_kernel(
@@ -159,9 +133,9 @@ def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, lin
         )
     kernel = _kernel[0]
     n, kw = w.shape
-    template = [("GS", group_size), ("LINES", lines)]
+    template = [("GS", group_size)]
     jit_cache.prime(kernel, [w, scales, biases], template, [mx.bfloat16])
-    threads = n * (kw // 4)  # four words a thread either way
+    threads = n * (kw // 4)  # four words a thread
     return kernel(
         inputs=[w, scales, biases],
         template=template,
