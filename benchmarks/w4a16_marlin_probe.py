@@ -162,19 +162,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
     return statistics.median(runs), min(runs), max(runs), statistics.median(builds)
 
 
-VARIANT_FIELDS = (
-    "mt",
-    "nb",
-    "warps",
-    "splits",
-    "ctas_per_sm",
-    "reduce",
-    "xbuf",
-    "stages",
-    "regs",
-    "min_steps",
-    "packed",
-)
+VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs", "min_steps")
 ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
 
 
@@ -199,22 +187,14 @@ def _plan_for(m: int, n: int, k: int, over: dict[str, float]) -> w4m.Plan:
         for key, v in over.items()
         if key in ("mt", "nb", "warps", "splits", "xbuf", "stages", "regs", "min_steps")
     }
-    return w4m.plan(
-        m,
-        n,
-        k,
-        ctas_per_sm=over.get("ctas_per_sm"),
-        reduce=bool(over.get("reduce", 1)),
-        packed=bool(over.get("packed", 0)),
-        **ints,
-    )
+    return w4m.plan(m, n, k, ctas_per_sm=over.get("ctas_per_sm"), reduce=bool(over.get("reduce", 1)), **ints)
 
 
 def _plan_note(m: int, over: dict[str, float]) -> str:
     """The plan's fixed fields and each 8B shape's K slices, e.g. 'mt1 nb2 w4 xb2 st4 splits q2 k8 gate1 down4'."""
     p = _plan_for(m, *LLAMA_8B["q"], over)
     splits = " ".join(f"{name}{_plan_for(m, n, k, over).splits}" for name, (n, k) in LLAMA_8B.items() if name != "v")
-    return f"mt{p.mt} nb{p.nb} w{p.warps} xb{p.xbuf} st{p.stages} red{int(p.reduce)} r{p.regs} pk{int(p.packed)} splits {splits}"
+    return f"mt{p.mt} nb{p.nb} w{p.warps} xb{p.xbuf} st{p.stages} red{int(p.reduce)} r{p.regs} splits {splits}"
 
 
 @functools.cache

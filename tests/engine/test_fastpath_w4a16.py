@@ -294,19 +294,3 @@ def test_a_tile_with_more_steps_a_slice_caps_the_k_slices_of_narrow_outputs() ->
         assert w4a16.tile_plan(32, 1024, 4096, i).splits <= 64 // t.min_steps
         assert w4a16.tile_plan(32, 14336, 4096, i).splits <= w4a16.tile_plan(32, 14336, 4096, 0).splits
     assert w4a16.plan(32, 1024, 4096, min_steps=64).splits == 1
-
-
-def test_packed_scales_are_a_plan_field_with_a_kernel_of_their_own() -> None:
-    """``Plan.packed`` reaches the kernel as its ``PACKED`` template argument and under its own name (MLX
-    caches compiled kernels by name); the engine's plans leave it off until the device has measured it."""
-    p = w4a16.plan(32, 4096, 4096)
-    q = w4a16.plan(32, 4096, 4096, packed=True)
-    assert (
-        not p.packed
-        and q.packed
-        and all(not w4a16.tile_plan(32, 4096, 4096, t).packed for t in range(len(w4a16_source.TILES)))
-    )
-    assert ("PACKED", True) in w4a16.template(w4a16.NATIVE, q, 64, True, True)
-    assert ("PACKED", False) in w4a16.template(w4a16.NATIVE, p, 64, True, True)
-    assert w4a16.kernel_name(w4a16.NATIVE, q, 64, True, True) != w4a16.kernel_name(w4a16.NATIVE, p, 64, True, True)
-    assert "constexpr int SD = PACKED ?" in w4a16_source.NATIVE_SOURCE

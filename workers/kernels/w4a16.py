@@ -68,8 +68,7 @@ class Plan:
     """One launch: ``mt`` 16-row tiles and ``nb`` 16-output blocks a warp, ``warps`` a CTA, ``splits`` K
     slices (their partials added by the last CTA of a tile when ``reduce``, else by an MLX sum after
     it), ``stages`` k64 steps of cp.async in flight (2-4), ``regs`` a thread's register cap (0: the
-    compiler's choice; a lower cap fits more CTAs on an SM), ``packed`` the scales two to a register
-    and two steps ahead (fewer registers)."""
+    compiler's choice; a lower cap fits more CTAs on an SM)."""
 
     mt: int
     nb: int
@@ -78,7 +77,6 @@ class Plan:
     reduce: bool = True
     stages: int = 4
     regs: int = 0
-    packed: bool = False
 
     def tiles(self, m: int, n: int) -> int:
         """CTAs a K slice (the counters the in-kernel reduction uses)."""
@@ -111,7 +109,6 @@ def plan(
     sm_count: int = DEFAULT_SMS,
     regs: int | None = None,
     min_steps: int = 2,
-    packed: bool = False,
 ) -> Plan:
     """The tile for ``m`` rows (any field may be forced): 16/32/64-row tiles, two 16-output blocks a
     warp, four warps, and as many K slices as it takes to give every SM about ``ctas_per_sm`` CTAs (4
@@ -132,7 +129,7 @@ def plan(
         fits = (st for st in (4, 3) if Plan(mt, nb, warps, 1, stages=st).native_shared_bytes() <= SHARED_LIMIT)
         stages = next(fits, 2)
     regs = REGISTER_CAPS.get((mt, nb, warps), 0) if regs is None else regs
-    return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, max(2, stages), regs, packed)
+    return Plan(mt, nb, warps, max(1, min(splits, k // 64)), reduce, max(2, stages), regs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -218,10 +215,7 @@ _kernels: dict[str, Any] = {}
 
 def kernel_name(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> str:
     """One name a variant (MLX caches compiled kernels by name)."""
-    return (
-        f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}_r{p.regs}"
-        + ("_p" if p.packed else "")
-    )
+    return f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}_r{p.regs}"
 
 
 def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[tuple[str, Any]]:
@@ -235,7 +229,6 @@ def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[
         ("GS", gs),
         ("SPLIT", split),
         ("REDUCE", reduce),
-        ("PACKED", p.packed),
         (jit_cache.REGISTER_CAP, p.regs),
     ]
 

@@ -153,8 +153,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 """
 )
 
-#: Template: T, MT, NB, WARPS, STAGES (k64 steps in flight, 2-4), GS, SPLIT, REDUCE, PACKED (the scale
-#: ring's layout), MAXREG. Inputs x, w (MLX's
+#: Template: T, MT, NB, WARPS, STAGES (k64 steps in flight, 2-4), GS, SPLIT, REDUCE. Inputs x, w (MLX's
 #: packed uint32 [N, K/8]), scales, biases (bf16 [N, K/gs]), locks; outputs out (bf16 [M, N]),
 #: ws (fp32 [S, M, N] partials when SPLIT). Grid: (row tiles * 32 * WARPS, CTAs along N, K slices) threads.
 #:
@@ -205,29 +204,17 @@ NATIVE_SOURCE = (
         for (int e = 0; e < 4; ++e) acc[i][j][h][e] = 0.f;
 
   // (scale of output g, of g + 8, bias of g, of g + 8) of each 16-output block and group of a step;
-  // ring slot p % SD holds step s_lo + p (mod SD), read SD steps ahead. Blocks past N are clamped
-  // (loaded, never stored). PACKED: two 16-bit values a register ((scale g, g + 8), (bias g, g + 8))
-  // and two steps ahead where the pipeline's depth allows (SD divides ST: the unrolled step loop names
-  // each slot at compile time); else one value a register, ST steps ahead.
-  constexpr int SD = PACKED ? (ST % 2 == 0 ? 2 : ST) : ST;
-  constexpr int SW = PACKED ? 2 : 4;
-  uint32_t sc[SD][NB][GPS][SW];
+  // ring slot p holds step s_lo + p (mod ST). Blocks past N are clamped (loaded, never stored).
+  uint32_t sc[ST][NB][GPS][4];
 #define W4N_SCALES(SLOT, STEP)                                                        \
   _Pragma("unroll") for (int j = 0; j < NB; ++j) {                                    \
     const size_t n = (size_t)min(nb0 + j, NBLK - 1) * 16 + g;                         \
     _Pragma("unroll") for (int gi = 0; gi < GPS; ++gi) {                              \
       const size_t o = n * G + ((STEP) * 64 + gi * GS) / GS;                          \
-      const uint32_t sg = __ldg(sc16 + o), sg8 = __ldg(sc16 + o + 8 * (size_t)G);     \
-      const uint32_t bg = __ldg(bi16 + o), bg8 = __ldg(bi16 + o + 8 * (size_t)G);     \
-      if constexpr (PACKED) {                                                         \
-        sc[SLOT][j][gi][0] = sg | (sg8 << 16);                                        \
-        sc[SLOT][j][gi][SW - 1] = bg | (bg8 << 16);                                   \
-      } else {                                                                        \
-        sc[SLOT][j][gi][0] = sg;                                                      \
-        sc[SLOT][j][gi][1 % SW] = sg8;                                                \
-        sc[SLOT][j][gi][2 % SW] = bg;                                                 \
-        sc[SLOT][j][gi][3 % SW] = bg8;                                                \
-      }                                                                               \
+      sc[SLOT][j][gi][0] = __ldg(sc16 + o);                                           \
+      sc[SLOT][j][gi][1] = __ldg(sc16 + o + 8 * (size_t)G);                           \
+      sc[SLOT][j][gi][2] = __ldg(bi16 + o);                                           \
+      sc[SLOT][j][gi][3] = __ldg(bi16 + o + 8 * (size_t)G);                           \
     }                                                                                 \
   }
 
@@ -257,7 +244,7 @@ NATIVE_SOURCE = (
     w4m::cp_async_commit();
   }
 #pragma unroll
-  for (int p = 0; p < SD; ++p)
+  for (int p = 0; p < ST; ++p)
     if (s_lo + p < s_hi) { W4N_SCALES(p, s_lo + p) }
 
   for (int s0 = s_lo; s0 < s_hi; s0 += ST) {
@@ -299,12 +286,11 @@ NATIVE_SOURCE = (
           }
 #pragma unroll
           for (int j = 0; j < NB; ++j) {
-            const uint32_t* q = sc[p % SD][j][GPS == 1 ? 0 : c32];   // group 32: one group a k32 half
+            const uint32_t* q = sc[p][j][GPS == 1 ? 0 : c32];   // group 32: one group a k32 half
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const uint32_t s2 = PACKED ? __byte_perm(q[0], 0, h ? 0x3232 : 0x1010) : __byte_perm(q[h], 0, 0x1010);
-              const uint32_t b2 = PACKED ? __byte_perm(q[SW - 1], 0, h ? 0x3232 : 0x1010)
-                                         : __byte_perm(q[(2 + h) % SW], 0, 0x1010);
+              const uint32_t s2 = __byte_perm(q[h], 0, 0x1010);
+              const uint32_t b2 = __byte_perm(q[2 + h], 0, 0x1010);
               const uint32_t wv = bw[j][h * 2 + c32];
 #pragma unroll
               for (int u = 0; u < 2; ++u) {
@@ -316,7 +302,7 @@ NATIVE_SOURCE = (
             }
           }
         }
-        if (step + SD < s_hi) { W4N_SCALES(p % SD, step + SD) }
+        if (step + ST < s_hi) { W4N_SCALES(p, step + ST) }
       }
     }
   }
