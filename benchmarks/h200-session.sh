@@ -50,6 +50,8 @@
 # PART=h: where a mirrored verify's graph building goes on this host: the kernel-call costs
 #   (launch_cost_probe), then the verify chained and synchronous at 4 outputs per warp with cProfile's
 #   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
+# PART=q1: the project kernel's variants at one row (outputs a warp, warps a block, tiles ahead), chained, against
+#   MLX's qmv (issue 54 item 2: MLX's qmv held 5.2 of a B = 1 step's 6.8 ms of kernels on the H100).
 # PART=qv: the project kernel's variants (benchmarks/qmv_variants_probe.py: outputs per warp and warps a
 #   block by rows, each checked against MLX's one-row call), then whole forwards at 1, 4, 5 and 8 rows
 #   with the launch settings workers/kernels/qmv_launch.py fixes.
@@ -167,6 +169,10 @@ elif [ "$PART" = h ]; then
   step launch 120 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
   TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only \
     --blocks 1,5 --outs 4 --chained --profile-build 45 --out "$R/chained.json"
+elif [ "$PART" = q1 ]; then
+  # Classic B = 1 decode's projections: the project kernel at one row (MLX's one-row arithmetic, bytes
+  # checked) by outputs a warp, warps a block and tiles ahead, against MLX's qmv, each call waiting on the last.
+  TAIL=${TAIL:-40} step q1 "${Q1S:-300}" python3 benchmarks/qmv_variants_probe.py --rows 1 --chained --out "$R/q1.json"
 elif [ "$PART" = qv ]; then
   TAIL=${TAIL:-40} step variants 320 python3 benchmarks/qmv_variants_probe.py --out "$R/variants.json"
   step whole-base 150 python3 benchmarks/rowkernel_probe.py \

@@ -190,6 +190,9 @@ def test_the_kernels_launch_settings_by_row_count_name_the_plans_they_were_timed
     before = qmv_launch.variant()
     monkeypatch.setattr(qmv_launch, "BLOCK_WARPS", {**qmv_launch.BLOCK_WARPS, 3: 16})
     assert qmv_launch.warps(3) == 16 and qmv_launch.variant() != before
+    before = qmv_launch.variant()
+    monkeypatch.setattr(qmv_launch, "AHEAD", {**qmv_launch.AHEAD, 1: 8})
+    assert (qmv_launch.unroll(1), qmv_launch.unroll(2)) == (8, qmv_launch.UNROLL) and qmv_launch.variant() != before
 
 
 def test_the_w4a16_variant_line_changes_with_its_tiles_and_the_rows_they_are_timed_from(

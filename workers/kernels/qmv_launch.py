@@ -47,14 +47,20 @@ def warps(rows: int) -> int:
     return BLOCK_WARPS.get(rows, WARPS)
 
 
+def unroll(rows: int) -> int:
+    """Weight tiles a lane loads ahead in a call on ``rows`` rows."""
+    return AHEAD.get(rows, UNROLL)
+
+
 def variant() -> str:
     """The kernel's launch settings as one line (part of what kernel plans timed on it depend on):
-    rows:outputs per warp/warps per block, then the tiles loaded ahead."""
-    shapes = (f"{rows}:{per_warp(rows)}/{warps(rows)}" for rows in range(1, MAX_ROWS + 1))
-    return " ".join(shapes) + f" u{UNROLL}"
+    rows:outputs per warp/warps per block/tiles loaded ahead."""
+    return " ".join(f"{rows}:{per_warp(rows)}/{warps(rows)}/{unroll(rows)}" for rows in range(1, MAX_ROWS + 1))
 
 
 #: Loop iterations whose weight tiles a lane loads before using the first of them (memory-level
 #: parallelism: one tile at a time leaves each warp waiting on one load). Any value gives every
 #: output the same operations in the same order.
 UNROLL = 1
+#: Row counts that load another number of tiles ahead than ``UNROLL``.
+AHEAD: dict[int, int] = {}

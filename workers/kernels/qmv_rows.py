@@ -154,7 +154,7 @@ def _plan(
     w = qmv_launch.warps(m)
     blocks = -(-sum(-(-int(mat[0].shape[0]) // r) for mat in mats) // w)
     kwargs = {
-        "template": [("T", dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r), ("U", qmv_launch.UNROLL)],
+        "template": [("T", dtype), ("M", m), ("GS", gs), ("BITS", bits), ("R", r), ("U", qmv_launch.unroll(m))],
         "grid": (blocks * w * 32, 1, 1),
         "threadgroup": (w * 32, 1, 1),
         "output_shapes": [(m, int(mat[0].shape[0])) for mat in mats],
@@ -169,7 +169,7 @@ def _launch(x: mx.array, mats: list[tuple[mx.array, mx.array, mx.array]], bits: 
     m = x.shape[0]
     r = qmv_launch.per_warp(m)
     plans = getattr(mats, "plans", None)
-    key = (m, r, qmv_launch.warps(m), qmv_launch.UNROLL, x.dtype)
+    key = (m, r, qmv_launch.warps(m), qmv_launch.unroll(m), x.dtype)
     plan = None if plans is None else plans.get(key)
     if plan is None:
         plan = _plan(m, r, mats, bits, gs, x.dtype)
