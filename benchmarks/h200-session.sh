@@ -50,6 +50,8 @@
 # PART=h: where a mirrored verify's graph building goes on this host: the kernel-call costs
 #   (launch_cost_probe), then the verify chained and synchronous at 4 outputs per warp with cProfile's
 #   top functions while building five wide steps and five mirrored 5-token blocks (--profile-build).
+# PART=ba: batched decode's attention through the masked one-query kernel (workers/kernels/batch_attention.py):
+#   its GPU tests, then BAB (128) sequences' decode steps with MLX_BATCHD_BATCH_ATTENTION 0 and 1, twice each.
 # PART=q1: the project kernel's variants at one row (outputs a warp, warps a block, tiles ahead), chained, against
 #   MLX's qmv (issue 54 item 2: MLX's qmv held 5.2 of a B = 1 step's 6.8 ms of kernels on the H100).
 # PART=qv: the project kernel's variants (benchmarks/qmv_variants_probe.py: outputs per warp and warps a
@@ -169,6 +171,15 @@ elif [ "$PART" = h ]; then
   step launch 120 python3 benchmarks/launch_cost_probe.py --out "$R/launch.json"
   TAIL=${TAIL:-60} step chained 240 python3 benchmarks/rowkernel_probe.py --model "$M" --quick --whole-only \
     --blocks 1,5 --outs 4 --chained --profile-build 45 --out "$R/chained.json"
+elif [ "$PART" = ba ]; then
+  # Batched decode's attention through the masked one-query kernel: its GPU tests, then decode steps at
+  # BAB (128) sequences with it off and on, alternating (no kernel plans: the projections as mlx-lm calls them).
+  TAIL=20 step ba-test 200 python3 -m pytest -m gpu -q -rP tests/gpu/test_batch_attention_gpu.py
+  for i in 1 2; do for on in 0 1; do
+    MLX_BATCHD_BATCH_ATTENTION=$on step "ba-$on-$i" 150 python3 benchmarks/b1_kernels.py --model "$M" --batch "${BAB:-128}" \
+      --steps 20 --warm 10 --calibration background --out "$R/ba-$on-$i.json"
+  done; done
+  grep -h step_ms_median "$R"/ba-*.log | cut -c1-200
 elif [ "$PART" = q1 ]; then
   # Classic B = 1 decode's projections: the project kernel at one row (MLX's one-row arithmetic, bytes
   # checked) by outputs a warp, warps a block and tiles ahead, against MLX's qmv, each call waiting on the last.

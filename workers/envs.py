@@ -43,6 +43,9 @@ W4A16 = EnvVar("MLX_BATCHD_W4A16", "", ("", "0", "1"))
 #: Large batches through a transient dequantized weight (``workers.kernels.dequant_matmul``): offered to the
 #: plans on MLX CUDA unless ``0`` (calibration still picks it only where it is faster).
 DEQUANT = EnvVar("MLX_BATCHD_DEQUANT", "", ("", "0", "1"))
+#: Batched decode's attention through the project's masked one-query kernel (``workers.kernels.batch_attention``)
+#: on MLX CUDA: ``1`` turns it on (off until measured on the device).
+BATCH_ATTENTION = EnvVar("MLX_BATCHD_BATCH_ATTENTION", "", ("", "0", "1"))
 #: ``0``: the project's CUDA kernels are not written to MLX's disk cache of compiled kernels
 #: (``workers.kernels.jit_cache``), so each process compiles them again, as MLX alone does.
 KERNEL_CACHE = EnvVar("MLX_BATCHD_KERNEL_CACHE", "", ("", "0", "1"))
@@ -61,6 +64,7 @@ ALL = (
     ROWKERNEL,
     W4A16,
     DEQUANT,
+    BATCH_ATTENTION,
     KERNEL_CACHE,
     PROFILE_DIR,
     TEST_FAULTS,

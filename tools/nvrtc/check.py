@@ -242,6 +242,31 @@ def project_cases():
                         ),
                     )
                 )
+    # batch_attention: the masked one-query kernel, per dtype and head dimension
+    from workers.kernels import batch_attention
+
+    for dt in ("bfloat16", "float16", "float32"):
+        for dim in batch_attention.HEAD_DIMS:
+            cases.append(
+                (
+                    f"batch_attention T={dt} D={dim}",
+                    dict(
+                        name="mlx_batchd_batch_attention",
+                        inputs=[
+                            ("queries", 4, dt),
+                            ("keys", 4, dt),
+                            ("values", 4, dt),
+                            ("mask", 2, "bool"),
+                            ("scale", 1, "float32"),
+                        ],
+                        output_names=["out"],
+                        output_dtypes=[dt],
+                        source=batch_attention.SOURCE,
+                        header=batch_attention.HEADER,
+                        template=[("T", dt), ("D", dim)],
+                    ),
+                )
+            )
     # w4a16: the native tiles (``w4a16.TILES``' shapes), split with and without the in-kernel reduction,
     # built as ``w4a16.launch`` builds them (name, template, pipeline depth from ``w4a16.plan``)
     from workers.kernels import w4a16

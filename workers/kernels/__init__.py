@@ -14,7 +14,8 @@ The pieces, each in its own module:
 - ``layout``: one cache layout through a draw or a burst;
 - ``byte_equal``: byte equality, the one test of exactness;
 - ``seam``: the test seam on every patched output;
-- ``fastpath``, ``qmv_*``, ``gemv_rows``, ``sdpa_*``, ``rowkernel``, ``compiled_layers``, ``plan_*``:
+- ``fastpath``, ``qmv_*``, ``gemv_rows``, ``sdpa_*``, ``rowkernel``, ``compiled_layers``, ``w4a16*``,
+  ``dequant_*``, ``dense_shadow``, ``batch_attention``, ``plan_*``:
   the batched decode kernels and the plans that pick them;
 - ``mlxlm``: the mlx-lm internals the engine reads (model classes, caches, detokenizers);
 - ``backend``: what a measured fact depends on, and MLX's attention switch.

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from workers.api import Level
-from workers.kernels import fastpath, sdpa_rows, seam
+from workers.kernels import batch_attention, fastpath, sdpa_rows, seam
 from workers.kernels.levels import current_level
 
 log = logging.getLogger("mlx_batchd.attention")
@@ -270,7 +270,10 @@ def per_query_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]
         views = cache.views if isinstance(cache, PerQueryCache) else None
         if views is None:
             keys, values = fastpath.attention_inputs(keys, values)
-            out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
+            if not hasattr(cache, "bits") and batch_attention.takes(queries, keys, values, mask, kwargs):
+                out = batch_attention.attend(queries, keys, values, mask, scale)
+            else:
+                out = original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
             return seam.apply("attention", out, queries.shape[2], None, queries, mask)
         real = cache._cache
         width, kernel = 1, False
