@@ -123,3 +123,12 @@ def test_a_kernel_off_from_mlx_at_its_first_call_is_not_used_for_those_heads(
     got = batch_attention.attend(q, k, v, mask, 0.125)
     assert batch_attention._checked == {(4, 2, 64, mx.float32): True}
     assert mx.allclose(got, want, atol=1e-5)
+
+
+def test_its_source_is_mlx_s_one_pass_kernel_with_its_edits_and_refuses_text_that_moved() -> None:
+    from workers.kernels import sdpa_source
+
+    assert batch_attention.SOURCE == batch_attention._edited(sdpa_source.ONE_PASS)
+    assert "if (!row[i])" in batch_attention.SOURCE and "q_seq_idx" not in batch_attention.SOURCE
+    with pytest.raises(RuntimeError, match="no longer holds"):
+        batch_attention._edited(sdpa_source.ONE_PASS.replace("const int kTotal", "const int kAll"))

@@ -21,124 +21,61 @@ import mlx.core as mx
 
 from workers import envs
 from workers.api import Level
-from workers.kernels import jit_cache
+from workers.kernels import jit_cache, sdpa_rows, sdpa_source
 from workers.kernels.levels import current_level
 
 log = logging.getLogger("mlx_batchd")
 
-HEADER = """
-#include <cooperative_groups/reduce.h>
-"""
+HEADER = sdpa_source.HEADER
 
-#: One block of 32 warps per (head, sequence): warp w takes keys w, w + 32, ... of its sequence whose mask
-#: entry is set (a whole warp skips or takes a key, so the warp's reductions stay uniform), keeps a running
-#: maximum and sum as MLX's one-pass kernel does, and the block combines its warps' partial outputs.
-SOURCE = """
-  constexpr int BN = 32;
-  constexpr int BD = 32;
-  constexpr int v_per_thread = D / BD;
-  typedef float U;
-  const int H = queries_shape[1];
-  const int kH = keys_shape[1];
-  const int kL = keys_shape[2];
-  const int inner_k_stride = BN * int(keys_strides[2]);
-  const int inner_v_stride = BN * int(values_strides[2]);
+#: MLX's one-pass kernel (``sdpa_source.ONE_PASS``, kept there in MLX's own words) with these edits: a block
+#: per (head, sequence) instead of per (head, query of one sequence), each sequence over all its cache's keys,
+#: and a key its row of the mask leaves out skipped by the whole warp (so the warp's reductions stay uniform).
+EDITS = (
+    (
+        "  const int qL = queries_shape[2];\n",
+        "",
+    ),
+    (
+        "  const int kTotal = keys_shape[2];\n",
+        "  const int kL = keys_shape[2];\n",
+    ),
+    (
+        "  const int q_seq_idx = blockIdx.y;\n  const int kL = kTotal - qL + 1 + q_seq_idx;\n",
+        "  const int b = blockIdx.z;\n",
+    ),
+    (
+        "  const T* Q = queries + head_idx * queries_strides[1] + q_seq_idx * queries_strides[2];\n"
+        "  const T* K = keys + kv_head_idx * keys_strides[1] + kv_seq_idx * keys_strides[2];\n"
+        "  const T* V = values + kv_head_idx * values_strides[1] + kv_seq_idx * values_strides[2];\n",
+        "  const T* Q = queries + b * queries_strides[0] + head_idx * queries_strides[1];\n"
+        "  const T* K = keys + b * keys_strides[0] + kv_head_idx * keys_strides[1] + kv_seq_idx * keys_strides[2];\n"
+        "  const T* V = values + b * values_strides[0] + kv_head_idx * values_strides[1] + kv_seq_idx * values_strides[2];\n"
+        "  const bool* row = mask + (size_t)b * kL;\n",
+    ),
+    (
+        "  T* O = out + (size_t)(q_seq_idx * H + head_idx) * D;\n",
+        "  T* O = out + (size_t)(b * H + head_idx) * D;\n",
+    ),
+    (
+        "  for (int i = kv_seq_idx; i < kL; i += BN) {\n",
+        "  for (int i = kv_seq_idx; i < kL; i += BN) {\n"
+        "    if (!row[i]) {\n      K += inner_k_stride;\n      V += inner_v_stride;\n      continue;\n    }\n",
+    ),
+)
 
-  U q[v_per_thread];
-  U k[v_per_thread];
-  U o[v_per_thread];
 
-  __shared__ U outputs[BN][BD + 1];
-  __shared__ U max_scores[BN];
-  __shared__ U sum_exp_scores[BN];
+def _edited(source: str) -> str:
+    """``source`` with ``EDITS`` applied, each where it matches exactly once (else MLX's text moved: fail
+    at import, not in a kernel)."""
+    for old, new in EDITS:
+        if source.count(old) != 1:
+            raise RuntimeError(f"batch_attention: the one-pass kernel's text no longer holds {old.strip()!r}")
+        source = source.replace(old, new)
+    return source
 
-  const U scale_log2 = scale[0] * 1.4426950408889634074;
 
-  auto block = cg::this_thread_block();
-  auto warp = cg::tiled_partition<32>(block);
-  const int lane_idx = warp.thread_rank();
-  const int warp_idx = warp.meta_group_rank();
-
-  const int head_idx = blockIdx.x;
-  const int b = blockIdx.z;
-  const int kv_head_idx = head_idx / (H / kH);
-  const int kv_seq_idx = warp_idx;
-
-  const T* Q = queries + b * queries_strides[0] + head_idx * queries_strides[1];
-  const T* K = keys + b * keys_strides[0] + kv_head_idx * keys_strides[1] + kv_seq_idx * keys_strides[2];
-  const T* V = values + b * values_strides[0] + kv_head_idx * values_strides[1] + kv_seq_idx * values_strides[2];
-  const bool* row = mask + (size_t)b * kL;
-  const int64_t qd = queries_strides[3];
-  const int64_t kd = keys_strides[3];
-  const int64_t vd = values_strides[3];
-  T* O = out + (size_t)(b * H + head_idx) * D;
-
-  #pragma unroll
-  for (int i = 0; i < v_per_thread; i++) {
-    q[i] = scale_log2 * static_cast<U>(Q[(v_per_thread * lane_idx + i) * qd]);
-  }
-  #pragma unroll
-  for (int i = 0; i < v_per_thread; i++) {
-    o[i] = 0.f;
-  }
-
-  U max_score = Limits<U>::finite_min();
-  U sum_exp_score = 0.f;
-
-  for (int i = kv_seq_idx; i < kL; i += BN) {
-    if (row[i]) {
-      #pragma unroll
-      for (int j = 0; j < v_per_thread; j++) {
-        k[j] = K[(v_per_thread * lane_idx + j) * kd];
-      }
-      U score = 0.f;
-      #pragma unroll
-      for (int j = 0; j < v_per_thread; j++) {
-        score += q[j] * k[j];
-      }
-      score = cg::reduce(warp, score, cg::plus<U>());
-      U new_max = max(max_score, score);
-      U factor = exp2f(max_score - new_max);
-      U exp_score = exp2f(score - new_max);
-      max_score = new_max;
-      sum_exp_score = sum_exp_score * factor + exp_score;
-      #pragma unroll
-      for (int j = 0; j < v_per_thread; j++) {
-        o[j] = o[j] * factor + exp_score * static_cast<U>(V[(v_per_thread * lane_idx + j) * vd]);
-      }
-    }
-    K += inner_k_stride;
-    V += inner_v_stride;
-  }
-
-  if (lane_idx == 0) {
-    max_scores[warp_idx] = max_score;
-    sum_exp_scores[warp_idx] = sum_exp_score;
-  }
-  block.sync();
-
-  max_score = max_scores[lane_idx];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  sum_exp_score = cg::reduce(warp, sum_exp_scores[lane_idx] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
-
-  #pragma unroll
-  for (int i = 0; i < v_per_thread; i++) {
-    outputs[lane_idx][warp_idx] = o[i];
-    block.sync();
-    U ot = outputs[warp_idx][lane_idx] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
-    block.sync();
-  }
-
-  if (lane_idx == 0) {
-    #pragma unroll
-    for (int i = 0; i < v_per_thread; i++) {
-      O[v_per_thread * warp_idx + i] = static_cast<T>(o[i]);
-    }
-  }
-"""
+SOURCE = _edited(sdpa_source.ONE_PASS)
 
 HEAD_DIMS = (64, 96, 128, 256)
 #: How far the kernel's output may be from MLX's own call at its first use, as a share of the largest
@@ -147,7 +84,6 @@ HEAD_DIMS = (64, 96, 128, 256)
 TOLERANCE = 2.0**-5
 
 _kernel: list[Any] = []
-_scales: dict[float, mx.array] = {}
 #: (query heads, KV heads, head dim, dtype) -> whether the kernel's first call there agreed with MLX's.
 _checked: dict[tuple[Any, ...], bool] = {}
 
@@ -224,9 +160,7 @@ def launch(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, 
         )
     b, heads, _, dim = queries.shape
     rows = mx.contiguous(mask.reshape(b, keys.shape[2]))
-    s = _scales.get(scale)
-    if s is None:
-        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    s = sdpa_rows.scale_array(scale)
     template = [("T", queries.dtype), ("D", dim)]
     inputs = [queries, keys, values, rows, s]
     jit_cache.prime(_kernel[0], inputs, template, [queries.dtype])

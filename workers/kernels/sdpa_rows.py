@@ -63,6 +63,14 @@ def _kernel(name: str) -> Any:
     return kernel
 
 
+def scale_array(scale: float) -> mx.array:
+    """The attention scale as the project's attention kernels read it: one float32 array per value."""
+    s = _scales.get(scale)
+    if s is None:
+        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    return s
+
+
 def takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether the kernels take these shapes here: MLX CUDA, one sequence, a head dimension MLX's
     vector kernel takes (equal for queries and values), whole groups of query heads per KV head."""
@@ -84,9 +92,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     computes it. All n key counts must be on one side of ``ONE_PASS_KEYS`` (``attention.spans``)."""
     heads, n, dim = queries.shape[1], queries.shape[2], queries.shape[3]
     total = keys.shape[2]
-    s = _scales.get(scale)
-    if s is None:
-        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    s = scale_array(scale)
     template = [("T", queries.dtype), ("D", dim)]
     if total <= ONE_PASS_KEYS:
         kernel = _kernel("one_pass")
