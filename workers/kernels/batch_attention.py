@@ -2,7 +2,7 @@
 
 A batch's cache (mlx-lm's ``BatchKVCache``) left-pads shorter sequences and hands attention a boolean
 mask. MLX CUDA's fused one-query attention takes no array mask, so a masked batch falls back to separate
-score, select, softmax and value kernels (about a fifth of a B = 128 step on the 8B: docs/benchmarks.md).
+score, select, softmax and value kernels (docs/benchmarks.md has what they cost).
 This kernel is MLX CUDA's one-pass vector attention (``sdpa_source.ONE_PASS``'s arithmetic) with a block
 per (head, sequence) that skips the keys its row of the mask leaves out. Batched decode makes no
 byte-identity promise, but the kernel fails closed: its first call on a (heads, KV heads, head dim,
