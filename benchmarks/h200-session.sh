@@ -127,6 +127,10 @@
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,
 #   this tree's plan, VARIANTS (register caps, reduce=0, CTAs an SM) and a bf16 copy (W4RARMS: this tree's arms).
+# PART=l2: the transient bf16 weight made and multiplied in output slices small enough to stay in the L2 between
+#   the dequantize kernel's write and the product's read (w4a16_marlin_probe --arms dequant-l2, slices of L2MB
+#   megabytes), chained 224 projections at ROWS (32,128,256), against the whole-weight transient copy, the native
+#   kernel's plan and a bf16 copy.
 # PART=w4p: Nsight Compute on the w4a16 kernel alone (benchmarks/w4a16_profile.py, tile 0, one launch after two):
 #   SHAPES (NxK words; default q/o 4096x4096 and gate/up 14336x4096) at W4PROWS or ROWS (32,256), with the plan's registers
 #   and with each cap in REGS (e.g. REGS=128); speed of light, occupancy, warp states, launch stats, memory
@@ -361,6 +365,9 @@ elif [ "$PART" = w4r ]; then
   step w4r-here "${W4RH:-400}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms "${W4RARMS:-native,bf16}" --rows "${ROWS:-16,32,128,256}" \
     --repeats 5 --out "$R/w4r.json" \
     --variants "${VARIANTS:-reduce=0;regs=168;regs=168,reduce=0;regs=128;regs=128,reduce=0;regs=128,ctas_per_sm=4,reduce=0}"
+elif [ "$PART" = l2 ]; then
+  step l2 "${L2S:-300}" python3 benchmarks/w4a16_marlin_probe.py time --chained --arms "${L2ARMS:-native,dequant,dequant-l2,bf16}" \
+    --rows "${ROWS:-32,128,256}" --l2-mb "${L2MB:-4,8,16,32}" --repeats 5 --out "$R/l2.json"
 elif [ "$PART" = w4p ]; then
   ROWS=${W4PROWS:-${ROWS:-32,256}}
   for rows in ${ROWS//,/ }; do for nk in ${SHAPES:-4096x4096 14336x4096}; do set -- ${nk/x/ }; for regs in "" ${REGS:-}; do

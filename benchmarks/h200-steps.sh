@@ -36,7 +36,7 @@ step() { # NAME SECONDS COMMAND...: run with what is left of BUDGET at most; pri
 }
 # The 8B synth, unless every part of the call works without it (the kernel parts make their own weights).
 needs_m=0
-for p in ${PART:-k}; do case $p in w4t|w4r|w4s|w4p|jit|q1) ;; *) needs_m=1 ;; esac; done
+for p in ${PART:-k}; do case $p in w4t|w4r|w4s|w4p|jit|q1|l2) ;; *) needs_m=1 ;; esac; done
 [ "$needs_m" = 0 ] || [ -f "$M/config.json" ] || python3 -m scheduler synth --preset llama-8b-4bit --out "$M" >/dev/null || exit 4
 # The GPU's clocks, power and load every 0.5 s for the whole call (gpu.csv): whether a step that moves
 # between runs (on the H200 a B = 1 step ran at 4.4 ms in one run, 7.5 in the next) moves with the clocks.

@@ -12,7 +12,9 @@ and a bf16 copy.
   (``marlin``), the native kernel (MLX's arrays as they are), each with the default plan and any
   ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
   (a transient bf16 copy, one projection at a time: ``dequant`` with the project's dequantize kernel,
-  ``dequant-mlx`` with ``mx.dequantize``), and bf16 weights through MLX's dense matmul. Unchained, the projections are
+  ``dequant-mlx`` with ``mx.dequantize``; ``dequant-l2`` dequantizes and multiplies in output slices of at
+  most ``--l2-mb`` megabytes of bf16 each, small enough for the L2 to hold a slice between its write and
+  its product), and bf16 weights through MLX's dense matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
   Prints the median ms of running the graph (``mx.eval``) over ``--repeats`` with the min-max, the
@@ -46,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import w4a16_marlin as w4m  # noqa: E402
 
-from workers.kernels import dequant_kernel  # noqa: E402
+from workers.kernels import dequant_kernel, dequant_matmul  # noqa: E402
 
 LLAMA_8B = {
     "q": (4096, 4096),
@@ -163,7 +165,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float
 
 
 VARIANT_FIELDS = ("mt", "nb", "warps", "splits", "ctas_per_sm", "reduce", "xbuf", "stages", "regs", "min_steps")
-ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-mlx", "bf16")
+ARMS = ("mlx-4bit", "marlin", "native", "dequant", "dequant-l2", "dequant-mlx", "bf16")
 
 
 def _variant(spec: str) -> dict[str, float]:
@@ -231,6 +233,7 @@ def timing(
     chained: bool,
     compiled_link: bool,
     out: str | None,
+    l2_mb: list[int] | None = None,
 ) -> None:
     gs = 64
     mats = []
@@ -289,6 +292,15 @@ def timing(
             q, s, b = mats[i]
             return x @ dequant_kernel.launch(q, s, b, gs).T
 
+        def dequant_l2(i: int, x: mx.array, mb: int = 8) -> mx.array:
+            q, s, b = mats[i]
+            n, k = q.shape[0], q.shape[1] * 8
+            parts = [
+                x @ dequant_kernel.launch(q[lo:hi], s[lo:hi], b[lo:hi], gs).T
+                for lo, hi in dequant_matmul.slices(n, k, 2, mb << 20)
+            ]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
         def dequant_mlx(i: int, x: mx.array) -> mx.array:
             q, s, b = mats[i]
             return x @ mx.dequantize(q, s, b, group_size=gs, bits=4).T
@@ -305,6 +317,9 @@ def timing(
                 arms[f"{kern} {spec}"] = (functools.partial(kfn, over=over), _plan_note(m, over))
         if "dequant" in arms_wanted:
             arms["dequant"] = (dequant, "")
+        if "dequant-l2" in arms_wanted:
+            for mb in l2_mb or [8]:
+                arms[f"dequant-l2 {mb} MB"] = (functools.partial(dequant_l2, mb=mb), "")
         if "dequant-mlx" in arms_wanted:
             arms["dequant-mlx"] = (dequant_mlx, "")
         if "bf16" in arms_wanted:
@@ -353,11 +368,13 @@ def main() -> int:
     ap.add_argument("--chained", action="store_true", help="time: each projection's input waits for the last output")
     ap.add_argument("--plain-link", action="store_true", help="time --chained: the link as 3 MLX ops, not compiled")
     ap.add_argument("--out", default=None, help="time: write the results as JSON here")
+    ap.add_argument("--l2-mb", default="8", help="time, arm dequant-l2: comma-separated slice sizes in MB")
     args = ap.parse_args()
     try:
         rows = [int(r) for r in args.rows.split(",")] if args.rows else None
+        l2_mb = [int(v) for v in args.l2_mb.split(",")]
     except ValueError:
-        print("w4a16_marlin_probe: --rows takes comma-separated integers", file=sys.stderr)
+        print("w4a16_marlin_probe: --rows and --l2-mb take comma-separated integers", file=sys.stderr)
         return 2
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     kernels = [a.strip() for a in args.kernels.split(",") if a.strip()]
@@ -388,6 +405,7 @@ def main() -> int:
         args.chained,
         not args.plain_link,
         args.out,
+        l2_mb,
     )
     return 0
 
