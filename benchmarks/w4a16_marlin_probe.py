@@ -13,8 +13,8 @@ and a bf16 copy.
   ``--variants``, the 4-bit weights dequantized to bf16 at each call and then MLX's dense matmul
   (a transient bf16 copy, one projection at a time: ``dequant`` with the project's dequantize kernel,
   ``dequant-mlx`` with ``mx.dequantize``; ``dequant-l2`` dequantizes and multiplies in output slices of at
-  most ``--l2-mb`` megabytes of bf16 each, small enough for the L2 to hold a slice between its write and
-  its product), and bf16 weights through MLX's dense matmul. Unchained, the projections are
+  most ``--l2-mb`` megabytes of bf16 each (whole 128s of outputs where that many fit), small enough for
+  the L2 to hold a slice between its write and its product), and bf16 weights through MLX's dense matmul. Unchained, the projections are
   independent; ``--chained``, projection i's input is ``x + out_{i-1}[:1, :1] * 0`` (one compiled
   elementwise kernel, the same for every arm), so each waits for the last: a decode forward's latency.
   Prints the median ms of running the graph (``mx.eval``) over ``--repeats`` with the min-max, the
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import w4a16_marlin as w4m  # noqa: E402
 
-from workers.kernels import dequant_kernel, dequant_matmul  # noqa: E402
+from workers.kernels import dequant_kernel  # noqa: E402
 
 LLAMA_8B = {
     "q": (4096, 4096),
@@ -295,9 +295,11 @@ def timing(
         def dequant_l2(i: int, x: mx.array, mb: int = 8) -> mx.array:
             q, s, b = mats[i]
             n, k = q.shape[0], q.shape[1] * 8
+            step = max(1, (mb << 20) // (k * 2))  # outputs a slice, whole 128s where that many fit
+            step = step // 128 * 128 if step >= 128 else step
             parts = [
-                x @ dequant_kernel.launch(q[lo:hi], s[lo:hi], b[lo:hi], gs).T
-                for lo, hi in dequant_matmul.slices(n, k, 2, mb << 20)
+                x @ dequant_kernel.launch(q[lo : lo + step], s[lo : lo + step], b[lo : lo + step], gs).T
+                for lo in range(0, n, step)
             ]
             return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
