@@ -122,7 +122,7 @@
 #   VARIANTS (the K slices added by an MLX sum, one block a warp, fewer or more CTAs an SM, two stages), a bf16 copy.
 # PART=w4t: the w4a16 kernel's GPU tests that catch an index or dequantization fault (by default: error against
 #   float32 on the 8B's shapes, MLX's dequantize bit for bit, split-K determinism), the dequantize kernel's,
-#   and the greedy agreement on SmolLM2 (staged: calls carrying .mlx-cuda/smol1 and smol2 run
+#   and the greedy agreement on SmolLM2 (staged: calls carrying .mlx-cuda/smol1, smol2 and smol3 run
 #   `cp .mlx-cuda/smolN/* ~/mlx-stage/`); W4TK overrides the -k filter (every shape and tile took over 200 s).
 # PART=w4r: the w4a16 kernel of this tree against the tree in .mlx-cuda/base/tree.tgz (a git archive of the
 #   kernel before a change), chained as in part w4s, at ROWS (16,32,128,256): that tree's plan and reduce=0,

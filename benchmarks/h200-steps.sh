@@ -16,12 +16,12 @@ E=${E:-$WORK/m8e}   # the echo synth (llama-8b-4bit-echo), made by the parts tha
 [ -f .mlx-cuda/mbc/mbc.tgz ] && [ ! -d "$WORK/mbc" ] && tar xzf .mlx-cuda/mbc/mbc.tgz -C "$WORK"
 [ -d "$SITE/mlx" ] || bash .mlx-cuda/part2/install-on-device.sh || exit 3
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 MLX_BATCHD_CACHE=$WORK/mbc
-# SmolLM2's GGUF where staged (calls carrying .mlx-cuda/smol1 and .mlx-cuda/smol2 copied s.a and s.b to
+# SmolLM2's GGUF where staged (calls carrying .mlx-cuda/smol1, smol2 and smol3 copied s.a, s.b and s.c to
 # ~/mlx-stage): the tests' fixture finds it in MLX_BATCHD_TEST_DATA (it cannot fetch it here), PART=sm in SMOL.
 export MLX_BATCHD_TEST_DATA=$WORK/testdata
 SMOLFILE=$MLX_BATCHD_TEST_DATA/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ -f ~/mlx-stage/s.a ] && [ -f ~/mlx-stage/s.b ] && [ ! -f "$SMOLFILE" ]; then
-  mkdir -p "$MLX_BATCHD_TEST_DATA" && cat ~/mlx-stage/s.a ~/mlx-stage/s.b > "$SMOLFILE"
+if [ -f ~/mlx-stage/s.a ] && [ -f ~/mlx-stage/s.b ] && [ -f ~/mlx-stage/s.c ] && [ ! -f "$SMOLFILE" ]; then
+  mkdir -p "$MLX_BATCHD_TEST_DATA" && cat ~/mlx-stage/s.a ~/mlx-stage/s.b ~/mlx-stage/s.c > "$SMOLFILE"
 fi
 SMOL=${SMOL:-$SMOLFILE}
 R=$OUT/r && mkdir -p "$R"

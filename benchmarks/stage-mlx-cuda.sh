@@ -21,10 +21,11 @@ fi
   --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any -d part1b \
   starlette uvicorn sse-starlette h11 click "llguidance>=1.9,<2" "pyelftools>=0.31"
 # SmolLM2-135M-Instruct's GGUF (the real model of the GPU agreement tests and of PART=sm), where this machine
-# has it, in two pieces under the 64 MiB a call carries (.mlx-cuda/smol1, smol2: one staging call each).
+# has it, in three pieces of ~33 MB (a call carries 64 MiB with the working tree's ~21 MB: .mlx-cuda/smol1,
+# smol2, smol3, one staging call each).
 gguf=${MLX_BATCHD_TEST_DATA:-$HOME/.cache/mlx-batchd-tests}/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ -f "$gguf" ] && [ ! -f smol2/s.b ]; then
-  mkdir -p smol1 smol2 && split -n 2 -a 1 "$gguf" s. && mv s.a smol1/ && mv s.b smol2/
+if [ -f "$gguf" ] && [ ! -f smol3/s.c ]; then
+  rm -rf smol1 smol2 && mkdir -p smol1 smol2 smol3 && split -n 3 -a 1 "$gguf" s. && mv s.a smol1/ && mv s.b smol2/ && mv s.c smol3/
 fi
 cat > part2/install-on-device.sh <<'INNER'
 #!/usr/bin/env bash
@@ -44,4 +45,4 @@ fi
 PYTHONPATH=$site python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); import zmq, uvicorn, llguidance, elftools; print('mlx', mx.__version__, mx.default_device(), 'pyzmq', zmq.__version__)"
 INNER
 chmod +x part2/install-on-device.sh
-du -sh part1 part1b part2 smol1 smol2 2>/dev/null
+du -sh part1 part1b part2 smol1 smol2 smol3 2>/dev/null

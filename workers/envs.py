@@ -44,7 +44,7 @@ W4A16 = EnvVar("MLX_BATCHD_W4A16", "", ("", "0", "1"))
 #: plans on MLX CUDA unless ``0`` (calibration still picks it only where it is faster).
 DEQUANT = EnvVar("MLX_BATCHD_DEQUANT", "", ("", "0", "1"))
 #: Batched decode's attention through the project's masked one-query kernel (``workers.kernels.batch_attention``)
-#: on MLX CUDA: ``1`` turns it on (off until measured on the device).
+#: on MLX CUDA: ``1`` turns it on (off by default: through the daemon it did not beat MLX's masked path).
 BATCH_ATTENTION = EnvVar("MLX_BATCHD_BATCH_ATTENTION", "", ("", "0", "1"))
 #: ``0``: the project's CUDA kernels are not written to MLX's disk cache of compiled kernels
 #: (``workers.kernels.jit_cache``), so each process compiles them again, as MLX alone does.

@@ -132,16 +132,19 @@ def _greedy_agreement(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, to: in
     4-bit group 32), decode planned to ``to`` at every row count against MLX's kernels
     (``greedy_agreement``); ``way`` is the module whose ``project`` the plan sends rows to. The figure is
     reported; the bar only catches a broken way, which leaves almost nothing equal (outputs permuted: 0 of
-    96 on the CPU's transient-weight test), not a near-tie flipped by bf16 rounding."""
+    96 on the CPU's transient-weight test), not a near-tie flipped by bf16 rounding (half the tokens is the
+    bar: in bf16 a 135M model's near-ties are many, 18 of 24 on the CPU's transient weight). The model runs in
+    bf16 (the GGUF's scales load as float32, which the w4a16 and dequantize kernels do not take), both ways."""
     fastpath.set_active(fastpath.CUDA)
     loaded = load(str(smollm2_dir), widths=False)
+    loaded.model.set_dtype(mx.bfloat16)
     if to == fastpath.DENSE:
         assert dense_shadow.configure(loaded.model, "on", 0).on
     took = recorded_rows(monkeypatch, way)
     prompts = topic_prompts(loaded.tokenizer, 32)
     agreed, total = greedy_agreement(loaded.model, loaded.info.vocab_size, prompts, 32, to, took)
     print(f"greedy agreement, {what}: {agreed} of {total} tokens before each sequence's first difference")
-    assert total == 1024 and agreed >= 0.75 * total
+    assert total == 1024 and agreed >= 0.5 * total
 
 
 def test_engine_greedy_tokens_through_the_kernel_agree_with_mlx_s_path(
