@@ -134,7 +134,7 @@
 # PART=w4p: Nsight Compute on the w4a16 kernel alone (benchmarks/w4a16_profile.py, tile 0, one launch after two):
 #   SHAPES (NxK words; default q/o 4096x4096 and gate/up 14336x4096) at W4PROWS or ROWS (32,256), with the plan's registers
 #   and with each cap in REGS (e.g. REGS=128); speed of light, occupancy, warp states, launch stats, memory
-#   workload, one log each (ncu-N-K-ROWS.log).
+#   workload and the source counters (the instructions where warps stall most), one log each (ncu-N-K-ROWS.log).
 # PART=bg: start BGCMD in the background on the warm machine and return at once (default: issue 54's whole bench,
 #   B = 1..256 with the kernel and the transient dequantized weights, without both (mlx-kernels) and with the bf16
 #   shadow (dense), raw up to 64, Poisson
@@ -372,7 +372,7 @@ elif [ "$PART" = w4p ]; then
   ROWS=${W4PROWS:-${ROWS:-32,256}}
   for rows in ${ROWS//,/ }; do for nk in ${SHAPES:-4096x4096 14336x4096}; do set -- ${nk/x/ }; for regs in "" ${REGS:-}; do
     step "ncu-$1-$2-$rows${regs:+-r$regs}" 120 ncu --clock-control none -k regex:mlx_batchd_w4n --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
       python3 benchmarks/w4a16_profile.py --n "$1" --k "$2" --rows "$rows" --tiles 0 --launches 3 ${regs:+--regs $regs}
   done; done; done
 elif [ "$PART" = b1k ]; then
