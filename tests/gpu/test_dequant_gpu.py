@@ -1,5 +1,5 @@
 """The project's dequantize kernel on the GPU: bit for bit ``mx.dequantize`` on every projection shape of
-the 8B and of SmolLM2 at groups 32, 64 and 128 (the launch itself, not the wrapper that falls back to MLX
+the 8B and of SmolLM2 at groups 32, 64 and 128, with bf16 and float16 scales (the launch itself, not the wrapper that falls back to MLX
 where its first call differs), and large-batch products through it (``dequant_matmul``) byte for byte MLX's
 dense product of ``mx.dequantize``'s weight, with the kernel kept (its first-call check passed)."""
 
@@ -30,12 +30,14 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int) -> None:
+def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int, dtype: mx.Dtype) -> None:
+    """bf16 scales, and float16 ones (a GGUF model's on a GPU)."""
     if k % gs:
         pytest.skip("K not a multiple of the group")
-    w = mx.random.normal((n, k), key=mx.random.key(n + k + gs)).astype(mx.bfloat16) * 0.02
+    w = mx.random.normal((n, k), key=mx.random.key(n + k + gs)).astype(dtype) * 0.02
     q, s, b = mx.quantize(w, group_size=gs, bits=4)
     assert dequant_kernel.takes(q, s, 4, gs)
     got = dequant_kernel.launch(q, s, b, gs)  # the kernel itself, not its checked wrapper
@@ -51,4 +53,4 @@ def test_a_large_batch_through_it_is_mlx_s_dense_product_byte_for_byte(rows: int
     want = x @ mx.dequantize(m.weight, m.scales, m.biases, group_size=64, bits=4).T
     got = dequant_matmul.project(m, x)
     assert got is not None and _same_bits(got, want)
-    assert dequant_kernel._checked[(14336, 512, 64)] is True
+    assert dequant_kernel._checked[(14336, 512, 64, mx.bfloat16)] is True

@@ -89,16 +89,17 @@ def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: 
 def test_the_source_holds_the_emulated_index_math() -> None:
     text = dequant_kernel.HEADER + dequant_kernel.SOURCE
     for expr in (
-        "w4m::dq2(w >> 4, s2, b2)",
-        "w4m::dq2(w >> 8, s2, b2)",
-        "w4m::dq2(w >> 12, s2, b2)",
+        "pair<T>(w >> 4, s2, b2)",
+        "pair<T>(w >> 8, s2, b2)",
+        "pair<T>(w >> 12, s2, b2)",
+        "return w4m::dq2(w, s2, b2);",
         "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),",
         "__byte_perm(r2, r3, 0x7632)",
         "v | (v << 16)",
         "const long long base = (t >> 5) * 128 + (t & 31);",
         "const long long wi = base + i * 32;",
         "(size_t)row * G + (size_t)(c * 8 / GS)",
-        "reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi]",
+        "reinterpret_cast<uint4*>(out)[wi] = w4d::word8<T>(w[wi]",
     ):
         assert expr in text, expr
 
@@ -109,12 +110,15 @@ def test_it_is_mlx_s_dequantize_where_the_kernel_does_not_run() -> None:
     assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), mx.dequantize(q, s, b, group_size=64, bits=4))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_shape(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dtype: mx.Dtype
 ) -> None:
-    """Fail closed: the first call on a shape compares the kernel's bits with ``mx.dequantize``'s. The launch
-    is replaced by stand-ins (named as such: the CUDA kernel cannot run here), one exact, one off by a bit."""
+    """Fail closed: the first call on a shape compares the kernel's bits with ``mx.dequantize``'s, for bf16
+    and for float16 scales (a GGUF model's on a GPU). The launch is replaced by stand-ins (named as such:
+    the CUDA kernel cannot run here), one exact, one off by a bit."""
     q, s, b = random_packed(64, 256, 64, seed=2)
+    s, b = s.astype(dtype), b.astype(dtype)
     want = mx.dequantize(q, s, b, group_size=64, bits=4)
     calls: list[str] = []
 
@@ -125,18 +129,19 @@ def test_a_kernel_that_differs_from_mlx_at_its_first_call_is_not_used_on_that_sh
     def off_stand_in(w: mx.array, sc: mx.array, bi: mx.array, gs: int) -> mx.array:
         calls.append("off")
         out = mx.dequantize(w, sc, bi, group_size=gs, bits=4)
-        return (out.view(mx.uint16) ^ 1).view(mx.bfloat16)
+        return (out.view(mx.uint16) ^ 1).view(out.dtype)
 
     monkeypatch.setattr(dequant_kernel, "_checked", {})
     monkeypatch.setattr(dequant_kernel, "launch_seam", exact_stand_in)
     assert dequant_kernel.takes(q, s, 4, 64)
     for _ in range(2):
         assert mx.array_equal(dequant_kernel.dequantize(q, s, b, 64, 4), want)
-    assert calls == ["exact", "exact"] and dequant_kernel._checked == {(64, 32, 64): True}
+    assert calls == ["exact", "exact"] and dequant_kernel._checked == {(64, 32, 64, dtype): True}
+    assert dequant_kernel.dequantize(q, s, b, 64, 4).dtype == dtype
     monkeypatch.setattr(dequant_kernel, "launch_seam", off_stand_in)
     monkeypatch.setattr(dequant_kernel, "_checked", {})
     calls.clear()
     for _ in range(2):
         got = dequant_kernel.dequantize(q, s, b, 64, 4)
         assert got.view(mx.uint16).tolist() == want.view(mx.uint16).tolist()
-    assert calls == ["off"] and dequant_kernel._checked == {(64, 32, 64): False}
+    assert calls == ["off"] and dequant_kernel._checked == {(64, 32, 64, dtype): False}

@@ -297,21 +297,22 @@ def project_cases():
     # the dequantize kernel (``dequant_kernel``), each group size
     from workers.kernels import dequant_kernel
 
-    for gs in (32, 64, 128):
-        cases.append(
-            (
-                f"dequant GS={gs}",
-                dict(
-                    name="mlx_batchd_dequant4",
-                    inputs=[("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf)],
-                    output_names=["out"],
-                    output_dtypes=[bf],
-                    source=dequant_kernel.SOURCE,
-                    header=dequant_kernel.HEADER,
-                    template=[("GS", gs)],
-                ),
+    for dt in ("bfloat16", "float16"):
+        for gs in (32, 64, 128):
+            cases.append(
+                (
+                    f"dequant {dt} GS={gs}",
+                    dict(
+                        name="mlx_batchd_dequant4",
+                        inputs=[("w", 2, "uint32"), ("scales", 2, dt), ("biases", 2, dt)],
+                        output_names=["out"],
+                        output_dtypes=[dt],
+                        source=dequant_kernel.SOURCE,
+                        header=dequant_kernel.HEADER,
+                        template=[("T", dt), ("GS", gs)],
+                    ),
+                )
             )
-        )
     return cases
 
 

@@ -1,10 +1,12 @@
 """MLX's 4-bit affine dequantize as a project kernel on MLX CUDA, bit for bit ``mx.dequantize``.
 
-``dequant_matmul`` writes a projection's bf16 weight before each large-batch product, so this pass is
+``dequant_matmul`` writes a projection's weight before each large-batch product, so this pass is
 paid every step; it moves about four times the 4-bit bytes. Each thread dequantizes four packed words
 (32 weights), a warp 128 consecutive words, so that each store is 512 contiguous bytes a warp, with
-``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2``), which gives MLX CUDA's dequantize bit for bit
-(``tests/gpu``). Elsewhere, and for what it does not take (8 bits, scales other than bf16),
+``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2``; for float16 scales, as a GGUF model loads on a
+GPU, the same with float16's constants), which gives MLX CUDA's dequantize bit for bit in bf16
+(``tests/gpu``). A shape's first call is compared with ``mx.dequantize`` and MLX's kept where they
+differ. Elsewhere, and for what it does not take (8 bits, scales other than bf16 or float16),
 ``mx.dequantize``.
 """
 
@@ -23,18 +25,41 @@ log = logging.getLogger("mlx_batchd")
 
 #: Threads a block.
 THREADS = 256
+#: The scales' dtypes it takes (its output's dtype is theirs).
+DTYPES = (mx.bfloat16, mx.float16)
 
 HEADER = (
     W4M_HEADER
     + r"""
 namespace w4d {
 
-// One packed word's eight bf16 weights in order (16 bytes): dq2 gives weights (j, j + 4) of w >> 4j.
+// float16's w4m::dq2: (q | 0x6400) as float16 is v = 1024 + q, v - 1024 is q exactly, then one
+// float16 FMA with the scale and bias (rounded once).
+__device__ __forceinline__ uint32_t dq2h(uint32_t w, uint32_t s2, uint32_t b2) {
+  const uint32_t v = (w & 0x000f000fu) | 0x64006400u;
+  uint32_t q, d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(0x3c003c00u), "r"(0xe400e400u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(q), "r"(s2), "r"(b2));
+  return d;
+}
+
+// Two weights (j, j + 4) of w >> 4j in the scales' dtype T (bfloat16 or float16).
+template <typename T>
+__device__ __forceinline__ uint32_t pair(uint32_t w, uint32_t s2, uint32_t b2) {
+  if constexpr (cuda::std::is_same_v<T, __half>) {
+    return dq2h(w, s2, b2);
+  } else {
+    return w4m::dq2(w, s2, b2);
+  }
+}
+
+// One packed word's eight weights in order (16 bytes): pair gives weights (j, j + 4) of w >> 4j.
+template <typename T>
 __device__ __forceinline__ uint4 word8(uint32_t w, uint32_t s2, uint32_t b2) {
-  const uint32_t r0 = w4m::dq2(w, s2, b2);
-  const uint32_t r1 = w4m::dq2(w >> 4, s2, b2);
-  const uint32_t r2 = w4m::dq2(w >> 8, s2, b2);
-  const uint32_t r3 = w4m::dq2(w >> 12, s2, b2);
+  const uint32_t r0 = pair<T>(w, s2, b2);
+  const uint32_t r1 = pair<T>(w >> 4, s2, b2);
+  const uint32_t r2 = pair<T>(w >> 8, s2, b2);
+  const uint32_t r3 = pair<T>(w >> 12, s2, b2);
   return make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),
                     __byte_perm(r2, r3, 0x7632));
 }
@@ -63,7 +88,7 @@ SOURCE = r"""
     const int row = (int)(wi / KW);
     const int c = (int)(wi % KW);
     const size_t gi = (size_t)row * G + (size_t)(c * 8 / GS);
-    reinterpret_cast<uint4*>(out)[wi] = w4d::word8(w[wi], w4d::both(scales, gi), w4d::both(biases, gi));
+    reinterpret_cast<uint4*>(out)[wi] = w4d::word8<T>(w[wi], w4d::both(scales, gi), w4d::both(biases, gi));
   }
 """
 
@@ -71,12 +96,12 @@ _kernel: list[Any] = []
 
 
 def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
-    """Whether the kernel runs this weight here: MLX CUDA (or ``launch_seam`` set), 4 bits, bf16 scales,
-    groups of 32-128, rows of whole 16-byte quads."""
+    """Whether the kernel runs this weight here: MLX CUDA (or ``launch_seam`` set), 4 bits, bf16 or
+    float16 scales, groups of 32-128, rows of whole 16-byte quads."""
     here = launch_seam is not None or (mx.default_device() == mx.gpu and mx.cuda.is_available())
     return here and (
         bits == 4
-        and scales.dtype == mx.bfloat16
+        and scales.dtype in DTYPES
         and group_size in (32, 64, 128)
         and w.ndim == 2
         and w.shape[1] % 4 == 0
@@ -84,9 +109,9 @@ def takes(w: mx.array, scales: mx.array, bits: int, group_size: int) -> bool:
     )
 
 
-#: (rows, packed words a row, group size) -> whether the kernel gave ``mx.dequantize``'s bits
-#: at its first call on that shape in this process (checked on the weight it was called with).
-_checked: dict[tuple[int, int, int], bool] = {}
+#: (rows, packed words a row, group size, scales' dtype) -> whether the kernel gave ``mx.dequantize``'s
+#: bits at its first call on that shape in this process (checked on the weight it was called with).
+_checked: dict[tuple[int, int, int, mx.Dtype], bool] = {}
 
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -95,7 +120,7 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
     closed: a shape that differed, or could not be checked, keeps MLX's)."""
     if not takes(w, scales, bits, group_size):
         return mx.dequantize(w, scales, biases, group_size, bits)
-    key = (w.shape[0], w.shape[1], group_size)
+    key = (w.shape[0], w.shape[1], group_size, scales.dtype)
     ok = _checked.get(key)
     if ok is False:
         return mx.dequantize(w, scales, biases, group_size, bits)
@@ -118,7 +143,7 @@ launch_seam: Callable[[mx.array, mx.array, mx.array, int], mx.array] | None = No
 
 
 def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """The kernel on ``w`` (``takes`` it): bf16 [N, K]."""
+    """The kernel on ``w`` (``takes`` it): [N, K] in the scales' dtype."""
     if launch_seam is not None:
         return launch_seam(w, scales, biases, group_size)
     if not _kernel:
@@ -133,8 +158,8 @@ def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> 
         )
     kernel = _kernel[0]
     n, kw = w.shape
-    template = [("GS", group_size)]
-    jit_cache.prime(kernel, [w, scales, biases], template, [mx.bfloat16])
+    template = [("T", scales.dtype), ("GS", group_size)]
+    jit_cache.prime(kernel, [w, scales, biases], template, [scales.dtype])
     threads = n * (kw // 4)  # four words a thread
     return kernel(
         inputs=[w, scales, biases],
@@ -142,5 +167,5 @@ def launch(w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> 
         grid=(-(-threads // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, kw * 8)],
-        output_dtypes=[mx.bfloat16],
+        output_dtypes=[scales.dtype],
     )[0]
