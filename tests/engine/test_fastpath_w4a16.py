@@ -38,6 +38,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]
     monkeypatch.setenv("MLX_BATCHD_W4A16", "1")
     monkeypatch.setattr(w4a16, "_takes", {})
     monkeypatch.setattr(w4a16, "_weights", {})
+    monkeypatch.setattr(w4a16, "_checked", {})
     monkeypatch.setattr(fastpath, "_plans", {})
     monkeypatch.setattr(fastpath, "one_row", set())
     seen: list[tuple[int, int]] = []
@@ -46,7 +47,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]
     def stand_in(x: mx.array, w: w4a16.Native, p: w4a16.Plan) -> mx.array:
         seen.append((x.shape[0], w.n))
         tiles_launched.append(p)
-        return (x @ mx.dequantize(w.w, w.scales, w.biases, w.group_size).T).astype(mx.bfloat16)
+        return (x @ mx.dequantize(w.w, w.scales, w.biases, w.group_size).T).astype(x.dtype)
 
     monkeypatch.setattr(w4a16, "launch_seam", stand_in)
     yield seen
@@ -68,12 +69,42 @@ def _q(d_in: int, d_out: int, bits: int = 4, dtype: mx.Dtype = mx.bfloat16) -> n
     return q
 
 
-def test_the_kernel_takes_only_4_bit_bf16_layers_of_shapes_it_runs(launches: list[Any]) -> None:
+def test_the_kernel_takes_only_4_bit_bf16_or_float16_layers_of_shapes_it_runs(launches: list[Any]) -> None:
     assert w4a16.takes(_q(256, 64))
+    assert w4a16.takes(_q(256, 64, dtype=mx.float16))  # a GGUF model's scales on a GPU
     assert not w4a16.takes(_q(256, 64, bits=8))
-    assert not w4a16.takes(_q(256, 64, dtype=mx.float16))  # scales not bf16
+    assert not w4a16.takes(_q(256, 64, dtype=mx.float32))  # scales neither bf16 nor float16
     assert not w4a16.takes(_q(256, 72))  # 72 outputs: not a multiple of 16
     assert not w4a16.takes(nn.Linear(256, 64))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_a_tile_off_from_mlx_at_its_first_call_on_a_shape_is_not_used_there(
+    launches: list[Any], monkeypatch: pytest.MonkeyPatch, dtype: mx.Dtype
+) -> None:
+    """Fail closed: a tile's first call on a weight shape is compared with MLX's dense product. An exact
+    stand-in is kept (and later calls are not compared again); a stand-in whose outputs are permuted (a
+    wrong index) is refused on that shape and tile, for the rest of the process, and another tile is
+    compared on its own. The activations reach the launch in the scales' dtype."""
+    q = _q(256, 64, dtype=dtype)
+    x = (mx.random.normal((32, 256), key=mx.random.key(3)) * 0.5).astype(mx.float32)
+    dense = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=4)
+    got = w4a16.project(q, x)
+    assert got is not None and got.dtype == mx.float32 and len(launches) == 1
+    assert mx.array_equal(got, (x.astype(dtype) @ dense.T + q.bias).astype(mx.float32)).item()
+    assert w4a16._checked == {(64, 256, 64, dtype, 0): True}
+    seen_dtypes: list[mx.Dtype] = []
+
+    def permuted_stand_in(xs: mx.array, w: w4a16.Native, p: w4a16.Plan) -> mx.array:
+        seen_dtypes.append(xs.dtype)
+        return (xs @ mx.dequantize(w.w, w.scales, w.biases, w.group_size).T)[:, ::-1]
+
+    monkeypatch.setattr(w4a16, "launch_seam", permuted_stand_in)
+    assert w4a16.project(q, x) is not None  # tile 0 was checked already: not compared again
+    assert w4a16.project(q, x, 1) is None  # tile 1's first call: off, refused
+    assert w4a16.project(q, x, 1) is None and len(seen_dtypes) == 2  # refused without a launch
+    assert seen_dtypes == [dtype, dtype]
+    assert w4a16._checked == {(64, 256, 64, dtype, 0): True, (64, 256, 64, dtype, 1): False}
 
 
 def test_the_kernel_is_off_without_cuda_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

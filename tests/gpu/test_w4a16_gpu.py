@@ -42,8 +42,8 @@ SHAPES = [
 ROWS = (1, 16, 17, 32, 100, 128, 256)
 
 
-def _weights(n: int, k: int, gs: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(mx.bfloat16) * 0.02
+def _weights(n: int, k: int, gs: int, seed: int, dtype: mx.Dtype = mx.bfloat16) -> tuple[mx.array, mx.array, mx.array]:
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(dtype) * 0.02
     q, s, b = mx.quantize(w, group_size=gs, bits=4)
     return q, s, b
 
@@ -52,14 +52,16 @@ def _mean_abs(a: mx.array) -> float:
     return float(mx.mean(mx.abs(a)).item())  # type: ignore[arg-type]
 
 
-def _check_error(name: str, n: int, k: int, gs: int, rows: tuple[int, ...], tile: int = 0) -> None:
+def _check_error(
+    name: str, n: int, k: int, gs: int, rows: tuple[int, ...], tile: int = 0, dtype: mx.Dtype = mx.bfloat16
+) -> None:
     """The kernel with ``TILES[tile]`` against a float32 reference on ``rows`` rows: within the bf16
-    bound where MLX's own kernels are, and no worse on average."""
-    q, s, b = _weights(n, k, gs, seed=n * 7 + k + gs)
+    bound where MLX's own kernels are, and no worse on average (``dtype``: activations and scales)."""
+    q, s, b = _weights(n, k, gs, seed=n * 7 + k + gs, dtype=dtype)
     weight = w4a16.native(q, s, b, gs)
-    wbf = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.bfloat16)
+    wbf = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(dtype)
     for m in rows:
-        x = (mx.random.normal((m, k), key=mx.random.key(m + n)) * 0.5).astype(mx.bfloat16)
+        x = (mx.random.normal((m, k), key=mx.random.key(m + n)) * 0.5).astype(dtype)
         ref = x.astype(mx.float32) @ wbf.astype(mx.float32).T
         got = w4a16.native_matmul(x, weight, w4a16.tile_plan(m, n, k, tile)).astype(mx.float32)
         theirs = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=4).astype(mx.float32)
@@ -86,6 +88,13 @@ def test_error_against_float32_is_within_what_bf16_accumulation_allows(name: str
 
 
 TILE_SHAPES = [s for s in SHAPES if s[1] < 100000 and (s[0].startswith("8b") or s[3] == 32)]
+#: float16 (a GGUF model's scales on a GPU): SmolLM2's group-32 shapes and two of the 8B's.
+F16_SHAPES = [s for s in SHAPES if s[0] in ("8b q/o", "8b down") or s[0].endswith("g32")]
+
+
+@pytest.mark.parametrize("name,n,k,gs", F16_SHAPES, ids=[s[0] for s in F16_SHAPES])
+def test_float16_error_against_float32_is_within_the_same_bound(name: str, n: int, k: int, gs: int) -> None:
+    _check_error(name, n, k, gs, ROWS, dtype=mx.float16)
 
 
 @pytest.mark.parametrize("tile", range(1, len(w4a16_source.TILES)))
@@ -95,20 +104,17 @@ def test_every_calibrated_tile_is_within_the_same_bound(name: str, n: int, k: in
     _check_error(name, n, k, gs, (w4a16_source.TILE_ROWS, 100, 128, 256), tile)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_kernel_weights_are_mlx_cuda_dequantize_bit_for_bit(gs: int) -> None:
+def test_kernel_weights_are_mlx_cuda_dequantize_bit_for_bit(gs: int, dtype: mx.Dtype) -> None:
     """One-hot rows: the kernel returns the weights it built in registers, which must be the bits of
-    MLX CUDA's ``mx.dequantize`` (one bf16 FMA)."""
+    MLX CUDA's ``mx.dequantize`` (one FMA in the scales' dtype)."""
     n, k = 256, 1024
-    q, s, b = _weights(n, k, gs, seed=gs)
+    q, s, b = _weights(n, k, gs, seed=gs, dtype=dtype)
     weight = w4a16.native(q, s, b, gs)
-    want = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.bfloat16)
+    want = mx.dequantize(q, s, b, group_size=gs, bits=4).astype(dtype)
     for k0 in range(0, k, 64):
-        eye = (
-            mx.zeros((64, k), dtype=mx.bfloat16)
-            .at[mx.arange(64), mx.arange(k0, k0 + 64)]
-            .add(mx.array(1.0, dtype=mx.bfloat16))
-        )
+        eye = mx.zeros((64, k), dtype=dtype).at[mx.arange(64), mx.arange(k0, k0 + 64)].add(mx.array(1.0, dtype=dtype))
         got = w4a16.native_matmul(eye, weight, w4a16.plan(64, n, k, splits=1))
         assert mx.array_equal(got.T, want[:, k0 : k0 + 64]).item(), k0
 
@@ -133,11 +139,10 @@ def _greedy_agreement(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, to: in
     (``greedy_agreement``); ``way`` is the module whose ``project`` the plan sends rows to. The figure is
     reported; the bar only catches a broken way, which leaves almost nothing equal (outputs permuted: 0 of
     96 on the CPU's transient-weight test), not a near-tie flipped by bf16 rounding (half the tokens is the
-    bar: in bf16 a 135M model's near-ties are many, 18 of 24 on the CPU's transient weight). The model runs in
-    bf16 (the GGUF's scales load as float32, which the w4a16 and dequantize kernels do not take), both ways."""
+    bar: in bf16 a 135M model's near-ties are many, 18 of 24 on the CPU's transient weight). The model runs
+    as a GPU loads its GGUF: float16 scales, vectors and activations."""
     fastpath.set_active(fastpath.CUDA)
     loaded = load(str(smollm2_dir), widths=False)
-    loaded.model.set_dtype(mx.bfloat16)
     if to == fastpath.DENSE:
         assert dense_shadow.configure(loaded.model, "on", 0).on
     took = recorded_rows(monkeypatch, way)

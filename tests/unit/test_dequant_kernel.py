@@ -89,10 +89,10 @@ def test_emulated_kernel_is_mlx_cuda_dequantize_bit_for_bit(n: int, k: int, gs: 
 def test_the_source_holds_the_emulated_index_math() -> None:
     text = dequant_kernel.HEADER + dequant_kernel.SOURCE
     for expr in (
-        "pair<T>(w >> 4, s2, b2)",
-        "pair<T>(w >> 8, s2, b2)",
-        "pair<T>(w >> 12, s2, b2)",
-        "return w4m::dq2(w, s2, b2);",
+        "w4m::dq2t<T>(w >> 4, s2, b2)",
+        "w4m::dq2t<T>(w >> 8, s2, b2)",
+        "w4m::dq2t<T>(w >> 12, s2, b2)",
+        "return dq2(w, s2, b2);",
         "__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),",
         "__byte_perm(r2, r3, 0x7632)",
         "v | (v << 16)",

@@ -272,28 +272,30 @@ def project_cases():
     from workers.kernels import w4a16
 
     kern = w4a16.NATIVE
-    w_ins = [("x", 2, bf), ("w", 2, "uint32"), ("scales", 2, bf), ("biases", 2, bf), ("locks", 1, "int32")]
-    for mt, nb in ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1), (2, 1), (4, 1)):
-        p = w4a16.plan(16 * mt, 4096, 4096, mt=mt, nb=nb, splits=2)
-        for gs in (32, 64):
-            for red in (True, False):
-                cases.append(
-                    (
-                        f"w4a16 MT={mt} NB={nb} GS={gs} REDUCE={int(red)}",
-                        dict(
-                            name=w4a16.kernel_name(kern, p, gs, True, red),
-                            inputs=w_ins,
-                            output_names=w4a16.OUTPUT_NAMES,
-                            output_dtypes=[bf, "float32"],
-                            source=kern.source,
-                            header=kern.header,
-                            template=[  # dtypes by name: the cases cross to worker processes
-                                (k, v if isinstance(v, (bool, int)) else dtype_name(v))
-                                for k, v in w4a16.template(kern, p, gs, True, red)
-                            ],
-                        ),
+    for dt, tiles in ((bf, ((1, 2), (2, 2), (4, 2), (8, 2), (8, 1), (2, 1), (4, 1))), ("float16", ((2, 2), (4, 2)))):
+        w_ins = [("x", 2, dt), ("w", 2, "uint32"), ("scales", 2, dt), ("biases", 2, dt), ("locks", 1, "int32")]
+        for mt, nb in tiles:
+            p = w4a16.plan(16 * mt, 4096, 4096, mt=mt, nb=nb, splits=2)
+            for gs in (32, 64):
+                for red in (True, False):
+                    mdt = getattr(__import__("mlx.core", fromlist=["core"]), dt)
+                    cases.append(
+                        (
+                            f"w4a16 {'' if dt == bf else 'float16 '}MT={mt} NB={nb} GS={gs} REDUCE={int(red)}",
+                            dict(
+                                name=w4a16.kernel_name(kern, p, gs, True, red, mdt),
+                                inputs=w_ins,
+                                output_names=w4a16.OUTPUT_NAMES,
+                                output_dtypes=[dt, "float32"],
+                                source=kern.source,
+                                header=kern.header,
+                                template=[  # dtypes by name: the cases cross to worker processes
+                                    (k, v if isinstance(v, (bool, int)) else dtype_name(v))
+                                    for k, v in w4a16.template(kern, p, gs, True, red, mdt)
+                                ],
+                            ),
+                        )
                     )
-                )
     # the dequantize kernel (``dequant_kernel``), each group size
     from workers.kernels import dequant_kernel
 

@@ -3,8 +3,8 @@
 ``dequant_matmul`` writes a projection's weight before each large-batch product, so this pass is
 paid every step; it moves about four times the 4-bit bytes. Each thread dequantizes four packed words
 (32 weights), a warp 128 consecutive words, so that each store is 512 contiguous bytes a warp, with
-``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2``; for float16 scales, as a GGUF model loads on a
-GPU, the same with float16's constants), which gives MLX CUDA's dequantize bit for bit in bf16
+``w4a16``'s one-FMA-a-pair dequantization (``w4m::dq2t``: bf16, or float16 scales as a GGUF model loads
+on a GPU), which gives MLX CUDA's dequantize bit for bit in bf16
 (``tests/gpu``). A shape's first call is compared with ``mx.dequantize`` and MLX's kept where they
 differ. Elsewhere, and for what it does not take (8 bits, scales other than bf16 or float16),
 ``mx.dequantize``.
@@ -33,33 +33,14 @@ HEADER = (
     + r"""
 namespace w4d {
 
-// float16's w4m::dq2: (q | 0x6400) as float16 is v = 1024 + q, v - 1024 is q exactly, then one
-// float16 FMA with the scale and bias (rounded once).
-__device__ __forceinline__ uint32_t dq2h(uint32_t w, uint32_t s2, uint32_t b2) {
-  const uint32_t v = (w & 0x000f000fu) | 0x64006400u;
-  uint32_t q, d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(q) : "r"(v), "r"(0x3c003c00u), "r"(0xe400e400u));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(q), "r"(s2), "r"(b2));
-  return d;
-}
-
-// Two weights (j, j + 4) of w >> 4j in the scales' dtype T (bfloat16 or float16).
-template <typename T>
-__device__ __forceinline__ uint32_t pair(uint32_t w, uint32_t s2, uint32_t b2) {
-  if constexpr (cuda::std::is_same_v<T, __half>) {
-    return dq2h(w, s2, b2);
-  } else {
-    return w4m::dq2(w, s2, b2);
-  }
-}
-
-// One packed word's eight weights in order (16 bytes): pair gives weights (j, j + 4) of w >> 4j.
+// One packed word's eight weights in order (16 bytes) in the scales' dtype T: dq2t gives weights
+// (j, j + 4) of w >> 4j.
 template <typename T>
 __device__ __forceinline__ uint4 word8(uint32_t w, uint32_t s2, uint32_t b2) {
-  const uint32_t r0 = pair<T>(w, s2, b2);
-  const uint32_t r1 = pair<T>(w >> 4, s2, b2);
-  const uint32_t r2 = pair<T>(w >> 8, s2, b2);
-  const uint32_t r3 = pair<T>(w >> 12, s2, b2);
+  const uint32_t r0 = w4m::dq2t<T>(w, s2, b2);
+  const uint32_t r1 = w4m::dq2t<T>(w >> 4, s2, b2);
+  const uint32_t r2 = w4m::dq2t<T>(w >> 8, s2, b2);
+  const uint32_t r3 = w4m::dq2t<T>(w >> 12, s2, b2);
   return make_uint4(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410), __byte_perm(r0, r1, 0x7632),
                     __byte_perm(r2, r3, 0x7632));
 }

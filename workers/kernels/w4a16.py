@@ -1,17 +1,20 @@
 """A w4a16 tensor-core GEMM for batched decode's 4-bit projections on MLX CUDA.
 
-``y = x @ dequantize(w).T`` for bf16 activations ``x`` [M, K] and a ``QuantizedLinear``'s own arrays (4-bit
-affine, group 32, 64 or 128, bf16 scales and biases: no second copy of the weights). MLX's quantized
+``y = x @ dequantize(w).T`` for bf16 (or float16) activations ``x`` [M, K] and a ``QuantizedLinear``'s own
+arrays (4-bit affine, group 32, 64 or 128, scales and biases of the activations' dtype: no second copy of
+the weights). MLX's quantized
 matmul at 16-256 rows fills few SMs and a decode forward runs its projections one after another, so
 it waits on each; this kernel dequantizes in registers (MLX's dequantize bit for bit) and feeds
-``mma.sync.m16n8k16`` bf16 with fp32 accumulators, splitting K across CTAs until the SMs are busy and
+``mma.sync.m16n8k16`` with fp32 accumulators, splitting K across CTAs until the SMs are busy and
 adding the slices in a fixed order (deterministic). The CUDA text is ``w4a16_source``.
 
 Where it runs, and with which tile (``TILES``), is a plan value (``fastpath.MMA`` and the values below
 it), chosen per projection shape and row count by ``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
 kernel out of the plans. Its dequantization is one FMA a pair, as MLX CUDA's ``scale * q + bias``
-compiles, so its error matches MLX's own (``tests/gpu``). Batched decode makes no byte-identity
-promise; the exact levels never reach this kernel.
+compiles, so its error matches MLX's own (``tests/gpu``); each tile's first call on a weight shape is
+compared with MLX's dense product of the dequantized weight, and MLX's kept there if it is off (fail
+closed). Batched decode
+makes no byte-identity promise; the exact levels never reach this kernel.
 
 Each weight has one int32 counter an output column for the split-K reduction (zero between
 launches: the last CTA of a tile resets its own). Two launches on one weight must therefore not run
@@ -22,6 +25,7 @@ calls each projection once and steps follow one another.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -42,12 +46,22 @@ from workers.kernels.w4a16_source import (
     TILES,
 )
 
+log = logging.getLogger("mlx_batchd")
+
 #: Streaming multiprocessors assumed when MLX does not say (H100 SXM and H200: 132).
 DEFAULT_SMS = 132
 #: Group sizes the kernel takes (a k16 MMA step never straddles a group).
 GROUP_SIZES = (32, 64, 128)
 #: Dynamic shared memory a launch may take without opting in to more.
 SHARED_LIMIT = 48000
+#: The activations' (and scales' and biases') dtypes it takes: bf16, and float16 (a GGUF model's on a GPU).
+DTYPES = (mx.bfloat16, mx.float16)
+#: A tile's first call on a weight shape is compared with MLX's dense product of the dequantized weight
+#: (float32 accumulation, as the kernel's): off by more than this fraction of that product's largest
+#: output, MLX's call is kept there. Two right products differ by a few ulps of the outputs (2^-8 each in
+#: bf16); a wrong nibble, scale or index is off by the outputs' own size. (MLX's quantized matmul is no
+#: reference here: on the CPU it accumulates in bf16, a fifth of the largest output off at K = 14336.)
+TOLERANCE = 2.0**-5
 
 
 def sms() -> int:
@@ -180,8 +194,8 @@ class Native:
 def native(w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64) -> Native:
     """MLX's 4-bit arrays and the reduction counters: what ``native_matmul`` takes (no copy)."""
     check_shapes(w.shape[0], w.shape[1] * 8, group_size)
-    if scales.dtype != mx.bfloat16 or biases.dtype != mx.bfloat16:
-        raise ValueError("w4a16: needs bf16 scales and biases")
+    if scales.dtype not in DTYPES or biases.dtype != scales.dtype:
+        raise ValueError("w4a16: needs bf16 or float16 scales and biases of one dtype")
     return Native(w, scales, biases, mx.zeros((w.shape[0],), dtype=mx.int32), group_size)
 
 
@@ -213,15 +227,20 @@ NATIVE = Kernel(
 _kernels: dict[str, Any] = {}
 
 
-def kernel_name(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> str:
+def kernel_name(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool, dtype: mx.Dtype = mx.bfloat16) -> str:
     """One name a variant (MLX caches compiled kernels by name)."""
-    return f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}_r{p.regs}"
+    dt = "" if dtype == mx.bfloat16 else "_f16"
+    return (
+        f"mlx_batchd_{kern.tag}_{p.mt}_{p.nb}_{p.warps}_{kern.depth_of(p)}_{gs}_{int(split)}{int(reduce)}_r{p.regs}{dt}"
+    )
 
 
-def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[tuple[str, Any]]:
-    """The kernel's template arguments for a plan."""
+def template(
+    kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool, dtype: mx.Dtype = mx.bfloat16
+) -> list[tuple[str, Any]]:
+    """The kernel's template arguments for a plan (``dtype``: the activations')."""
     return [
-        ("T", mx.bfloat16),
+        ("T", dtype),
         ("MT", p.mt),
         ("NB", p.nb),
         ("WARPS", p.warps),
@@ -233,8 +252,8 @@ def template(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> list[
     ]
 
 
-def _kernel(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> Any:
-    name = kernel_name(kern, p, gs, split, reduce)
+def _kernel(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool, dtype: mx.Dtype) -> Any:
+    name = kernel_name(kern, p, gs, split, reduce, dtype)
     built = _kernels.get(name)
     if built is None:
         built = _kernels[name] = jit_cache.cuda_kernel(
@@ -251,35 +270,38 @@ def _kernel(kern: Kernel, p: Plan, gs: int, split: bool, reduce: bool) -> Any:
 def launch(
     kern: Kernel, x: mx.array, n: int, k: int, group_size: int, arrays: list[mx.array], locks: mx.array, p: Plan | None
 ) -> mx.array:
-    """Check the shapes, plan, launch ``kern`` on ``[x, *arrays, locks]``; bf16 [M, N]."""
-    if x.dtype != mx.bfloat16 or x.ndim != 2:
-        raise ValueError("w4a16: 2-D bf16 activations only")
+    """Check the shapes, plan, launch ``kern`` on ``[x, *arrays, locks]``; [M, N] in ``x``'s dtype."""
+    if x.dtype not in DTYPES or x.ndim != 2:
+        raise ValueError("w4a16: 2-D bf16 or float16 activations only")
+    if any(a.dtype not in (mx.uint32, x.dtype) for a in arrays):
+        raise ValueError("w4a16: the scales and biases must have the activations' dtype")
     m = x.shape[0]
     check_shapes(n, k, group_size)
     if x.shape[1] != k:
         raise ValueError(f"w4a16: x has K={x.shape[1]}, the weight {k}")
     if m == 0:
-        return mx.zeros((0, n), dtype=mx.bfloat16)
+        return mx.zeros((0, n), dtype=x.dtype)
     p = p or tile_plan(m, n, k)
     split = p.splits > 1
     reduce = split and p.reduce and p.tiles(m, n) <= locks.size
-    kernel, args = _kernel(kern, p, group_size, split, reduce), template(kern, p, group_size, split, reduce)
-    jit_cache.prime(kernel, [x, *arrays, locks], args, [mx.bfloat16, mx.float32])
+    dt = x.dtype
+    kernel, args = _kernel(kern, p, group_size, split, reduce, dt), template(kern, p, group_size, split, reduce, dt)
+    jit_cache.prime(kernel, [x, *arrays, locks], args, [dt, mx.float32])
     out, ws = kernel(
         inputs=[x, *arrays, locks],
         template=args,
         grid=p.grid(m, n),
         threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[(m, n), (p.splits, m, n) if split else (1,)],
-        output_dtypes=[mx.bfloat16, mx.float32],
+        output_dtypes=[dt, mx.float32],
     )
     if split and not reduce:
-        return ws.sum(axis=0).astype(mx.bfloat16)
+        return ws.sum(axis=0).astype(dt)
     return out
 
 
 def native_matmul(x: mx.array, w: Native, p: Plan | None = None) -> mx.array:
-    """``x @ dequantize(w).T`` straight from MLX's packed arrays (``native``); bf16 [M, N]."""
+    """``x @ dequantize(w).T`` straight from MLX's packed arrays (``native``); [M, N] in ``x``'s dtype."""
     if p is not None and not 2 <= p.stages <= 4:
         raise ValueError(f"w4a16: 2-4 stages, got {p.stages}")
     return launch(NATIVE, x, w.n, w.k, w.group_size, [w.w, w.scales, w.biases], w.locks, p)
@@ -296,13 +318,14 @@ launch_seam: Callable[[mx.array, Native, Plan], mx.array] | None = None
 
 def takes(m: nn.Module) -> bool:
     """Whether the kernel takes ``m`` here: a 4-bit affine ``QuantizedLinear`` of a shape it runs,
-    bf16 scales and biases, on a backend where it runs (or with ``launch_seam`` set), unless switched
-    off (``MLX_BATCHD_W4A16=0``)."""
+    bf16 or float16 scales and biases, on a backend where it runs (or with ``launch_seam`` set), unless
+    switched off (``MLX_BATCHD_W4A16=0``)."""
     if envs.switch(envs.W4A16) is False:
         return False
     if not isinstance(m, nn.QuantizedLinear) or m.bits != 4 or getattr(m, "mode", "affine") != "affine":
         return False
-    if getattr(m, "biases", None) is None or m.scales.dtype != mx.bfloat16:
+    biases = getattr(m, "biases", None)
+    if biases is None or m.scales.dtype not in DTYPES or biases.dtype != m.scales.dtype:
         return False
     n, k = m.weight.shape[0], m.weight.shape[1] * 8
     if m.group_size not in GROUP_SIZES or k % 64 or k % m.group_size or n % 16:
@@ -322,11 +345,15 @@ def _weight(m: nn.QuantizedLinear) -> Native:
 
 #: ``takes`` by module id, for ``project``'s check on every call.
 _takes: dict[int, bool] = {}
+#: (N, K, group size, dtype, tile) -> whether the tile's first call on that weight shape agreed with MLX's
+#: dense product of the dequantized weight (within ``TOLERANCE``) in this process.
+_checked: dict[tuple[int, int, int, mx.Dtype, int], bool] = {}
 
 
 def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
     """``m(x)`` for flattened rows ``x`` [rows, K] through the kernel with ``TILES[tile]``, or ``None``
-    where it does not take ``m`` (``takes``); activations other than bf16 are cast to bf16 and back."""
+    where it does not take ``m`` (``takes``) or the tile's first call on ``m``'s shape was off from MLX's
+    (fail closed); activations are cast to the scales' dtype and back."""
     ok = _takes.get(id(m))
     if ok is None:
         ok = _takes[id(m)] = takes(m)
@@ -335,9 +362,31 @@ def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
         return None
     assert isinstance(m, nn.QuantizedLinear)
     w = _weight(m)
-    xb = x if x.dtype == mx.bfloat16 else x.astype(mx.bfloat16)
+    key = (w.n, w.k, w.group_size, w.scales.dtype, tile)
+    agreed = _checked.get(key)
+    if agreed is False:
+        return None
+    xs = x if x.dtype == w.scales.dtype else x.astype(w.scales.dtype)
     p = tile_plan(x.shape[0], w.n, w.k, tile)
-    y = native_matmul(xb, w, p) if launch_seam is None else launch_seam(xb, w, p)
+    y = native_matmul(xs, w, p) if launch_seam is None else launch_seam(xs, w, p)
+    if agreed is None:
+        want = xs @ mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=4).T
+        err = mx.max(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)))
+        try:
+            agreed = bool((err <= TOLERANCE * mx.max(mx.abs(want.astype(mx.float32)))).item())
+        except Exception:  # evaluated where a value cannot be read (a compiled graph): check another time
+            agreed = None
+            y = want
+        if agreed is not None:
+            _checked[key] = agreed
+        if agreed is False:
+            log.warning(
+                "w4a16 kernel: tile %d off from MLX's quantized matmul by %s at %s; MLX's is used there",
+                tile,
+                err,
+                key[:4],
+            )
+            return None
     if "bias" in m:
         y = y + m.bias
     return y if y.dtype == x.dtype else y.astype(x.dtype)

@@ -61,6 +61,55 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
+// The same for float16 activations, scales and biases: the MMA in float16, and dq2 with float16's
+// constants ((q | 0x6400) as float16 is 1024 + q; one float16 FMA with the scale and bias).
+__device__ __forceinline__ void mma_f16_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t dq2h(uint32_t w, uint32_t s2, uint32_t b2) {
+  const uint32_t v = (w & 0x000f000fu) | 0x64006400u;
+  return hfma2(hfma2(v, 0x3c003c00u, 0xe400e400u), s2, b2);
+}
+
+// By the activations' dtype T (__nv_bfloat16 or __half): the MMA, the dequantization, a pair's store.
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (cuda::std::is_same_v<T, __half>) {
+    mma_f16_16816(c, a, b0, b1);
+  } else {
+    mma_bf16_16816(c, a, b0, b1);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t dq2t(uint32_t w, uint32_t s2, uint32_t b2) {
+  if constexpr (cuda::std::is_same_v<T, __half>) {
+    return dq2h(w, s2, b2);
+  } else {
+    return dq2(w, s2, b2);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  if constexpr (cuda::std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+  }
+}
+
 }  // namespace w4m
 """
 
@@ -98,17 +147,15 @@ EPILOGUE = r"""
           if (r0 < M) *reinterpret_cast<float2*>(o + (size_t)r0 * N + n) = make_float2(c[0], c[1]);
           if (r0 + 8 < M) *reinterpret_cast<float2*>(o + (size_t)(r0 + 8) * N + n) = make_float2(c[2], c[3]);
         } else {
-          if (r0 < M)
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r0 * N + n) = __floats2bfloat162_rn(c[0], c[1]);
-          if (r0 + 8 < M)
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)(r0 + 8) * N + n) = __floats2bfloat162_rn(c[2], c[3]);
+          if (r0 < M) w4m::store2(out + (size_t)r0 * N + n, c[0], c[1]);
+          if (r0 + 8 < M) w4m::store2(out + (size_t)(r0 + 8) * N + n, c[2], c[3]);
         }
       }
     }
   }
 
   // Several K slices, REDUCE: the last CTA of a tile to finish (a counter a tile in ``locks``, which it
-  // resets to zero) adds the slices' partials in slice order and writes bf16: deterministic.
+  // resets to zero) adds the slices' partials in slice order and writes the output's dtype: deterministic.
   if constexpr (SPLIT && REDUCE) {
     __shared__ int w4m_last;
     const int tile = blockIdx.y * gridDim.x + blockIdx.x;
@@ -131,7 +178,7 @@ EPILOGUE = r"""
           v.x += p.x;
           v.y += p.y;
         }
-        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * N + n) = __floats2bfloat162_rn(v.x, v.y);
+        w4m::store2(out + (size_t)r * N + n, v.x, v.y);
       }
     }
     if (threadIdx.x == 0) lk[tile] = 0;
@@ -225,7 +272,7 @@ NATIVE_SOURCE = (
       const int r = i >> 3;
       const int u = i & 7;
       const bool ok = m0 + r < M;
-      const __nv_bfloat16* src = ok ? x + (size_t)(m0 + r) * K + (size_t)step * 64 + u * 8 : x;
+      const T* src = ok ? x + (size_t)(m0 + r) * K + (size_t)step * 64 + u * 8 : x;
       w4m::cp_async16(xd + (uint32_t)((r * 8 + (u ^ ((r & 1) << 2))) * 16), src, ok);
     }
     const uint32_t wd = wsm_base + (uint32_t)(slot * WSTAGE);
@@ -294,10 +341,10 @@ NATIVE_SOURCE = (
               const uint32_t wv = bw[j][h * 2 + c32];
 #pragma unroll
               for (int u = 0; u < 2; ++u) {
-                const uint32_t b0 = w4m::dq2(wv >> (8 * u), s2, b2);       // nibbles 2u, 2u+4
-                const uint32_t b1 = w4m::dq2(wv >> (8 * u + 4), s2, b2);   // nibbles 2u+1, 2u+5
+                const uint32_t b0 = w4m::dq2t<T>(wv >> (8 * u), s2, b2);       // nibbles 2u, 2u+4
+                const uint32_t b1 = w4m::dq2t<T>(wv >> (8 * u + 4), s2, b2);   // nibbles 2u+1, 2u+5
 #pragma unroll
-                for (int i = 0; i < MT; ++i) w4m::mma_bf16_16816(acc[i][j][h], a[i][u], b0, b1);
+                for (int i = 0; i < MT; ++i) w4m::mma16816<T>(acc[i][j][h], a[i][u], b0, b1);
               }
             }
           }
