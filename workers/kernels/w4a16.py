@@ -11,9 +11,9 @@ adding the slices in a fixed order (deterministic). The CUDA text is ``w4a16_sou
 Where it runs, and with which tile (``TILES``), is a plan value (``fastpath.MMA`` and the values below
 it), chosen per projection shape and row count by ``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
 kernel out of the plans. Its dequantization is one FMA a pair, as MLX CUDA's ``scale * q + bias``
-compiles, so its error matches MLX's own (``tests/gpu``); each tile's first call on a weight shape is
-compared with MLX's dense product of the dequantized weight, and MLX's kept there if it is off (fail
-closed). Batched decode
+compiles, so its error matches MLX's own (``tests/gpu``); each launch plan's first call on a weight
+shape is compared with MLX's dense product of the dequantized weight, and MLX's kept there if it is off
+(fail closed). Batched decode
 makes no byte-identity promise; the exact levels never reach this kernel.
 
 Each weight has one int32 counter an output column for the split-K reduction (zero between
@@ -345,15 +345,15 @@ def _weight(m: nn.QuantizedLinear) -> Native:
 
 #: ``takes`` by module id, for ``project``'s check on every call.
 _takes: dict[int, bool] = {}
-#: (N, K, group size, dtype, tile) -> whether the tile's first call on that weight shape agreed with MLX's
-#: dense product of the dequantized weight (within ``TOLERANCE``) in this process.
-_checked: dict[tuple[int, int, int, mx.Dtype, int], bool] = {}
+#: (N, K, group size, dtype, launch plan) -> whether the first call of that launch on that weight shape
+#: agreed with MLX's dense product of the dequantized weight (within ``TOLERANCE``) in this process.
+_checked: dict[tuple[int, int, int, mx.Dtype, Plan], bool] = {}
 
 
 def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
     """``m(x)`` for flattened rows ``x`` [rows, K] through the kernel with ``TILES[tile]``, or ``None``
-    where it does not take ``m`` (``takes``) or the tile's first call on ``m``'s shape was off from MLX's
-    (fail closed); activations are cast to the scales' dtype and back."""
+    where it does not take ``m`` (``takes``) or the first call of this launch plan on ``m``'s shape was
+    off from MLX's (fail closed); activations are cast to the scales' dtype and back."""
     ok = _takes.get(id(m))
     if ok is None:
         ok = _takes[id(m)] = takes(m)
@@ -362,12 +362,12 @@ def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
         return None
     assert isinstance(m, nn.QuantizedLinear)
     w = _weight(m)
-    key = (w.n, w.k, w.group_size, w.scales.dtype, tile)
+    p = tile_plan(x.shape[0], w.n, w.k, tile)
+    key = (w.n, w.k, w.group_size, w.scales.dtype, p)
     agreed = _checked.get(key)
     if agreed is False:
         return None
     xs = x if x.dtype == w.scales.dtype else x.astype(w.scales.dtype)
-    p = tile_plan(x.shape[0], w.n, w.k, tile)
     y = native_matmul(xs, w, p) if launch_seam is None else launch_seam(xs, w, p)
     if agreed is None:
         want = xs @ mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=4).T
@@ -381,8 +381,8 @@ def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
             _checked[key] = agreed
         if agreed is False:
             log.warning(
-                "w4a16 kernel: tile %d off from MLX's quantized matmul by %s at %s; MLX's is used there",
-                tile,
+                "w4a16 kernel: %s off from MLX's dense product by %s at %s; MLX's is used there",
+                p,
                 err,
                 key[:4],
             )
