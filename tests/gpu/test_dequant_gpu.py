@@ -30,7 +30,7 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)))
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_the_kernel_gives_mlx_s_dequantize_bit_for_bit(n: int, k: int, gs: int, dtype: mx.Dtype) -> None:

@@ -104,7 +104,7 @@ def test_every_calibrated_tile_is_within_the_same_bound(name: str, n: int, k: in
     _check_error(name, n, k, gs, (w4a16_source.TILE_ROWS, 100, 128, 256), tile)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_kernel_weights_are_mlx_cuda_dequantize_bit_for_bit(gs: int, dtype: mx.Dtype) -> None:
     """One-hot rows: the kernel returns the weights it built in registers, which must be the bits of
