@@ -82,15 +82,16 @@ def test_the_kernel_takes_only_4_bit_bf16_or_float16_layers_of_shapes_it_runs(la
 def test_a_tile_off_from_mlx_at_its_first_call_on_a_shape_is_not_used_there(
     launches: list[Any], monkeypatch: pytest.MonkeyPatch, dtype: mx.Dtype
 ) -> None:
-    """Fail closed: a launch plan's first call on a weight shape is compared with MLX's dense product. An
-    exact stand-in is kept (and later calls are not compared again); a stand-in whose outputs are permuted
-    (a wrong index) is refused on that shape and plan, for the rest of the process, and another tile's
-    plan is compared on its own. The activations reach the launch in the scales' dtype."""
+    """Fail closed: a launch plan's first call on a weight shape is compared with MLX's dense product on
+    seeded random rows. An exact stand-in is kept (and later calls are not compared again); a stand-in
+    whose outputs are permuted (a wrong index) is refused on that shape and plan, for the rest of the
+    process, even where the caller's rows are zeros, and another tile's plan is compared on its own. The
+    activations reach the launch in the scales' dtype."""
     q = _q(256, 64, dtype=dtype)
     x = (mx.random.normal((32, 256), key=mx.random.key(3)) * 0.5).astype(mx.float32)
     dense = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=4)
     got = w4a16.project(q, x)
-    assert got is not None and got.dtype == mx.float32 and len(launches) == 1
+    assert got is not None and got.dtype == mx.float32 and len(launches) == 2  # the check's launch, then x's
     assert mx.array_equal(got, (x.astype(dtype) @ dense.T + q.bias).astype(mx.float32)).item()
     p0, p1 = w4a16.tile_plan(32, 64, 256, 0), w4a16.tile_plan(32, 64, 256, 1)
     assert p0 != p1 and w4a16._checked == {(64, 256, 64, dtype, p0): True}
@@ -105,7 +106,15 @@ def test_a_tile_off_from_mlx_at_its_first_call_on_a_shape_is_not_used_there(
     assert w4a16.project(q, x, 1) is None  # tile 1's first call: off, refused
     assert w4a16.project(q, x, 1) is None and len(seen_dtypes) == 2  # refused without a launch
     assert seen_dtypes == [dtype, dtype]
-    assert w4a16._checked == {(64, 256, 64, dtype, p0): True, (64, 256, 64, dtype, p1): False}
+    # The check runs on rows of its own, not the caller's: a calibration's first call is on zeros, where
+    # any kernel's outputs agree.
+    p2 = w4a16.tile_plan(32, 64, 256, 2)
+    assert p2 not in (p0, p1) and w4a16.project(q, mx.zeros((32, 256)), 2) is None
+    assert w4a16._checked == {
+        (64, 256, 64, dtype, p0): True,
+        (64, 256, 64, dtype, p1): False,
+        (64, 256, 64, dtype, p2): False,
+    }
 
 
 def test_the_kernel_is_off_without_cuda_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,6 +239,10 @@ def test_decode_steps_reach_the_kernel_and_prefill_and_one_row_do_not(launches: 
     mx.eval(model(mx.zeros((4, 3), dtype=mx.int32), cache=cache))  # prefill: 12 rows, planned to the kernel
     assert launches == []
     mx.eval(model(mx.zeros((4, 1), dtype=mx.int32), cache=cache))  # a decode step of 4 sequences
+    # (each launch plan's first call on a shape is checked first: one launch more for each)
+    assert len(launches) == quantized + len(w4a16._checked) and all(rows == 4 for rows, _ in launches)
+    launches.clear()
+    mx.eval(model(mx.zeros((4, 1), dtype=mx.int32), cache=cache))  # the next: one launch a projection
     assert len(launches) == quantized and all(rows == 4 for rows, _ in launches)
     launches.clear()
     one = make_prompt_cache(model)

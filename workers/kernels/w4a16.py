@@ -12,9 +12,9 @@ Where it runs, and with which tile (``TILES``), is a plan value (``fastpath.MMA`
 it), chosen per projection shape and row count by ``plan_timing`` on the machine; MLX's kernels stay the fallback, and ``MLX_BATCHD_W4A16=0`` takes the
 kernel out of the plans. Its dequantization is one FMA a pair, as MLX CUDA's ``scale * q + bias``
 compiles, so its error matches MLX's own (``tests/gpu``); each launch plan's first call on a weight
-shape is compared with MLX's dense product of the dequantized weight, and MLX's kept there if it is off
-(fail closed). Batched decode
-makes no byte-identity promise; the exact levels never reach this kernel.
+shape is compared with MLX's dense product of the dequantized weight on seeded random rows, and MLX's
+kept there if it is off (fail closed). Batched decode makes no byte-identity promise; the exact levels
+never reach this kernel.
 
 Each weight has one int32 counter an output column for the split-K reduction (zero between
 launches: the last CTA of a tile resets its own). Two launches on one weight must therefore not run
@@ -56,9 +56,9 @@ GROUP_SIZES = (32, 64, 128)
 SHARED_LIMIT = 48000
 #: The activations' (and scales' and biases') dtypes it takes: bf16, and float16 (a GGUF model's on a GPU).
 DTYPES = (mx.bfloat16, mx.float16)
-#: A tile's first call on a weight shape is compared with MLX's dense product of the dequantized weight
-#: (float32 accumulation, as the kernel's): off by more than this fraction of that product's largest
-#: output, MLX's call is kept there. Two right products differ by a few ulps of the outputs (2^-8 each in
+#: A launch plan's first call on a weight shape is compared with MLX's dense product of the dequantized
+#: weight (float32 accumulation, as the kernel's) on seeded random rows: off by more than this fraction
+#: of that product's largest output, MLX's call is kept there. Two right products differ by a few ulps of the outputs (2^-8 each in
 #: bf16); a wrong nibble, scale or index is off by the outputs' own size. (MLX's quantized matmul is no
 #: reference here: on the CPU it accumulates in bf16, a fifth of the largest output off at K = 14336.)
 TOLERANCE = 2.0**-5
@@ -350,6 +350,26 @@ _takes: dict[int, bool] = {}
 _checked: dict[tuple[int, int, int, mx.Dtype, Plan], bool] = {}
 
 
+def _check(w: Native, p: Plan, rows: int) -> bool | None:
+    """Whether the launch ``p`` on ``w`` agrees with MLX's dense product of the dequantized weight on
+    ``rows`` rows of seeded random activations (not the caller's: a calibration times its ways on zeros,
+    where any kernel agrees), within ``TOLERANCE``; ``None`` where the values cannot be read here."""
+    dtype = w.scales.dtype
+    probe = (mx.random.normal((rows, w.k), key=mx.random.key(rows + w.k)) * 0.5).astype(dtype)
+    got = native_matmul(probe, w, p) if launch_seam is None else launch_seam(probe, w, p)
+    want = probe @ mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=4).T
+    err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)))
+    try:
+        agreed = bool((err <= TOLERANCE * mx.max(mx.abs(want.astype(mx.float32)))).item())
+    except Exception:
+        return None
+    if not agreed:
+        log.warning(
+            "w4a16 kernel: %s off from MLX's dense product by %s at N=%d K=%d; MLX's is used there", p, err, w.n, w.k
+        )
+    return agreed
+
+
 def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
     """``m(x)`` for flattened rows ``x`` [rows, K] through the kernel with ``TILES[tile]``, or ``None``
     where it does not take ``m`` (``takes``) or the first call of this launch plan on ``m``'s shape was
@@ -367,26 +387,15 @@ def project(m: nn.Module, x: mx.array, tile: int = 0) -> mx.array | None:
     agreed = _checked.get(key)
     if agreed is False:
         return None
+    if agreed is None:
+        agreed = _check(w, p, x.shape[0])
+        if agreed is None:  # evaluated where a value cannot be read (a compiled graph): MLX's this time
+            return None
+        _checked[key] = agreed
+        if not agreed:
+            return None
     xs = x if x.dtype == w.scales.dtype else x.astype(w.scales.dtype)
     y = native_matmul(xs, w, p) if launch_seam is None else launch_seam(xs, w, p)
-    if agreed is None:
-        want = xs @ mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=4).T
-        err = mx.max(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)))
-        try:
-            agreed = bool((err <= TOLERANCE * mx.max(mx.abs(want.astype(mx.float32)))).item())
-        except Exception:  # evaluated where a value cannot be read (a compiled graph): check another time
-            agreed = None
-            y = want
-        if agreed is not None:
-            _checked[key] = agreed
-        if agreed is False:
-            log.warning(
-                "w4a16 kernel: %s off from MLX's dense product by %s at %s; MLX's is used there",
-                p,
-                err,
-                key[:4],
-            )
-            return None
     if "bias" in m:
         y = y + m.bias
     return y if y.dtype == x.dtype else y.astype(x.dtype)
