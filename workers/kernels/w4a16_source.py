@@ -18,14 +18,18 @@ HEADER = r"""
 #undef FP_SUBNORMAL
 #undef FP_NORMAL
 
+// One m16n8k16 MMA with fp32 accumulators, and one packed-pair FMA, in the 16-bit type DT ("bf16", "f16").
+#define W4M_MMA16816(DT)                                                                    \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." DT "." DT ".f32 "                 \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                   \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#define W4M_FMA2(DT) asm("fma.rn." DT "x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c))
+
 namespace w4m {
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  W4M_MMA16816("bf16");
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
@@ -36,7 +40,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
 
 __device__ __forceinline__ uint32_t bfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  W4M_FMA2("bf16");
   return d;
 }
 
@@ -64,16 +68,12 @@ __device__ __forceinline__ void cp_async_wait() {
 // The same for float16 activations, scales and biases: the MMA in float16, and dq2 with float16's
 // constants ((q | 0x6400) as float16 is 1024 + q; one float16 FMA with the scale and bias).
 __device__ __forceinline__ void mma_f16_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  W4M_MMA16816("f16");
 }
 
 __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  W4M_FMA2("f16");
   return d;
 }
 
